@@ -1,0 +1,13 @@
+"""Exceptions that the CLI turns into a one-line `error:` message."""
+
+
+class QllamaError(Exception):
+    """Base class for every error that is the user's input, not a bug of ours."""
+
+
+class GGUFError(QllamaError):
+    """A file is not a valid GGUF file (bad magic, truncated, inconsistent sizes...)."""
+
+
+class UnsupportedError(QllamaError):
+    """Valid input that qllama cannot run (an architecture, a tensor type, a tokenizer...)."""
