@@ -1,0 +1,246 @@
+"""The Python API: `qllama.load(path)` gives a `Model` that tokenizes, evaluates and generates."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .config import ModelArgs
+from .errors import QllamaError
+from .generate import Chunk, Session, Timings, stream_generate
+from .gguf import GGUFFile
+from .model import LlamaModel
+from .quants import get_threads, set_threads
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+from .weights import LlamaWeights
+
+
+def physical_cores() -> int:
+    """Physical core count (hyper-threads excluded where Linux tells), at least 1."""
+    try:
+        seen = set()
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                elif not line.strip() and core is not None:
+                    seen.add((phys, core))
+                    phys = core = None
+        if seen:
+            return max(1, min(len(seen), len(os.sched_getaffinity(0))))
+    except (OSError, AttributeError):
+        pass
+    return max(1, os.cpu_count() or 1)
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    n_ctx: int | None = None,
+    n_threads: int | None = None,
+    batch_size: int = 512,
+) -> "Model":
+    """Open a GGUF model: maps the file, checks every tensor, builds the tokenizer and KV cache.
+
+    n_ctx defaults to min(the model's context length, 4096); n_threads to the physical cores.
+    """
+    return Model(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size)
+
+
+class Model:
+    """A loaded Llama-family model. Create it with `qllama.load`.
+
+    Attributes: `metadata` (the GGUF key/values), `args` (ModelArgs), `tokenizer`, `n_ctx`,
+    `n_vocab`, `last_timings` (Timings of the latest generation).
+    """
+
+    def __init__(self, path, *, n_ctx: int | None = None, n_threads: int | None = None, batch_size: int = 512):
+        t0 = time.perf_counter()
+        self.path = os.fspath(path)
+        self.gguf = GGUFFile(self.path)
+        self.metadata: dict[str, Any] = self.gguf.metadata
+        self.args = ModelArgs.from_metadata(self.metadata)
+        self.tokenizer = Tokenizer.from_gguf(self.gguf)
+        self.weights = LlamaWeights.from_gguf(self.gguf, self.args)
+        if n_ctx is None or n_ctx == 0:
+            n_ctx = self.args.default_n_ctx()
+        if n_ctx < 1:
+            raise QllamaError(f"context size must be >= 1, got {n_ctx}")
+        if n_threads is not None and n_threads < 1:
+            raise QllamaError(f"thread count must be >= 1, got {n_threads}")
+        self.n_threads = n_threads or physical_cores()
+        set_threads(self.n_threads)
+        self._model = LlamaModel(self.args, self.weights, n_ctx)
+        self.session = Session(self._model, batch_size=batch_size)
+        self.load_s = time.perf_counter() - t0
+        self.last_timings: Timings | None = None
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        """Context window (KV cache positions)."""
+        return self._model.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.args.n_vocab
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_bos: bool = True, parse_special: bool = False) -> list[int]:
+        """Text to token ids. BOS is prepended when add_bos and the model's tokenizer adds one."""
+        return self.tokenizer.encode(text, add_bos=add_bos and self.tokenizer.add_bos, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids to text."""
+        return self.tokenizer.decode(list(ids))
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits at every position of `ids`, float32 (len(ids), n_vocab), from an empty cache.
+
+        Uses a cache of its own, so a generation in progress is not disturbed.
+        """
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise QllamaError("logits() needs at least one token")
+        if len(ids) > self.n_ctx:
+            raise QllamaError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
+        set_threads(self.n_threads)
+        cache = self._model.new_cache()
+        out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
+        bs = self.session.batch_size
+        for start in range(0, len(ids), bs):
+            out[start : start + bs] = self._model.forward(ids[start : start + bs], cache, all_logits=True)
+        return out
+
+    # -- generation --------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+        add_bos: bool = True,
+        parse_special: bool = False,
+    ) -> Iterator[Chunk]:
+        """Like `generate`, but yields `Chunk`s (text, token ids, finish_reason on the last one)."""
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt, add_bos=add_bos, parse_special=parse_special)
+        else:
+            ids = [int(i) for i in prompt]
+        if max_tokens < 0:
+            raise QllamaError(f"max_tokens must be >= 0, got {max_tokens}")
+        if isinstance(stop, str):
+            stop = [stop]
+        params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
+        sampler = Sampler(params)
+        timings = Timings(load_s=self.load_s)
+        self.last_timings = timings
+        set_threads(self.n_threads)
+        return stream_generate(self.session, self.tokenizer, ids, sampler, max_tokens, stop, timings)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[str]:
+        """Stream the continuation of `prompt` as text chunks.
+
+        Keyword arguments: max_tokens (256), temperature (0.8; 0 = greedy), top_k (40),
+        top_p (0.95), min_p (0.05), repeat_penalty (1.0), repeat_last_n (64), seed (None =
+        random), stop (strings that end generation, not included), add_bos (True),
+        parse_special (False). Timings of the run are in `last_timings` afterwards.
+        """
+        for chunk in self.stream(prompt, **kwargs):
+            if chunk.text:
+                yield chunk.text
+
+    def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> str:
+        """The whole continuation of `prompt` as one string (same options as `generate`)."""
+        return "".join(self.generate(prompt, **kwargs))
+
+    # -- chat ------------------------------------------------------------------------------
+
+    def _special_text(self, token_id: int | None) -> str:
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if token_id is None or tokens is None or not 0 <= token_id < len(tokens):
+            return ""
+        return tokens[token_id]
+
+    def chat_template(self, override_path: str | None = None):
+        """The ChatTemplate used for this model (the GGUF's, a built-in for its family, or a file), or None."""
+        from .chat import ChatTemplate
+
+        key = override_path or ""
+        cached = getattr(self, "_chat_templates", {})
+        if key not in cached:
+            cached[key] = ChatTemplate.from_metadata(self.metadata, override_path=override_path)
+            self._chat_templates = cached
+        return cached[key]
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            chat_template_file: str | None = None) -> str:
+        """Render messages ([{"role": ..., "content": ...}]) with the model's chat template."""
+        template = self.chat_template(chat_template_file)
+        if template is None:
+            raise QllamaError("this model has no chat template and none is built in for its family (use --chat-template)")
+        return template.render(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_text(self.tokenizer.bos_id),
+            eos_token=self._special_text(self.tokenizer.eos_id),
+        )
+
+    def chat_tokens(self, messages: Sequence[dict], chat_template_file: str | None = None, add_bos: bool = True) -> list[int]:
+        """Token ids of a rendered conversation: special tokens parsed, BOS exactly once."""
+        from .chat import strip_leading_bos
+
+        text = self.apply_chat_template(messages, chat_template_file=chat_template_file)
+        text, had_bos = strip_leading_bos(text, self._special_text(self.tokenizer.bos_id))
+        bos = add_bos and (self.tokenizer.add_bos or had_bos) and self.tokenizer.bos_id is not None
+        ids = self.tokenizer.encode(text, add_bos=False, parse_special=True)
+        return ([self.tokenizer.bos_id] if bos else []) + ids
+
+    def prepare_prompt(self, prompt: str, *, raw: bool = False, system: str | None = None, add_bos: bool = True,
+                       chat_template_file: str | None = None) -> tuple[list[int], str]:
+        """Prompt ids for `run`: wrapped as one user message when the model has a chat template
+        (unless raw), else plain completion. Returns (ids, a description of the choice)."""
+        template = None if raw else self.chat_template(chat_template_file)
+        if template is None:
+            if system:
+                raise QllamaError("--system needs a chat template (the model has none; see --chat-template)")
+            why = "--raw" if raw else "no chat template"
+            return self.tokenize(prompt, add_bos=add_bos), f"completion ({why})"
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.chat_tokens(messages, chat_template_file, add_bos=add_bos), f"chat template {template.name}"
+
+    def chat(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[str]:
+        """Stream the assistant's reply to a conversation (same sampling options as `generate`).
+
+        The KV cache is reused: only the tokens after the longest common prefix with the
+        previous call are evaluated.
+        """
+        chat_template_file = kwargs.pop("chat_template_file", None)
+        ids = self.chat_tokens(messages, chat_template_file)
+        return self.generate(ids, **kwargs)
+
+    def __repr__(self) -> str:
+        a = self.args
+        return f"<qllama.Model {os.path.basename(self.path)}: {a.arch}, {a.n_layer} layers, n_embd {a.n_embd}, n_ctx {self.n_ctx}>"
+
+
+__all__ = ["load", "Model", "physical_cores", "get_threads"]

@@ -1,0 +1,43 @@
+"""`qllama perplexity MODEL FILE`: perplexity with llama-perplexity's chunking."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.command("perplexity")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Tokens per chunk.")
+@click.option("--chunks", default=0, type=click.IntRange(min=0), help="Score only the first K chunks (0 = all).")
+@click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+def command(model, file, ctx_size, chunks, threads, as_json):
+    """Perplexity of MODEL on the text in FILE (lower is better)."""
+    from ..api import load
+    from ..errors import QllamaError
+    from ..perplexity import perplexity
+
+    try:
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise QllamaError(f"{file}: no such file") from None
+    except UnicodeDecodeError:
+        raise QllamaError(f"{file}: not UTF-8 text") from None
+    llm = load(model, n_ctx=ctx_size, n_threads=threads, batch_size=ctx_size)
+
+    def progress(i: int, n: int, ppl: float) -> None:
+        click.echo(f"\r[{i}/{n}] perplexity {ppl:.4f}", err=True, nl=(i == n))
+
+    res = perplexity(llm, text, n_ctx=ctx_size, chunks=chunks, progress=progress)
+    if as_json:
+        json.dump({"model": model, "file": file, "ppl": res.ppl, "n_ctx": res.n_ctx, "chunks": res.chunks,
+                   "scored_tokens": res.scored_tokens, "mean_nll": res.nll, "chunk_ppls": res.chunk_ppls},
+                  sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        click.echo(f"perplexity: {res.ppl:.4f} ({res.chunks} chunks of {res.n_ctx} tokens, {res.scored_tokens} scored tokens)")

@@ -1,0 +1,205 @@
+"""Generation, in layers: a Session (model + KV cache + the tokens in it) turns prompts into
+logits; `stream_generate` turns logits into sampled tokens and tokens into text chunks with
+a finish reason and timings. The API and CLI sit on top and never touch the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from .errors import QllamaError
+from .model import KVCache, LlamaModel
+from .sampling import Sampler
+
+# Why a generation ended.
+FINISH_EOG = "eog"  # an end-of-generation token (eos, eot, <|im_end|>...)
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_STOP = "stop"  # a stop string appeared (it is not part of the text)
+FINISH_CONTEXT = "context"  # the KV cache is full (n_ctx positions)
+
+
+class ContextOverflowError(QllamaError):
+    """A prompt does not fit in the context window."""
+
+
+@dataclass
+class Timings:
+    """Wall times of one generation (seconds) and token counts, like llama.cpp's perf report."""
+
+    load_s: float = 0.0
+    prompt_tokens: int = 0  # tokens evaluated for the prompt (cached prefix excluded)
+    prompt_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens reused from the KV cache
+    gen_tokens: int = 0  # tokens sampled
+    gen_s: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.gen_tokens / self.gen_s if self.gen_s > 0 else 0.0
+
+    def report(self) -> str:
+        """Two lines in llama.cpp's style."""
+        def line(label: str, s: float, n: int, unit: str) -> str:
+            per = 1000.0 * s / n if n else 0.0
+            tps = n / s if s > 0 else 0.0
+            return f"{label} {1000.0 * s:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+        lines = [f"load time        = {1000.0 * self.load_s:10.2f} ms"]
+        lines.append(line("prompt eval time =", self.prompt_s, self.prompt_tokens, "tokens"))
+        lines.append(line("       eval time =", self.gen_s, self.gen_tokens, "runs  "))
+        if self.cached_tokens:
+            lines.append(f"(reused {self.cached_tokens} cached prompt tokens)")
+        return "\n".join(lines)
+
+
+@dataclass
+class Chunk:
+    """A piece of generated text, the token ids it came from, and (on the last chunk) why it ended."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Session:
+    """A model with its KV cache and the token sequence the cache holds.
+
+    `prefill` reuses the longest common prefix of the cached tokens and the new prompt, so a
+    chat turn evaluates only its new tokens.
+    """
+
+    def __init__(self, model: LlamaModel, batch_size: int = 512):
+        if batch_size < 1:
+            raise QllamaError("batch size must be >= 1")
+        self.model = model
+        self.batch_size = batch_size
+        self.cache: KVCache = model.new_cache()
+        self.tokens: list[int] = []  # what positions [0, cache.n_past) hold
+
+    @property
+    def n_ctx(self) -> int:
+        return self.cache.n_ctx
+
+    def reset(self) -> None:
+        self.cache.n_past = 0
+        self.tokens = []
+
+    def prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
+        """Make the cache hold exactly `ids`; return (logits of the last token (n_vocab,), tokens evaluated)."""
+        if not ids:
+            raise QllamaError("the prompt is empty (no tokens)")
+        if len(ids) > self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx} (raise -c/--ctx-size)"
+            )
+        common = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # re-evaluate at least one token to get its logits
+        self.cache.n_past = common
+        self.tokens = list(ids[:common])
+        logits = None
+        for start in range(common, len(ids), self.batch_size):
+            batch = ids[start : start + self.batch_size]
+            logits = self.model.forward(batch, self.cache)
+            self.tokens.extend(batch)
+        assert logits is not None
+        return logits[-1], len(ids) - common
+
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token; return its logits (n_vocab,)."""
+        logits = self.model.forward([token], self.cache)
+        self.tokens.append(int(token))
+        return logits[-1]
+
+    @property
+    def full(self) -> bool:
+        return self.cache.n_past >= self.n_ctx
+
+
+def _held_back(text: str, stops: Iterable[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
+
+
+def stream_generate(
+    session: Session,
+    tokenizer,
+    prompt_ids: list[int],
+    sampler: Sampler,
+    max_tokens: int = 256,
+    stop: Iterable[str] = (),
+    timings: Timings | None = None,
+) -> Iterator[Chunk]:
+    """Evaluate the prompt, then sample up to max_tokens tokens, yielding text chunks.
+
+    Multi-byte characters are never split (the tokenizer's streaming decoder holds back
+    incomplete UTF-8). Text that may be the start of a stop string is held back until it is
+    known not to be one. The last chunk has a finish_reason (possibly with empty text).
+    """
+    stops = [s for s in stop if s]
+    timings = timings if timings is not None else Timings()
+    eog = tokenizer.eog_ids
+    clock = time.perf_counter
+
+    t0 = clock()
+    logits, n_eval = session.prefill(list(prompt_ids))
+    timings.prompt_s = clock() - t0
+    timings.prompt_tokens = n_eval
+    timings.cached_tokens = len(prompt_ids) - n_eval
+    for t in prompt_ids:
+        sampler.accept(t)
+
+    decoder = tokenizer.stream_decoder()
+    pending = ""  # decoded text not yet emitted
+    pending_ids: list[int] = []
+    reason = None
+    t_gen = clock()
+    try:
+        while True:
+            if timings.gen_tokens >= max_tokens:
+                reason = FINISH_LENGTH
+                break
+            token = sampler.sample(logits)
+            sampler.accept(token)
+            timings.gen_tokens += 1
+            if token in eog:
+                reason = FINISH_EOG
+                break
+            pending += decoder.feed(token)
+            pending_ids.append(token)
+            if stops:
+                hits = [i for i in (pending.find(s) for s in stops) if i >= 0]
+                if hits:
+                    pending = pending[: min(hits)]
+                    reason = FINISH_STOP
+                    break
+            emit = len(pending) - _held_back(pending, stops)
+            if emit > 0:
+                yield Chunk(pending[:emit], pending_ids)
+                pending, pending_ids = pending[emit:], []
+            if session.full:
+                reason = FINISH_CONTEXT
+                break
+            logits = session.decode(token)
+    finally:
+        timings.gen_s = clock() - t_gen
+    if reason != FINISH_STOP:
+        pending += decoder.flush()
+    yield Chunk(pending, pending_ids, reason)

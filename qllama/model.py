@@ -1,0 +1,161 @@
+"""The Llama forward pass (llama.cpp semantics), for batched prefill and one-token decode.
+
+    tokens ──► embedding rows ──► n_layer x [ RMSNorm ─► Q,K,V ─► RoPE ─► cache ─► attention ─► O  (+ residual)
+                                              RMSNorm ─► gate, up ─► SwiGLU ─► down               (+ residual) ]
+           ──► RMSNorm ──► output (or tied token_embd) ──► logits
+
+The KV cache is kept apart from the weights, so that `Model.logits` can evaluate on a
+fresh cache without disturbing a generation in progress.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import ModelArgs
+from .errors import QllamaError
+from .kernels import llama_ops as ops
+from .weights import LlamaWeights
+
+
+class KVCache:
+    """Keys and values of every layer for up to n_ctx positions, one contiguous float32 array each."""
+
+    def __init__(self, args: ModelArgs, n_ctx: int):
+        shape = (args.n_layer, args.n_head_kv, n_ctx, args.head_dim)
+        # np.zeros maps lazily: pages are committed only as positions are written.
+        self.k = np.zeros(shape, dtype=np.float32)  # (L, Hkv, n_ctx, D)
+        self.v = np.zeros(shape, dtype=np.float32)  # (L, Hkv, n_ctx, D)
+        self.n_ctx = n_ctx
+        self.n_past = 0  # positions [0, n_past) hold valid entries
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def rope_tables(args: ModelArgs, rope_freqs: np.ndarray | None, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of pos * theta_i for every position and pair i: two (n_ctx, n_rot/2) float32 tables.
+
+    theta_i = base^(-2i/n_rot) / factor_i (Llama 3.1 rope factors), positions divided by the
+    linear scaling factor. Computed in float64, then rounded once.
+    """
+    half = args.n_rot // 2
+    inv_freq = args.rope_freq_base ** (-np.arange(half, dtype=np.float64) * 2.0 / args.n_rot)
+    if rope_freqs is not None:
+        inv_freq = inv_freq / rope_freqs.astype(np.float64)
+    pos = np.arange(n_ctx, dtype=np.float64) / args.rope_scale
+    angles = np.outer(pos, inv_freq)  # (n_ctx, half)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@dataclass
+class ForwardStats:
+    """Accumulated wall time per operation (seconds), filled when profiling is on."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, dt: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + dt
+
+
+class LlamaModel:
+    """Forward pass over a KVCache. `forward` takes a batch of tokens at consecutive positions."""
+
+    def __init__(self, args: ModelArgs, weights: LlamaWeights, n_ctx: int):
+        self.args = args
+        self.weights = weights
+        self.n_ctx = n_ctx
+        self.rope_cos, self.rope_sin = rope_tables(args, weights.rope_freqs, n_ctx)
+        self.profile: ForwardStats | None = None  # set to a ForwardStats to time each op
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.args, self.n_ctx)
+
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run `tokens` at positions cache.n_past.. and append them to the cache.
+
+        Returns logits float32: (T, n_vocab) if all_logits, else (1, n_vocab) for the last token.
+        """
+        a = self.args
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n_tok = tokens.shape[0]
+        start = cache.n_past
+        if n_tok == 0:
+            raise QllamaError("forward needs at least one token")
+        if start + n_tok > cache.n_ctx:
+            raise QllamaError(f"context overflow: {start} + {n_tok} tokens > n_ctx {cache.n_ctx}")
+        if tokens.min() < 0 or tokens.max() >= a.n_vocab:
+            raise QllamaError(f"token id out of range [0, {a.n_vocab})")
+        prof = self.profile
+        clock = time.perf_counter
+
+        def project(w, x):  # x: (T, in) -> (T, out); decode uses the mat-vec kernel
+            if n_tok == 1:
+                return w.matvec(x[0]).reshape(1, -1)
+            return w.matmul(x)
+
+        t0 = clock()
+        x = self.weights.token_embd.dequantize(tokens)  # (T, n_embd) residual stream
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        h = np.empty_like(x)  # (T, n_embd) normed input of each sub-layer
+        positions = np.arange(start, start + n_tok, dtype=np.int64)
+        attn_out = np.empty((n_tok, a.n_head, a.head_dim), dtype=np.float32)  # (T, H, D)
+        scale = np.float32(1.0 / math.sqrt(a.head_dim))
+        if prof:
+            prof.add("embedding", clock() - t0)
+
+        for il, layer in enumerate(self.weights.layers):
+            t0 = clock()
+            ops.rmsnorm(x, layer.attn_norm, a.rms_eps, h)
+            t1 = clock()
+            q = project(layer.attn_q, h).reshape(n_tok, a.n_head, a.head_dim)  # (T, H, D)
+            k = project(layer.attn_k, h).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
+            v = project(layer.attn_v, h).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
+            t2 = clock()
+            ops.rope_interleaved(q, positions, self.rope_cos, self.rope_sin)
+            ops.rope_interleaved(k, positions, self.rope_cos, self.rope_sin)
+            cache.k[il, :, start : start + n_tok, :] = k.transpose(1, 0, 2)
+            cache.v[il, :, start : start + n_tok, :] = v.transpose(1, 0, 2)
+            ops.attention(q, cache.k[il], cache.v[il], start, a.n_rep, scale, attn_out)
+            t3 = clock()
+            x += project(layer.attn_output, attn_out.reshape(n_tok, a.n_embd))
+            t4 = clock()
+            ops.rmsnorm(x, layer.ffn_norm, a.rms_eps, h)
+            t5 = clock()
+            gate = project(layer.ffn_gate, h)  # (T, n_ff)
+            up = project(layer.ffn_up, h)  # (T, n_ff)
+            t6 = clock()
+            ops.swiglu(gate, up, gate)
+            t7 = clock()
+            x += project(layer.ffn_down, gate)
+            t8 = clock()
+            if prof:
+                prof.add("norms", (t1 - t0) + (t5 - t4))
+                prof.add("matmul attn_qkv", t2 - t1)
+                prof.add("rope+attention", t3 - t2)
+                prof.add("matmul attn_output", t4 - t3)
+                prof.add("matmul ffn_gate+up", t6 - t5)
+                prof.add("swiglu", t7 - t6)
+                prof.add("matmul ffn_down", t8 - t7)
+
+        cache.n_past = start + n_tok
+        t0 = clock()
+        rows = x if all_logits else x[-1:]
+        hn = np.empty_like(rows)
+        ops.rmsnorm(np.ascontiguousarray(rows), self.weights.output_norm, a.rms_eps, hn)
+        logits = project_out(self.weights.output, hn)
+        if prof:
+            prof.add("output", clock() - t0)
+        return logits
+
+
+def project_out(w, x: np.ndarray) -> np.ndarray:
+    """Output projection of (T, n_embd) rows -> (T, n_vocab)."""
+    if x.shape[0] == 1:
+        return w.matvec(x[0]).reshape(1, -1)
+    return w.matmul(x)

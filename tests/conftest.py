@@ -1,0 +1,21 @@
+"""Shared test helpers: the repo root on sys.path (for `tools.*`) and the ../shared folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared, or skip the test (a fresh clone has no ../shared)."""
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} is absent (the read-only ../shared folder is not beside this checkout)")
+    return p
