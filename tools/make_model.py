@@ -118,7 +118,6 @@ def random_tensor(rng: np.random.Generator, type_name: str, rows: int, cols: int
     blocks = rng.integers(0, 256, size=(n_blocks, gt.type_size), dtype=np.uint8)
     fields = _SCALE_FIELDS[type_name]
     for off in fields:  # start from unit-ish scales, then rescale to the wanted std
-        blocks[:, off : off + 2] = np.float16(1.0).view(np.uint8)
         blocks[:, off : off + 2].view(np.float16)[:] = rng.uniform(0.5, 1.5, size=(n_blocks, 1)).astype(np.float16)
     packed = blocks.reshape(rows, -1)
     values = gguf.quants.dequantize(packed, qtype).reshape(rows, cols)
