@@ -12,15 +12,20 @@ A string is a u64 byte length followed by UTF-8 bytes (no NUL). An array value i
 u32 element_type | u64 count | elements, and arrays may nest.
 
 The file is untrusted input: every count, length, offset and size is checked against the
-bytes that are really there before anything is allocated or viewed. Nothing here imports
-numba, so `qllama inspect` starts fast.
+bytes that are really there before anything is allocated or viewed, so a crafted file gives
+a `GGUFError` with a one-line message, never a hang, a crash or a huge allocation. Keys and
+tensor names must be valid UTF-8; string *values* keep invalid UTF-8 reversibly
+(`surrogateescape`: `s.encode("utf-8", "surrogateescape")` gives the file's bytes back).
+Nothing here imports numba, so `qllama inspect` starts fast.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
+from array import array
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -34,9 +39,23 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_NESTING = 8  # no real file nests arrays; a hostile one could recurse forever
+INT64_MAX = 2**63 - 1  # ggml keeps dims, element counts and byte sizes in int64
+
+# Smallest possible encodings, used to reject counts that cannot fit in the file before
+# looping over them: a metadata entry is key length (8) + type (4) + a 1-byte value at least;
+# a tensor info is name length (8) + n_dims (4) + type (4) + offset (8).
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+_LEN_BYTES = 8  # the u64 length in front of every string
+_ARRAY_HEADER_BYTES = 4 + 8  # element type + count in front of every array
+
+# Below this many strings the plain loop beats the vectorised gather (numpy call overhead).
+_VECTOR_MIN_STRINGS = 64
 
 
 class ValueType(IntEnum):
+    """The 13 GGUF metadata value types (gguf_type in ggml)."""
+
     UINT8 = 0
     INT8 = 1
     UINT16 = 2
@@ -79,14 +98,17 @@ _TENSOR_DTYPES = {
 
 @dataclass(frozen=True)
 class MetadataType:
-    """The GGUF type of a metadata value; `item` is the element type of an array."""
+    """The GGUF type of a metadata value; `item` is the element type of an array.
+
+    `item` is None only for an empty array of arrays (whose inner type the file does not say).
+    """
 
     type: ValueType
     item: "MetadataType | None" = None
 
     def __str__(self) -> str:
         if self.type == ValueType.ARRAY:
-            return f"array[{self.item}]"
+            return f"array[{self.item if self.item is not None else '?'}]"
         return self.type.name.lower()
 
 
@@ -107,11 +129,11 @@ class TensorInfo:
 
 
 class _Cursor:
-    """Bounds-checked sequential reads over the mapped bytes."""
+    """Bounds-checked sequential reads over the file's bytes."""
 
     __slots__ = ("buf", "pos", "end")
 
-    def __init__(self, buf: mmap.mmap, pos: int, end: int):
+    def __init__(self, buf: Any, pos: int, end: int):
         self.buf, self.pos, self.end = buf, pos, end
 
     def need(self, n: int, what: str) -> None:
@@ -133,41 +155,60 @@ class _Cursor:
         self.pos += 8
         return v
 
-    def string(self, what: str) -> str:
-        n = self.u64(what)
-        self.need(n, what)
-        raw = self.buf[self.pos : self.pos + n]
+    def raw_string(self, what: str) -> bytes:
+        start = self.pos
+        n = self.u64(f"{what} length")
+        self.need(n, f"{what} (string of {n} bytes starting at offset {start})")
+        raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
-        return _decode(raw)
+        return raw
 
+    def strict_string(self, what: str) -> str:
+        """A key or a name: must be valid UTF-8 (they are identifiers, not free text)."""
+        start = self.pos
+        raw = self.raw_string(what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(
+                f"invalid UTF-8 in {what} at offset {start + _LEN_BYTES + e.start} "
+                f"(bytes {raw[max(e.start - 8, 0) : e.end + 8]!r})"
+            ) from None
 
-def _decode(raw: bytes) -> str:
-    # surrogateescape keeps invalid UTF-8 (some vocabularies have such tokens) reversible.
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("utf-8", "surrogateescape")
+    def string(self, what: str) -> str:
+        """A string value: invalid UTF-8 is kept reversibly (surrogateescape)."""
+        return self.raw_string(what).decode("utf-8", "surrogateescape")
 
 
 class GGUFFile:
     """A GGUF file opened read-only through mmap.
 
     Attributes:
-        path, version, alignment, data_offset (absolute start of the data section),
+        path, version, alignment, file_size, data_offset (absolute start of the data section),
         metadata: dict key -> value (numeric arrays are read-only numpy views, string arrays
             are lists of str, nested arrays are lists),
         metadata_types: dict key -> MetadataType,
         tensors: dict name -> TensorInfo, in file order.
+
+    Raises `GGUFError` (one line, starting with the path) for anything that is not a valid
+    GGUF v2/v3 file.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        self._mm: Any = None
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            st = os.stat(self.path)
         except FileNotFoundError:
             raise GGUFError(f"{self.path}: no such file") from None
-        except IsADirectoryError:
-            raise GGUFError(f"{self.path}: is a directory") from None
+        except OSError as e:
+            raise GGUFError(f"{self.path}: {e.strerror}") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise GGUFError(f"{self.path}: is a directory")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+            raise GGUFError(f"{self.path}: not a regular file")
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
             raise GGUFError(f"{self.path}: {e.strerror}") from None
         try:
@@ -180,6 +221,20 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: cannot map file: {e}") from None
         finally:
             os.close(fd)
+        self._init_parsed(size)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str = "<bytes>") -> "GGUFFile":
+        """Parse a GGUF image held in memory (tests, fuzzing); views point into `data`."""
+        self = cls.__new__(cls)
+        self.path = name
+        self._mm = bytes(data)
+        if not self._mm:
+            raise GGUFError(f"{name}: empty file, not a GGUF file")
+        self._init_parsed(len(self._mm))
+        return self
+
+    def _init_parsed(self, size: int) -> None:
         self.file_size = size
         try:
             self._parse()
@@ -190,9 +245,11 @@ class GGUFFile:
     # -- parsing ---------------------------------------------------------------------------
 
     def _parse(self) -> None:
-        cur = _Cursor(self._mm, 0, self.file_size)
-        cur.need(4, "magic")
-        magic = bytes(self._mm[0:4])
+        buf = self._mm
+        cur = _Cursor(buf, 0, self.file_size)
+        if self.file_size < 4:
+            raise GGUFError(f"not a GGUF file (only {self.file_size} bytes)")
+        magic = bytes(buf[0:4])
         if magic != GGUF_MAGIC:
             raise GGUFError(f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
         cur.pos = 4
@@ -207,111 +264,124 @@ class GGUFFile:
         self.version = version
         n_tensors = cur.u64("tensor count")
         n_kv = cur.u64("metadata count")
-        # Each metadata entry takes >= 8+1+4+1 bytes and each tensor info >= 8+1+4+8+4+8:
-        # a count that cannot fit in the file is corrupt (and must not drive an allocation).
-        if n_kv * 14 > self.file_size or n_tensors * 33 > self.file_size:
-            raise GGUFError(f"corrupt header: {n_tensors} tensors and {n_kv} metadata entries cannot fit in {self.file_size} bytes")
+        rest = self.file_size - cur.pos
+        if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > rest:
+            raise GGUFError(
+                f"corrupt header: {n_tensors} tensors and {n_kv} metadata entries "
+                f"cannot fit in {self.file_size} bytes"
+            )
 
         self.metadata: dict[str, Any] = {}
         self.metadata_types: dict[str, MetadataType] = {}
         for _ in range(n_kv):
-            key = cur.string("metadata key")
-            vtype = self._read_type(cur)
-            value, mtype = self._read_value(cur, vtype, depth=0)
+            key = cur.strict_string("metadata key")
             if key in self.metadata:
                 raise GGUFError(f"duplicate metadata key {key!r}")
+            vtype = self._read_type(cur, f"value of {key!r}")
+            value, mtype = self._read_value(cur, vtype, 0, key)
             self.metadata[key] = value
             self.metadata_types[key] = mtype
 
-        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if "general.alignment" in self.metadata:
-            if self.metadata_types["general.alignment"].type != ValueType.UINT32:
-                raise GGUFError("general.alignment must be a uint32")
-            if alignment == 0 or alignment & (alignment - 1):
-                raise GGUFError(f"general.alignment {alignment} is not a power of two")
-        self.alignment = int(alignment)
+        self.alignment = self._read_alignment()
 
         tensors: dict[str, TensorInfo] = {}
-        for _ in range(n_tensors):
-            name = cur.string("tensor name")
-            n_dims = cur.u32("tensor n_dims")
-            if n_dims > MAX_DIMS:
-                raise GGUFError(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
-            shape = tuple(cur.u64("tensor dimension") for _ in range(n_dims))
-            type_id = cur.u32("tensor type")
-            offset = cur.u64("tensor offset")
+        for i in range(n_tensors):
+            name = cur.strict_string(f"name of tensor #{i}")
             if name in tensors:
                 raise GGUFError(f"duplicate tensor name {name!r}")
-            tensors[name] = self._tensor_info(name, shape, type_id, offset)
+            n_dims = cur.u32(f"n_dims of tensor {name!r}")
+            if n_dims > MAX_DIMS:
+                raise GGUFError(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
+            shape = tuple(cur.u64(f"dimensions of tensor {name!r}") for _ in range(n_dims))
+            type_id = cur.u32(f"type of tensor {name!r}")
+            offset = cur.u64(f"offset of tensor {name!r}")
+            tensors[name] = _tensor_info(name, shape, type_id, offset)
         self.tensors = tensors
-
         self.data_offset = _align(cur.pos, self.alignment)
-        for t in tensors.values():
+        self._check_tensor_placement()
+
+    def _read_alignment(self) -> int:
+        if "general.alignment" not in self.metadata:
+            return DEFAULT_ALIGNMENT
+        if self.metadata_types["general.alignment"].type != ValueType.UINT32:
+            raise GGUFError(
+                f"general.alignment must be a uint32, not {self.metadata_types['general.alignment']}"
+            )
+        alignment = int(self.metadata["general.alignment"])
+        if alignment == 0 or alignment & (alignment - 1):
+            raise GGUFError(f"general.alignment {alignment} is not a power of two")
+        return alignment
+
+    def _check_tensor_placement(self) -> None:
+        """Every tensor aligned, inside the file, and no two overlapping."""
+        data_size = self.file_size - self.data_offset
+        if self.tensors and data_size < 0:
+            raise GGUFError(
+                f"the data section would start at offset {self.data_offset}, past the end of the "
+                f"file ({self.file_size} bytes): the file is truncated"
+            )
+        placed = []
+        for t in self.tensors.values():
             if t.offset % self.alignment:
-                raise GGUFError(f"tensor {t.name!r} offset {t.offset} is not a multiple of the alignment {self.alignment}")
-            if t.n_bytes is not None and self.data_offset + t.offset + t.n_bytes > self.file_size:
                 raise GGUFError(
-                    f"tensor {t.name!r} ({t.n_bytes} bytes at data offset {t.offset}) extends past "
-                    f"the end of the file ({self.file_size} bytes): the file is truncated or corrupt"
+                    f"tensor {t.name!r} offset {t.offset} is not a multiple of the alignment {self.alignment}"
+                )
+            size = t.n_bytes if t.n_bytes is not None else 0  # unknown type: at least its start must be inside
+            if t.offset > data_size or size > data_size - t.offset:
+                raise GGUFError(
+                    f"tensor {t.name!r} ({t.n_bytes if t.n_bytes is not None else '?'} bytes at data offset "
+                    f"{t.offset}) extends past the end of the file ({self.file_size} bytes): "
+                    "the file is truncated or corrupt"
+                )
+            if t.n_bytes:
+                placed.append(t)
+        placed.sort(key=lambda t: t.offset)
+        for a, b in zip(placed, placed[1:]):
+            if a.offset + a.n_bytes > b.offset:
+                raise GGUFError(
+                    f"tensors {a.name!r} (data offset {a.offset}, {a.n_bytes} bytes) and {b.name!r} "
+                    f"(data offset {b.offset}) overlap"
                 )
 
     @staticmethod
-    def _read_type(cur: _Cursor) -> int:
-        t = cur.u32("value type")
+    def _read_type(cur: _Cursor, what: str) -> int:
+        t = cur.u32(f"type of {what}")
         if t > ValueType.FLOAT64:
-            raise GGUFError(f"unknown metadata value type {t} at offset {cur.pos - 4}")
+            raise GGUFError(f"unknown metadata value type {t} for {what} at offset {cur.pos - 4}")
         return t
 
-    def _read_value(self, cur: _Cursor, vtype: int, depth: int) -> tuple[Any, MetadataType]:
+    def _read_value(self, cur: _Cursor, vtype: int, depth: int, key: str) -> tuple[Any, MetadataType]:
         if vtype == ValueType.STRING:
-            return cur.string("string value"), MetadataType(ValueType.STRING)
+            return cur.string(f"value of {key!r}"), MetadataType(ValueType.STRING)
         if vtype == ValueType.ARRAY:
             if depth >= MAX_ARRAY_NESTING:
-                raise GGUFError(f"arrays nested deeper than {MAX_ARRAY_NESTING}")
-            itype = self._read_type(cur)
-            count = cur.u64("array length")
+                raise GGUFError(f"{key!r}: arrays nested deeper than {MAX_ARRAY_NESTING}")
+            itype = self._read_type(cur, f"elements of {key!r}")
+            count = cur.u64(f"array length of {key!r}")
             if itype == ValueType.STRING:
-                cur.need(count * 8, "string array")  # every string has a u64 length
-                return _read_string_array(cur, count), MetadataType(ValueType.ARRAY, MetadataType(ValueType.STRING))
+                cur.need(count * _LEN_BYTES, f"array of {count} strings {key!r}")  # each has a u64 length
+                items = _read_string_array(cur, count, key)
+                return items, MetadataType(ValueType.ARRAY, MetadataType(ValueType.STRING))
             if itype == ValueType.ARRAY:
-                cur.need(count * 12, "nested array")  # every array has a u32 type + u64 count
+                cur.need(count * _ARRAY_HEADER_BYTES, f"array of {count} arrays {key!r}")
                 items = []
-                item_type = MetadataType(ValueType.ARRAY, None)
+                item_type = None
                 for _ in range(count):
-                    sub_type = self._read_type(cur)
-                    value, item_type = self._read_value(cur, sub_type, depth + 1)
+                    value, item_type = self._read_value(cur, ValueType.ARRAY, depth + 1, key)
                     items.append(value)
                 return items, MetadataType(ValueType.ARRAY, item_type)
             _, dtype = _SCALARS[itype]
-            cur.need(count * dtype.itemsize, "array data")
-            arr = np.frombuffer(self._mm, dtype=dtype, count=count, offset=cur.pos)
+            cur.need(count * dtype.itemsize, f"array of {count} {ValueType(itype).name.lower()} {key!r}")
+            arr = np.frombuffer(self._mm, dtype=dtype, count=count, offset=cur.pos)  # (count,) view
             cur.pos += count * dtype.itemsize
             if itype == ValueType.BOOL:
                 arr = arr != 0
             return arr, MetadataType(ValueType.ARRAY, MetadataType(ValueType(itype)))
         fmt, _ = _SCALARS[vtype]
-        cur.need(fmt.size, "scalar value")
+        cur.need(fmt.size, f"value of {key!r}")
         (value,) = fmt.unpack_from(self._mm, cur.pos)
         cur.pos += fmt.size
         return value, MetadataType(ValueType(vtype))
-
-    @staticmethod
-    def _tensor_info(name: str, shape: tuple[int, ...], type_id: int, offset: int) -> TensorInfo:
-        n_elements = 1
-        for d in shape:
-            n_elements *= d
-        if n_elements >= 2**62:
-            raise GGUFError(f"tensor {name!r} has an impossible shape {list(shape)}")
-        gtype = GGML_TYPES.get(type_id)
-        n_bytes = None
-        if gtype is not None:
-            row = shape[0] if shape else 1
-            if row % gtype.block_size:
-                raise GGUFError(
-                    f"tensor {name!r}: row length {row} is not a multiple of the {gtype.name} block size {gtype.block_size}"
-                )
-            n_bytes = n_elements // gtype.block_size * gtype.type_size
-        return TensorInfo(name, shape, type_id, offset, n_elements, n_bytes)
 
     # -- access ----------------------------------------------------------------------------
 
@@ -341,16 +411,18 @@ class GGUFFile:
             raise GGUFError(f"no tensor named {name!r}") from None
 
     def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value, or `default` when the key is absent."""
         return self.metadata.get(key, default)
 
     def close(self) -> None:
+        """Release the mmap (views still alive keep it mapped until they go)."""
         mm = getattr(self, "_mm", None)
-        if mm is not None:
+        if isinstance(mm, mmap.mmap):
             try:
                 mm.close()
             except BufferError:
                 pass  # views are still alive; the map goes away with them
-            self._mm = None
+        self._mm = None
 
     def __enter__(self) -> "GGUFFile":
         return self
@@ -366,28 +438,106 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def _read_string_array(cur: _Cursor, count: int) -> list[str]:
-    # The hot loop of opening a Llama 3 vocab (400K strings): kept free of method calls.
+def _tensor_info(name: str, shape: tuple[int, ...], type_id: int, offset: int) -> TensorInfo:
+    for d in shape:
+        if d > INT64_MAX:
+            raise GGUFError(f"tensor {name!r} has a dimension out of range: {list(shape)}")
+    n_elements = 1
+    for d in shape:
+        n_elements *= d  # Python ints: no wrap-around (the 2**42+1 trick of llama.cpp PR 18674)
+    if n_elements > INT64_MAX:
+        raise GGUFError(f"tensor {name!r} dimensions {list(shape)} overflow: {n_elements} elements")
+    if offset > INT64_MAX:
+        raise GGUFError(f"tensor {name!r} offset {offset} is out of range")
+    gtype = GGML_TYPES.get(type_id)
+    n_bytes = None
+    if gtype is not None:
+        row = shape[0] if shape else 1
+        if row % gtype.block_size:
+            raise GGUFError(
+                f"tensor {name!r}: row length {row} is not a multiple of the {gtype.name} block size {gtype.block_size}"
+            )
+        n_bytes = n_elements // gtype.block_size * gtype.type_size
+    return TensorInfo(name, shape, type_id, offset, n_elements, n_bytes)
+
+
+def _string_array_error(cur: _Cursor, i: int, count: int, pos: int, key: str) -> GGUFError:
+    return GGUFError(
+        f"truncated or corrupt file: string {i} of {count} in {key!r} (at offset {pos}) "
+        f"runs past the end of the file ({cur.end} bytes)"
+    )
+
+
+def _read_string_array(cur: _Cursor, count: int, key: str) -> list[str]:
+    """`count` length-prefixed strings from the cursor, decoded (surrogateescape).
+
+    The hot path of opening a Llama 3 vocab (128K tokens + 280K merges). The walk over
+    the lengths is inherently sequential; everything after it is vectorised: drop the
+    8-byte length prefixes except their last byte, overwrite that byte with a separator
+    that occurs in no string, decode the whole run once and split it. An ASCII separator
+    cannot merge with invalid UTF-8 around it, so the result equals decoding each string.
+    """
+    if count < _VECTOR_MIN_STRINGS:
+        return _read_string_array_loop(cur, count, key)
     buf, pos, end = cur.buf, cur.pos, cur.end
     unpack = _U64.unpack_from
-    out: list[str] = [""] * count
+    starts = array("q", bytes(8 * count))  # (count,) absolute start of each string's bytes
+    p = pos
+    i = 0
     try:
         for i in range(count):
-            (n,) = unpack(buf, pos)
-            pos += 8
-            if n > end - pos:
+            (n,) = unpack(buf, p)
+            p += 8
+            starts[i] = p
+            p += n
+            if p > end:
                 break
-            raw = buf[pos : pos + n]
-            pos += n
-            try:
-                out[i] = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                out[i] = raw.decode("utf-8", "surrogateescape")
-        else:
-            cur.pos = pos
-            return out
-    except struct.error:
-        pass
+    except struct.error:  # fewer than 8 bytes left for a length
+        raise _string_array_error(cur, i, count, p, key) from None
+    if p > end:
+        raise _string_array_error(cur, i, count, starts[i] - 8, key)
+    cur.pos = p
+
+    region = np.frombuffer(buf, dtype=np.uint8, count=p - pos, offset=pos)  # (R,) the whole array
+    s = np.frombuffer(starts, dtype=np.int64) - pos  # (count,) string starts, relative
+    keep = np.ones(len(region), dtype=bool)  # (R,) True for string bytes and one byte per prefix
+    for k in range(2, _LEN_BYTES + 1):
+        keep[s - k] = False
+    packed = region[keep]  # (R - 7*count,) sep? s0 sep? s1 ...
+    sep_at = s - 1 - (_LEN_BYTES - 1) * np.arange(1, count + 1)  # (count,) where each prefix byte landed
+    for sep in _separators(packed, sep_at, count):
+        packed[sep_at] = sep
+        joined = packed.tobytes()
+        if joined.count(sep) == count:  # the separator occurs only where we put it
+            parts = joined.decode("utf-8", "surrogateescape").split(chr(sep))
+            return parts[1:]  # parts[0] is the empty text before the first separator
+    cur.pos = pos  # every ASCII byte occurs in some string: decode them one by one
+    return _read_string_array_loop(cur, count, key)
+
+
+def _separators(packed: np.ndarray, sep_at: np.ndarray, count: int):
+    """Candidate separator bytes: NUL first (almost never in a vocab), else any unused ASCII byte."""
+    yield 0
+    packed[sep_at] = 0
+    used = np.bincount(packed, minlength=256)[:128]  # (128,) ASCII byte counts
+    used[0] -= count  # the separators we wrote
+    for b in np.flatnonzero(used == 0):
+        if b:
+            yield int(b)
+
+
+def _read_string_array_loop(cur: _Cursor, count: int, key: str) -> list[str]:
+    """The plain per-string loop (small arrays, and the fallback of the vectorised path)."""
+    buf, pos, end = cur.buf, cur.pos, cur.end
+    unpack = _U64.unpack_from
+    out: list[str] = []
+    for i in range(count):
+        if end - pos < 8:
+            raise _string_array_error(cur, i, count, pos, key)
+        (n,) = unpack(buf, pos)
+        if n > end - pos - 8:
+            raise _string_array_error(cur, i, count, pos, key)
+        out.append(bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", "surrogateescape"))
+        pos += 8 + n
     cur.pos = pos
-    cur.need(end - pos + 1, "string array element")  # raises with the position
-    raise AssertionError("unreachable")
+    return out
