@@ -1,0 +1,273 @@
+"""Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with llama.cpp's exact merge semantics.
+
+Tokens are stored GPT-2 style: every byte is shown as one printable code point (`bytes_to_unicode`),
+so "Ġthe" is b" the". Encoding a word (one pre-tokenizer piece) as llama.cpp does
+(llm_tokenizer_bpe_session):
+1. with `ignore_merges`, a word that is itself a token is that token;
+2. otherwise start from single bytes and repeatedly merge the adjacent pair whose merge
+   (`tokenizer.ggml.merges`, "left right") has the lowest index, leftmost first;
+3. a final symbol that is not a token becomes its single-byte tokens (a byte with no token
+   is dropped).
+
+Two engines give those ids:
+- `_ExactBPE`: the algorithm above in Python, with a per-word cache. Used for every family.
+- tiktoken, for families whose pre-tokenizer is one regex fancy-regex runs identically and
+  whose words are looked up whole (`ignore_merges`: Llama 3, Tekken). tiktoken merges the pair
+  whose *result* has the lowest rank and also emits a whole-word token directly; with a token's
+  rank = the index of the first merge that creates it (single bytes first), that is llama.cpp's
+  result on the test vectors and on text corpora (checked in tests/test_tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .errors import QllamaError
+from .pretokenizers import PreTokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable code point map (also llama.cpp's unicode_byte_to_utf8)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + n)
+            n += 1
+    return mapping
+
+
+BYTE_TO_UNICODE: dict[int, str] = _bytes_to_unicode()
+UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_UNICODE.items()}
+# str.translate tables: latin-1 text (one char per byte) <-> GPT-2 code points
+_ENCODE_TABLE = {b: ord(c) for b, c in BYTE_TO_UNICODE.items()}
+_DECODE_TABLE = {ord(c): b for b, c in BYTE_TO_UNICODE.items()}
+_WORD_CACHE_MAX = 1 << 17  # words; the cache is cleared when it grows past this
+
+
+def gpt2_encode(text: str) -> str:
+    """UTF-8 bytes of `text` in GPT-2's printable form (llama.cpp's unicode_byte_encoding_process)."""
+    return text.encode("utf-8", "surrogatepass").decode("latin-1").translate(_ENCODE_TABLE)
+
+
+def gpt2_decode(token: str) -> bytes:
+    """Bytes of a GPT-2-form token (llama.cpp's llama_decode_text, with its marker for stray code points)."""
+    try:
+        return token.translate(_DECODE_TABLE).encode("latin-1")
+    except UnicodeEncodeError:
+        out = bytearray()
+        for ch in token:
+            b = UNICODE_TO_BYTE.get(ch)
+            if b is not None:
+                out.append(b)
+            else:  # llama.cpp writes this marker for a code point outside the byte map
+                utf8 = ch.encode("utf-8", "surrogatepass")
+                out += b"[UNK_BYTE_0x" + utf8.hex().encode() + token.encode("utf-8", "surrogatepass") + b"]"
+        return bytes(out)
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    # llama.cpp splits at the first space after position 0 (a part may itself be " ")
+    pos = merge.find(" ", 1)
+    if pos < 0:
+        return "", ""  # llama.cpp stores an (empty, empty) pair, which never matches
+    return merge[:pos], merge[pos + 1 :]
+
+
+class _ExactBPE:
+    """llama.cpp's BPE merge loop over one GPT-2-form word, with a word cache."""
+
+    def __init__(self, token_to_id: dict[str, int], merges: list[str], ignore_merges: bool):
+        self.token_to_id = token_to_id
+        self.ignore_merges = ignore_merges
+        ranks: dict[tuple[str, str], int] = {}
+        for i, m in enumerate(merges):
+            ranks.setdefault(_split_merge(m), i)  # emplace: the first occurrence wins
+        self.ranks = ranks
+        self.byte_ids = [token_to_id.get(BYTE_TO_UNICODE[b], -1) for b in range(256)]
+        self.cache: dict[str, list[int]] = {}
+
+    def encode_word(self, word: str) -> list[int]:
+        """Token ids of one pre-tokenizer word (raw text; cached)."""
+        ids = self.cache.get(word)
+        if ids is None:
+            ids = self._encode(gpt2_encode(word))
+            if len(self.cache) >= _WORD_CACHE_MAX:
+                self.cache.clear()
+            self.cache[word] = ids
+        return ids
+
+    def _encode(self, word: str) -> list[int]:
+        t2i = self.token_to_id
+        if self.ignore_merges:
+            tid = t2i.get(word)
+            if tid is not None:
+                return [tid]
+        syms = self._merge(list(word)) if len(word) > 1 else [word]
+        out: list[int] = []
+        for s in syms:
+            tid = t2i.get(s)
+            if tid is not None:
+                out.append(tid)
+            else:  # not a token: its bytes one by one (bytes without a token vanish, as in llama.cpp)
+                for ch in s:
+                    b = UNICODE_TO_BYTE.get(ch)
+                    bid = t2i.get(ch) if b is None else self.byte_ids[b]
+                    if bid is not None and bid >= 0:
+                        out.append(bid)
+        return out
+
+    def _merge(self, syms: list[str]) -> list[str]:
+        ranks = self.ranks
+        n = len(syms)
+        if n <= 12:  # short words: rescan all pairs (same order as the priority queue)
+            while len(syms) > 1:
+                best, best_i = None, -1
+                for i in range(len(syms) - 1):
+                    r = ranks.get((syms[i], syms[i + 1]))
+                    if r is not None and (best is None or r < best):
+                        best, best_i = r, i
+                if best is None:
+                    break
+                syms[best_i : best_i + 2] = [syms[best_i] + syms[best_i + 1]]
+            return syms
+        # long words: linked list + heap of (rank, left index, text), stale entries skipped
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prv = list(range(-1, n - 1))
+        heap: list[tuple[int, int, str]] = []
+
+        def push(left: int, right: int) -> None:
+            if left < 0 or right < 0:
+                return
+            r = ranks.get((syms[left], syms[right]))
+            if r is not None:
+                heap.append((r, left, syms[left] + syms[right]))
+
+        for i in range(n - 1):
+            push(i, i + 1)
+        heapq.heapify(heap)
+        while heap:
+            r, left, text = heapq.heappop(heap)
+            right = nxt[left]
+            if not syms[left] or right < 0 or syms[left] + syms[right] != text:
+                continue  # outdated
+            syms[left] = text
+            syms[right] = ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prv[nxt[right]] = left
+            for a, b in ((prv[left], left), (left, nxt[left])):
+                if a >= 0 and b >= 0:
+                    rr = ranks.get((syms[a], syms[b]))
+                    if rr is not None:
+                        heapq.heappush(heap, (rr, a, syms[a] + syms[b]))
+        return [s for s in syms if s]
+
+
+class BPEModel:
+    """Encodes raw text (no special tokens) with one GGUF BPE vocabulary."""
+
+    def __init__(self, tokens: list[str], token_to_id: dict[str, int], is_normal: np.ndarray,
+                 merges: list[str], pre: PreTokenizer):
+        self.pre = pre
+        self._tokens = tokens
+        self._token_to_id = token_to_id
+        self._merges = merges
+        self._exact: _ExactBPE | None = None
+        self._tiktoken = None
+        self._rank_to_id: list[int] | None = None
+        if pre.tiktoken_pattern is not None and pre.ignore_merges:
+            self._build_tiktoken(tokens, is_normal, merges)
+
+    # -- engines -----------------------------------------------------------------------
+    @property
+    def exact(self) -> _ExactBPE:
+        """The Python reference engine (built on first use)."""
+        if self._exact is None:
+            self._exact = _ExactBPE(self._token_to_id, self._merges, self.pre.ignore_merges)
+        return self._exact
+
+    @property
+    def uses_tiktoken(self) -> bool:
+        return self._tiktoken is not None
+
+    def _build_tiktoken(self, tokens: list[str], is_normal: np.ndarray, merges: list[str]) -> None:
+        import tiktoken
+
+        t2i = self._token_to_id
+        n_merges = len(merges)
+        # rank of a merged token = 256 + index of the first merge that creates it
+        first: dict[str, int] = {}
+        for i, m in enumerate(merges):
+            pos = m.find(" ", 1)
+            if pos > 0:
+                first.setdefault(m[:pos] + m[pos + 1 :], i)
+        ranks: dict[bytes, int] = {}
+        rank_to_id = [-1] * (256 + n_merges)
+        for b in range(256):  # single bytes: ranks 0..255; a byte without a token maps to -1 (dropped)
+            ranks[bytes([b])] = b
+            rank_to_id[b] = t2i.get(BYTE_TO_UNICODE[b], -1)
+        for text, i in first.items():
+            tid = t2i.get(text)
+            if tid is None:
+                return  # a merge that makes no token: only the exact engine reproduces llama.cpp
+            ranks[gpt2_decode(text)] = 256 + i
+            rank_to_id[256 + i] = tid
+        # ignore_merges looks words up among all tokens; normal tokens no merge reaches would be missed
+        reachable = 256 + len(first)
+        if int(np.count_nonzero(is_normal)) > reachable:
+            n_unreached = sum(1 for t, ok in zip(tokens, is_normal) if ok and len(t) > 1 and t not in first)
+            if n_unreached:
+                return
+        self._tiktoken = tiktoken.Encoding(
+            name="qllama-bpe", pat_str=self.pre.tiktoken_pattern, mergeable_ranks=ranks, special_tokens={}
+        )
+        self._rank_to_id = rank_to_id
+
+    # -- encoding ------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of one raw-text fragment (llama.cpp's llm_tokenizer_bpe_session::tokenize)."""
+        if not text:
+            return []
+        if self._tiktoken is not None:
+            text = _no_surrogates(text)
+            r2i = self._rank_to_id
+            ids = [r2i[r] for r in self._tiktoken.encode_ordinary(text)]
+            if -1 in ids:
+                ids = [i for i in ids if i >= 0]
+            return ids
+        exact = self.exact
+        cache = exact.cache
+        out: list[int] = []
+        for word in self.pre.split(text):
+            ids = cache.get(word)
+            out.extend(ids if ids is not None else exact.encode_word(word))
+        return out
+
+    def encode_exact(self, text: str) -> list[int]:
+        """The Python reference engine on `text`, whatever the fast path (for tests)."""
+        exact = self.exact
+        out: list[int] = []
+        for word in self.pre.split(text):
+            out.extend(exact._encode(gpt2_encode(word)))
+        return out
+
+
+def _no_surrogates(text: str) -> str:
+    # tiktoken cannot take lone surrogates (Python-only code points); UTF-8 has no form for them
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def check_merges(merges: object) -> list[str]:
+    """Validate `tokenizer.ggml.merges`."""
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise QllamaError("tokenizer.ggml.merges must be an array of strings")
+    return merges
