@@ -71,7 +71,8 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def _fp16_bytes(v: np.ndarray) -> np.ndarray:
     """(n, 1) float32 -> (n, 2) uint8: IEEE half, round to nearest even (like F16C / ggml)."""
-    return v.astype(np.float16).view(np.uint8)
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16).view(np.uint8)
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
@@ -523,7 +524,8 @@ def _quantize_rows(x: np.ndarray, type_id: int) -> np.ndarray:
     if type_id == F32:
         return x.view(np.uint8)
     if type_id == F16:
-        return x.astype(np.float16).view(np.uint8)
+        with np.errstate(over="ignore"):  # beyond +-65504 -> inf, as ggml
+            return x.astype(np.float16).view(np.uint8)
     if type_id == BF16:
         return _to_bf16_bits(x).view(np.uint8)
     if not np.isfinite(x).all():
