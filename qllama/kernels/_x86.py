@@ -1,0 +1,158 @@
+"""AVX2 building blocks for the int8-activation dot products, as Numba intrinsics.
+
+Each intrinsic computes the integer dot product of one weight block with int8 activations,
+emitting LLVM IR that calls the x86 AVX2 intrinsics `pmaddubsw` (32 u8 x i8 products summed in
+pairs to i16) and `pmaddwd` (i16 x i16 summed in pairs to i32), which is how ggml does it.
+(Generic LLVM vector IR was tried first: LLVM lowers `pmaddwd` patterns but not `pmaddubsw`,
+which halves the speed.) These are only compiled when the host has AVX2 (`HAVE_AVX2`); other
+hosts use the portable float kernels of `rows.py`.
+
+Arguments are arrays plus element offsets; the caller guarantees the ranges are in bounds.
+All return an int64 holding the exact int32 sum.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+HAVE_AVX2: bool = "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+
+def _vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _splat(t: ir.Type, n: int, v: int) -> ir.Constant:
+    return ir.Constant(_vec(t, n), [v] * n)
+
+
+def _ptr(context, builder, aty, aval, off, elty):
+    """Pointer to element `off` of array `aval`, cast to `elty*`."""
+    data = context.make_array(aty)(context, builder, aval).data
+    return builder.bitcast(builder.gep(data, [off]), ir.PointerType(elty))
+
+
+def _load32(builder, p, k=0):
+    """Load the k-th <32 x i8> from p (unaligned)."""
+    return builder.load(builder.gep(p, [ir.Constant(_I32, k)]) if k else p, align=1)
+
+
+def _maddubs(builder, a, b):
+    fn = builder.module.declare_intrinsic(
+        "llvm.x86.avx2.pmadd.ub.sw", fnty=ir.FunctionType(_vec(_I16, 16), [_vec(_I8, 32), _vec(_I8, 32)])
+    )
+    return builder.call(fn, [a, b])
+
+
+def _maddwd(builder, a, b):
+    fn = builder.module.declare_intrinsic(
+        "llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16), _vec(_I16, 16)])
+    )
+    return builder.call(fn, [a, b])
+
+
+def _hsum(builder, v):
+    """Horizontal sum of <8 x i32> -> i64."""
+    n = v.type.count
+    fn = builder.module.declare_intrinsic(f"llvm.vector.reduce.add.v{n}i32", fnty=ir.FunctionType(_I32, [v.type]))
+    return builder.sext(builder.call(fn, [v]), _I64)
+
+
+def _lanes(builder, v, idx):
+    """Shuffle v into a new vector with lanes v[idx[0]], v[idx[1]], ..."""
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, len(idx)), list(idx)))
+
+
+def _is_arr(t, dtype):
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype
+
+
+@intrinsic
+def dot_q4_k(typingctx, row, qo, xq, xo, scales):
+    """sum_j sc[j] * sum_l nib(q)[j, l] * xq[...] over one q4_K super-block.
+
+    row[qo:qo+128] holds the nibbles (byte 32j+l: low nibble = element 64j+l, high = 64j+32+l),
+    xq[xo:xo+256] the int8 activations, `scales` the 8 six-bit sub-block scales packed as bytes
+    of an int64 (scale k in bits 8k..8k+7).
+    """
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+        return None
+    sig = types.int64(row, qo, xq, xo, scales)
+
+    def codegen(context, builder, signature, args):
+        qp = _ptr(context, builder, signature.args[0], args[0], args[1], _vec(_I8, 32))
+        xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
+        sc = builder.zext(builder.bitcast(args[4], _vec(_I8, 8)), _vec(_I16, 8))  # (8,) i16
+        acc = ir.Constant(_vec(_I32, 8), None)
+        for j in range(4):
+            v = _load32(builder, qp, j)
+            lo = builder.and_(v, _splat(_I8, 32, 15))
+            hi = builder.lshr(v, _splat(_I8, 32, 4))
+            plo = _maddubs(builder, lo, _load32(builder, xp, 2 * j))  # (16,) i16 pair sums
+            phi = _maddubs(builder, hi, _load32(builder, xp, 2 * j + 1))
+            acc = builder.add(acc, _maddwd(builder, plo, _lanes(builder, sc, [2 * j] * 16)))
+            acc = builder.add(acc, _maddwd(builder, phi, _lanes(builder, sc, [2 * j + 1] * 16)))
+        return _hsum(builder, acc)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_q6_k(typingctx, row, bo, xq, xo):
+    """sum_k sc[k] * sum_l q[16k+l] * xq[xo+16k+l] over one q6_K super-block at row[bo:],
+
+    with q the *unsigned* 6-bit values 0..63 (the caller subtracts 32 * sum_k sc[k]*bsum[k]).
+    """
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+        return None
+    sig = types.int64(row, bo, xq, xo)
+
+    def codegen(context, builder, signature, args):
+        base = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+        xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
+        v32 = ir.PointerType(_vec(_I8, 32))
+        scp = builder.bitcast(builder.gep(base, [ir.Constant(_I32, 192)]), ir.PointerType(_vec(_I8, 16)))
+        sc = builder.sext(builder.load(scp, align=1), _vec(_I16, 16))  # (16,) i16
+        m15 = _splat(_I8, 32, 15)
+        m3 = _splat(_I8, 32, 3)
+        acc = ir.Constant(_vec(_I32, 8), None)
+        for n in range(2):  # 128-element halves
+            a = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I32, 64 * n)]), v32), align=1)
+            b = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I32, 64 * n + 32)]), v32), align=1)
+            h = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I32, 128 + 32 * n)]), v32), align=1)
+            lows = [builder.and_(a, m15), builder.and_(b, m15), builder.lshr(a, _splat(_I8, 32, 4)), builder.lshr(b, _splat(_I8, 32, 4))]
+            for s in range(4):  # 32-element groups
+                hs = builder.and_(builder.lshr(h, _splat(_I8, 32, 2 * s)) if s else h, m3)
+                q = builder.or_(lows[s], builder.shl(hs, _splat(_I8, 32, 4)))
+                p = _maddubs(builder, q, _load32(builder, xp, 4 * n + s))
+                k = 8 * n + 2 * s
+                acc = builder.add(acc, _maddwd(builder, p, _lanes(builder, sc, [k] * 8 + [k + 1] * 8)))
+        return _hsum(builder, acc)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_q8_0(typingctx, row, qo, xq, xo):
+    """sum_l int8(row[qo+l]) * xq[xo+l] for l < 32 (one q8_0 block's quants)."""
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+        return None
+    sig = types.int64(row, qo, xq, xo)
+
+    def codegen(context, builder, signature, args):
+        w = _load32(builder, _ptr(context, builder, signature.args[0], args[0], args[1], _vec(_I8, 32)))
+        x = _load32(builder, _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32)))
+        # u8 x i8 trick: |w| * (x * sign(w)); |w| = 128 for w = -128 is fine as unsigned
+        neg = builder.icmp_signed("<", w, _splat(_I8, 32, 0))
+        aw = builder.select(neg, builder.sub(_splat(_I8, 32, 0), w), w)
+        sx = builder.select(neg, builder.sub(_splat(_I8, 32, 0), x), x)
+        sx = builder.select(builder.icmp_signed("==", w, _splat(_I8, 32, 0)), _splat(_I8, 32, 0), sx)
+        p = _maddubs(builder, aw, sx)
+        return _hsum(builder, _maddwd(builder, p, _splat(_I16, 16, 1)))
+
+    return sig, codegen
