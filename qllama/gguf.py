@@ -267,7 +267,7 @@ class GGUFFile:
         rest = self.file_size - cur.pos
         if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > rest:
             raise GGUFError(
-                f"corrupt header: {n_tensors} tensors and {n_kv} metadata entries "
+                f"truncated or corrupt header: {n_tensors} tensors and {n_kv} metadata entries "
                 f"cannot fit in {self.file_size} bytes"
             )
 

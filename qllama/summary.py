@@ -1,0 +1,241 @@
+"""What a GGUF file holds, in numbers a person wants: `summarize(GGUFFile) -> ModelSummary`.
+
+Used by `qllama inspect`. Import-light (no numba). Metadata comes from an untrusted file, so
+every value is read defensively: a key with an unexpected type is treated as absent rather
+than raising.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .ggml_types import FILE_TYPES, GGML_TYPES
+from .gguf import GGUFFile
+
+KV_CACHE_TOKENS = 1024  # "per 1K tokens of context"
+KV_CACHE_ELEMENT_BYTES = 4  # the runtime keeps its KV cache in float32
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+@dataclass
+class QuantMixRow:
+    """The tensors of one ggml type: how many, their elements, bytes and share of all bytes."""
+
+    type: str
+    n_tensors: int
+    n_elements: int
+    n_bytes: int | None  # None when the type is unknown (size cannot be computed)
+    percent: float | None  # of the known tensor bytes
+    bits_per_weight: float | None
+
+
+@dataclass
+class ModelSummary:
+    """The facts `qllama inspect` prints. None means "not in the file"."""
+
+    version: int
+    file_size: int
+    n_metadata: int
+    n_tensors: int
+    architecture: str | None
+    name: str | None
+    n_params: int
+    tensor_bytes: int  # sum over tensors of known type
+    file_type: str | None
+    quantization_version: int | None
+    quant_mix: list[QuantMixRow]
+    context_length: int | None
+    embedding_length: int | None
+    block_count: int | None
+    head_count: int | list[int] | None  # a list when per layer
+    head_count_kv: int | list[int] | None
+    head_dim: int | None  # key length per head
+    feed_forward_length: int | list[int] | None
+    rope_freq_base: float | None
+    rope_dimension_count: int | None
+    rope_scaling: str | None  # e.g. "linear x4.0", "yarn x8.0 (orig. ctx 8192)", "rope_freqs.weight"
+    vocab_size: int | None
+    tokenizer_model: str | None
+    tokenizer_pre: str | None
+    bos_token_id: int | None
+    bos_token: str | None
+    eos_token_id: int | None
+    eos_token: str | None
+    chat_template: bool
+    chat_template_names: list[str] = field(default_factory=list)  # tokenizer.chat_template.<name>
+    kv_cache_bytes_per_token: int | None = None  # float32 K and V, all layers
+    kv_cache_bytes_per_1k: int | None = None
+    kv_cache_formula: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _int(v: Any) -> int | None:
+    if isinstance(v, (bool, np.bool_)):
+        return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    return None
+
+
+def _float(v: Any) -> float | None:
+    if isinstance(v, (bool, np.bool_)):
+        return None
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return float(v)
+    return None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _int_or_layers(v: Any) -> int | list[int] | None:
+    """An int, or a per-layer integer array (some architectures vary heads/FFN per layer)."""
+    if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "iu" and len(v):
+        vals = [int(x) for x in v]
+        return vals[0] if len(set(vals)) == 1 else vals
+    return _int(v)
+
+
+def _sum_layers(v: int | list[int] | None, n_layer: int) -> int | None:
+    """Sum of a per-layer value over the layers (no list of n_layer items: n_layer is untrusted)."""
+    if v is None:
+        return None
+    if isinstance(v, list):
+        return sum(v) if len(v) == n_layer else None
+    return v * n_layer
+
+
+def summarize(f: GGUFFile) -> ModelSummary:
+    """Compute the summary of an open GGUF file (cheap: reads metadata and tensor infos only)."""
+    md = f.metadata
+    arch = _str(md.get("general.architecture"))
+    a = f"{arch}." if arch else "\0"  # "\0" matches no key
+
+    # -- tensors: parameter count and quant mix --
+    by_type: dict[int, list] = {}
+    for t in f.tensors.values():
+        row = by_type.setdefault(t.type_id, [0, 0, 0])
+        row[0] += 1
+        row[1] += t.n_elements
+        row[2] += t.n_bytes or 0
+    known_bytes = sum(r[2] for tid, r in by_type.items() if tid in GGML_TYPES)
+    mix = []
+    for tid, (n, elems, nbytes) in sorted(by_type.items(), key=lambda kv: -kv[1][2]):
+        known = tid in GGML_TYPES
+        mix.append(
+            QuantMixRow(
+                type=GGML_TYPES[tid].name if known else f"unknown({tid})",
+                n_tensors=n,
+                n_elements=elems,
+                n_bytes=nbytes if known else None,
+                percent=(100.0 * nbytes / known_bytes if known_bytes else 0.0) if known else None,
+                bits_per_weight=(8.0 * nbytes / elems if elems else None) if known else None,
+            )
+        )
+
+    ft = _int(md.get("general.file_type"))
+    file_type = None if ft is None else FILE_TYPES.get(ft, f"unknown({ft})")
+
+    # -- hyperparameters --
+    n_layer = _int(md.get(f"{a}block_count"))
+    n_embd = _int(md.get(f"{a}embedding_length"))
+    n_head = _int_or_layers(md.get(f"{a}attention.head_count"))
+    n_head_kv = _int_or_layers(md.get(f"{a}attention.head_count_kv"))
+    if n_head_kv is None:
+        n_head_kv = n_head  # llama.cpp's default
+    key_len = _int(md.get(f"{a}attention.key_length"))
+    val_len = _int(md.get(f"{a}attention.value_length"))
+    head_dim = key_len
+    if head_dim is None and n_embd and isinstance(n_head, int) and n_head > 0 and n_embd % n_head == 0:
+        head_dim = n_embd // n_head
+    if val_len is None:
+        val_len = head_dim
+
+    # -- KV cache: float32 K and V for every layer --
+    kv_tok = formula = None
+    kv_heads_total = _sum_layers(n_head_kv, n_layer) if n_layer else None  # KV heads over all layers
+    if kv_heads_total is not None and head_dim and val_len:
+        kv_tok = kv_heads_total * (head_dim + val_len) * KV_CACHE_ELEMENT_BYTES
+        if isinstance(n_head_kv, int) and head_dim == val_len:
+            formula = (
+                f"2 (K,V) x {n_layer} layers x {n_head_kv} KV heads x {head_dim} dims x "
+                f"{KV_CACHE_ELEMENT_BYTES} B (float32) = {kv_tok} B/token"
+            )
+        else:
+            formula = f"sum over layers of KV heads x (key {head_dim} + value {val_len} dims) x 4 B (float32)"
+
+    # -- RoPE --
+    scaling = None
+    stype = _str(md.get(f"{a}rope.scaling.type"))
+    sfactor = _float(md.get(f"{a}rope.scaling.factor"))
+    if sfactor is None:
+        lin = _float(md.get(f"{a}rope.scale_linear"))  # the older key
+        if lin is not None:
+            stype, sfactor = stype or "linear", lin
+    if stype and stype != "none":
+        scaling = stype + (f" x{sfactor:g}" if sfactor is not None else "")
+        orig = _int(md.get(f"{a}rope.scaling.original_context_length"))
+        if orig:
+            scaling += f" (orig. ctx {orig})"
+    if "rope_freqs.weight" in f.tensors:  # Llama 3.1-style per-frequency factors
+        scaling = f"{scaling}, rope_freqs.weight" if scaling else "rope_freqs.weight (per-frequency factors)"
+
+    # -- tokenizer --
+    tokens = md.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, list) else None
+    vocab = _int(md.get(f"{a}vocab_size"))
+    if vocab is None and tokens is not None:
+        vocab = len(tokens)
+
+    def tok(key: str) -> tuple[int | None, str | None]:
+        i = _int(md.get(key))
+        if i is None or tokens is None or not 0 <= i < len(tokens) or not isinstance(tokens[i], str):
+            return i, None
+        return i, tokens[i]
+
+    bos_id, bos = tok("tokenizer.ggml.bos_token_id")
+    eos_id, eos = tok("tokenizer.ggml.eos_token_id")
+    prefix = CHAT_TEMPLATE_KEY + "."
+    names = sorted(k[len(prefix):] for k, v in md.items() if k.startswith(prefix) and isinstance(v, str))
+
+    return ModelSummary(
+        version=f.version,
+        file_size=f.file_size,
+        n_metadata=len(md),
+        n_tensors=len(f.tensors),
+        architecture=arch,
+        name=_str(md.get("general.name")),
+        n_params=sum(t.n_elements for t in f.tensors.values()),
+        tensor_bytes=known_bytes,
+        file_type=file_type,
+        quantization_version=_int(md.get("general.quantization_version")),
+        quant_mix=mix,
+        context_length=_int(md.get(f"{a}context_length")),
+        embedding_length=n_embd,
+        block_count=n_layer,
+        head_count=n_head,
+        head_count_kv=n_head_kv,
+        head_dim=head_dim,
+        feed_forward_length=_int_or_layers(md.get(f"{a}feed_forward_length")),
+        rope_freq_base=_float(md.get(f"{a}rope.freq_base")),
+        rope_dimension_count=_int(md.get(f"{a}rope.dimension_count")),
+        rope_scaling=scaling,
+        vocab_size=vocab,
+        tokenizer_model=_str(md.get("tokenizer.ggml.model")),
+        tokenizer_pre=_str(md.get("tokenizer.ggml.pre")),
+        bos_token_id=bos_id,
+        bos_token=bos,
+        eos_token_id=eos_id,
+        eos_token=eos,
+        chat_template=isinstance(md.get(CHAT_TEMPLATE_KEY), str),
+        chat_template_names=names,
+        kv_cache_bytes_per_token=kv_tok,
+        kv_cache_bytes_per_1k=None if kv_tok is None else kv_tok * KV_CACHE_TOKENS,
+        kv_cache_formula=formula,
+    )
