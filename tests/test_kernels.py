@@ -1,0 +1,418 @@
+"""Kernels and QTensor against independent oracles.
+
+- dequantization: gguf-py's NumPy dequantizers (`gguf.quants.dequantize`), bit for bit, on random
+  blocks (random bytes with sane fp16 scales for k-quants, gguf-py's quantizers for legacy types),
+  extreme scales, all-zero blocks, NaN/Inf in the fp16 fields, and on the tensors llama.cpp
+  quantized in ../shared/models/*Q4_K_M.gguf;
+- mat-vec / mat-mat: a float64 NumPy `dequantize(W) @ x`. Error measure everywhere:
+  rel = max|y - ref| / max|ref| (norm-wise). Float paths: rel <= 1e-5. int8-activation paths
+  (x rounded to 8 bits per block, as llama.cpp does): rel <= INT8_TOL on matrices with many
+  rows; with a single row, where y may cancel to nearly 0, the error is measured against the
+  scale of the sum instead: max|y - ref| / max(|W| @ |x|) <= INT8_SCALED_TOL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GQ
+from gguf import quants as gq
+
+from qllama import ggml_types as gt
+from qllama.errors import QllamaError, UnsupportedError
+from qllama.quants import (
+    INT8_TYPES,
+    SUPPORTED_TYPES,
+    QTensor,
+    get_threads,
+    int8_activations,
+    quantize_activation,
+    set_int8_activations,
+    set_threads,
+)
+
+SHARED = Path(__file__).parents[2] / "shared"
+FLOAT_TOL = 1e-5
+INT8_TOL = 3e-2  # measured 2e-3 .. 1.3e-2 on random data (q6_K's per-16 scales are the worst)
+INT8_SCALED_TOL = 2e-3  # measured < 5e-4
+
+K_TYPES = [gt.Q2_K, gt.Q3_K, gt.Q4_K, gt.Q5_K, gt.Q6_K]
+LEGACY_TYPES = [gt.Q4_0, gt.Q4_1, gt.Q5_0, gt.Q5_1, gt.Q8_0]
+FLOAT_TYPES = [gt.F32, gt.F16, gt.BF16]
+ALL_TYPES = K_TYPES + LEGACY_TYPES + FLOAT_TYPES
+# byte offsets of the fp16 fields (d, dmin / m) inside one block
+FP16_FIELDS = {
+    gt.Q2_K: (80, 82), gt.Q3_K: (108,), gt.Q4_K: (0, 2), gt.Q5_K: (0, 2), gt.Q6_K: (208,),
+    gt.Q4_0: (0,), gt.Q4_1: (0, 2), gt.Q5_0: (0,), gt.Q5_1: (0, 2), gt.Q8_0: (0,),
+}
+
+
+def tname(t: int) -> str:
+    return gt.type_name(t)
+
+
+def random_matrix(tid: int, ne0: int, ne1: int, rng: np.random.Generator) -> np.ndarray:
+    """Packed bytes (ne1, row_bytes) of a random matrix of type tid."""
+    t = gt.GGML_TYPES[tid]
+    if tid in K_TYPES:  # random bytes are valid blocks; give them small finite scales
+        nb = ne0 // t.block_size
+        raw = rng.integers(0, 256, (ne1, nb, t.type_size), dtype=np.uint8)
+        for f in FP16_FIELDS[tid]:
+            raw[:, :, f : f + 2] = rng.uniform(-0.02, 0.02, (ne1, nb, 1)).astype(np.float16).view(np.uint8)
+        return raw.reshape(ne1, -1)
+    w = rng.standard_normal((ne1, ne0)).astype(np.float32)
+    if tid == gt.F32:
+        return w.view(np.uint8)
+    return np.ascontiguousarray(gq.quantize(w, GQ(tid))).reshape(ne1, -1).view(np.uint8)
+
+
+def oracle(tid: int, raw: np.ndarray, ne0: int) -> np.ndarray:
+    """gguf-py's dequantization, float32 (ne1, ne0)."""
+    if tid == gt.F32:
+        return raw.view(np.float32).reshape(-1, ne0)
+    if tid == gt.F16:
+        return raw.view(np.float16).astype(np.float32).reshape(-1, ne0)
+    return gq.dequantize(raw, GQ(tid)).reshape(-1, ne0)
+
+
+def assert_bits_equal(got: np.ndarray, ref: np.ndarray) -> None:
+    """Equal bit for bit, except that any NaN matches any NaN (payloads may differ)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype == np.float32
+    gn, rn = np.isnan(got), np.isnan(ref)
+    assert np.array_equal(gn, rn), f"NaN positions differ: {np.argwhere(gn != rn)[:5]}"
+    bad = (got.view(np.uint32) != ref.view(np.uint32)) & ~gn
+    assert not bad.any(), f"{bad.sum()} values differ, first at {np.argwhere(bad)[0]}: {got[bad][:3]} vs {ref[bad][:3]}"
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def scaled_err(y: np.ndarray, ref: np.ndarray, w64: np.ndarray, x: np.ndarray) -> float:
+    """max|y - ref| / max(|W| @ |x|): the error relative to the magnitude of the terms summed."""
+    return float(np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(x.astype(np.float64)) @ np.abs(w64).T))
+
+
+@pytest.fixture
+def float_path():
+    set_int8_activations(False)
+    yield
+    set_int8_activations(True)
+
+
+# -- dequantization ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tid", ALL_TYPES, ids=tname)
+def test_dequantize_random_matches_gguf(tid):
+    rng = np.random.default_rng(tid)
+    ne0 = 512
+    raw = random_matrix(tid, ne0, 5, rng)
+    q = QTensor.from_bytes(tid, raw, (ne0, 5))
+    ref = oracle(tid, raw, ne0)
+    assert_bits_equal(q.dequantize(), ref)
+    assert_bits_equal(q.dequantize(slice(1, 4)), ref[1:4])
+    assert_bits_equal(q.dequantize(np.array([4, 0, 4])), ref[[4, 0, 4]])
+    assert_bits_equal(q.row(3), ref[3])
+
+
+def _special_fp16(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n fp16 bit patterns: zeros, extremes, subnormals, Inf, NaN, and random ones."""
+    special = np.array([0x0000, 0x8000, 0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x03FF, 0x0400,
+                        0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE00, 0x3C00], dtype=np.uint16)
+    return np.where(rng.random(n) < 0.5, rng.choice(special, n), rng.integers(0, 1 << 16, n)).astype(np.uint16)
+
+
+@pytest.mark.parametrize("tid", K_TYPES + LEGACY_TYPES, ids=tname)
+def test_dequantize_special_blocks(tid):
+    """Extreme scales, all-zero blocks and NaN/Inf fp16 fields: equal to gguf-py, no crash."""
+    rng = np.random.default_rng(100 + tid)
+    t = gt.GGML_TYPES[tid]
+    ne0, ne1 = 4 * t.block_size, 16
+    raw = random_matrix(tid, ne0, ne1, rng).reshape(ne1, 4, t.type_size).copy()
+    for f in FP16_FIELDS[tid]:
+        raw[:, :, f : f + 2] = _special_fp16(rng, ne1 * 4).reshape(ne1, 4, 1).view(np.uint8)
+    f = FP16_FIELDS[tid][0]
+    raw[1, 0, f : f + 2] = np.array([0x7C00], np.uint16).view(np.uint8)  # +Inf scale
+    raw[2, 1, f : f + 2] = np.array([0x7E00], np.uint16).view(np.uint8)  # NaN scale
+    raw[0] = 0  # an all-zero row of blocks
+    raw = raw.reshape(ne1, -1)
+    q = QTensor.from_bytes(tid, raw, (ne0, ne1))
+    with np.errstate(all="ignore"):
+        ref = oracle(tid, raw, ne0)
+    assert np.isnan(ref).any() and np.isinf(ref).any()  # the test really covers them
+    assert_bits_equal(q.dequantize(), ref)
+
+
+@pytest.mark.parametrize("tid", [gt.F16, gt.BF16], ids=tname)
+def test_dequantize_all_half_bit_patterns(tid):
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    q = QTensor.from_bytes(tid, bits.view(np.uint8), (256, 256))
+    ref = oracle(tid, bits.view(np.uint8), 256)
+    assert_bits_equal(q.dequantize(), ref)
+
+
+# -- mat-vec / mat-mat against float64 ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("tid", ALL_TYPES, ids=tname)
+def test_float_paths_match_float64(tid, float_path):
+    rng = np.random.default_rng(200 + tid)
+    ne0 = 512 if tid in K_TYPES else 96
+    for ne1 in (1, 13):  # one row; a row count not divisible by the threads or row chunks
+        raw = random_matrix(tid, ne0, ne1, rng)
+        q = QTensor.from_bytes(tid, raw, (ne0, ne1))
+        w64 = oracle(tid, raw, ne0).astype(np.float64)
+        x = rng.standard_normal(ne0).astype(np.float32)
+        assert rel_err(q.matvec(x), w64 @ x) <= FLOAT_TOL
+        for n_tok in (1, 2, 7, 64):
+            xs = rng.standard_normal((n_tok, ne0)).astype(np.float32)
+            y = q.matmul(xs)
+            assert y.shape == (n_tok, ne1)
+            assert rel_err(y, xs.astype(np.float64) @ w64.T) <= FLOAT_TOL
+
+
+@pytest.mark.parametrize("tid", sorted(INT8_TYPES), ids=tname)
+def test_int8_paths_match_float64(tid):
+    if tid not in int8_activations():
+        pytest.skip("no AVX2: the int8-activation kernels are not used on this host")
+    rng = np.random.default_rng(300 + tid)
+    ne0 = 512
+    for ne1 in (1, 37):
+        raw = random_matrix(tid, ne0, ne1, rng)
+        q = QTensor.from_bytes(tid, raw, (ne0, ne1))
+        w64 = oracle(tid, raw, ne0).astype(np.float64)
+        x = rng.standard_normal(ne0).astype(np.float32)
+        y = q.matvec(x)
+        assert scaled_err(y, w64 @ x, w64, x) <= INT8_SCALED_TOL
+        if ne1 > 1:
+            assert rel_err(y, w64 @ x) <= INT8_TOL
+        for n_tok in (1, 2, 7, 64):
+            xs = rng.standard_normal((n_tok, ne0)).astype(np.float32)
+            ym = q.matmul(xs)
+            ref = xs.astype(np.float64) @ w64.T
+            assert scaled_err(ym, ref, w64, xs) <= INT8_SCALED_TOL
+            if ne1 > 1:
+                assert rel_err(ym, ref) <= INT8_TOL
+            # prefill and decode run the same arithmetic: token t of matmul == matvec of x[t]
+            assert np.array_equal(ym[n_tok - 1], q.matvec(xs[n_tok - 1]))
+
+
+def _int8_reference(tid: int, w64: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 W @ x~, where x~ is x rounded to 8 bits as the int8 kernels do (NumPy, independent)."""
+    bs = 32 if tid == gt.Q8_0 else 256
+    xb = x.astype(np.float64).reshape(-1, bs)
+    if tid == gt.Q8_0:
+        d = np.abs(xb).max(1, keepdims=True) / 127
+        q = np.sign(xb) * np.floor(np.abs(xb / np.where(d == 0, 1, d)) + 0.5)
+    else:
+        vmax = np.take_along_axis(xb, np.abs(xb).argmax(1)[:, None], 1)
+        iscale = (-127 / vmax).astype(np.float32)
+        q = np.minimum(127, np.rint((iscale * x.reshape(-1, bs)).astype(np.float32)))
+        d = 1 / iscale.astype(np.float64)
+    return w64 @ (q * d).reshape(-1)
+
+
+@pytest.mark.parametrize("tid", sorted(INT8_TYPES), ids=tname)
+def test_int8_equals_rounded_activation_product(tid):
+    """Apart from x's rounding, the int8 kernels are exact: compare with W @ round8(x) in float64."""
+    if tid not in int8_activations():
+        pytest.skip("no AVX2")
+    rng = np.random.default_rng(400 + tid)
+    raw = random_matrix(tid, 1024, 9, rng)
+    q = QTensor.from_bytes(tid, raw, (1024, 9))
+    x = rng.standard_normal(1024).astype(np.float32)
+    ref = _int8_reference(tid, oracle(tid, raw, 1024).astype(np.float64), x)
+    assert rel_err(q.matvec(x), ref) <= 1e-5
+
+
+def test_activation_reuse():
+    rng = np.random.default_rng(5)
+    a = QTensor.from_bytes(gt.Q4_K, random_matrix(gt.Q4_K, 256, 6, rng), (256, 6))
+    b = QTensor.from_bytes(gt.Q8_0, random_matrix(gt.Q8_0, 256, 3, rng), (256, 3))
+    c = QTensor.from_bytes(gt.Q5_0, random_matrix(gt.Q5_0, 256, 4, rng), (256, 4))
+    x = rng.standard_normal(256).astype(np.float32)
+    act = quantize_activation(x)
+    for m in (a, b, c):
+        assert np.array_equal(m.matvec(act), m.matvec(x))
+    xs = rng.standard_normal((3, 256)).astype(np.float32)
+    act = quantize_activation(xs)
+    for m in (a, b, c):
+        assert np.array_equal(m.matmul(act), m.matmul(xs))
+
+
+def test_out_parameter_and_noncontiguous_input():
+    rng = np.random.default_rng(6)
+    q = QTensor.from_bytes(gt.Q6_K, random_matrix(gt.Q6_K, 256, 5, rng), (256, 5))
+    x2 = rng.standard_normal((256, 2)).astype(np.float32)
+    out = np.empty(5, np.float32)
+    assert q.matvec(x2[:, 0], out=out) is out
+    assert np.array_equal(out, q.matvec(np.ascontiguousarray(x2[:, 0])))
+    out2 = np.empty((2, 5), np.float32)
+    assert q.matmul(x2.T, out=out2) is out2
+
+
+def test_nan_propagates_through_matvec(float_path):
+    rng = np.random.default_rng(7)
+    for tid in (gt.Q4_K, gt.Q8_0, gt.Q4_0):
+        raw = random_matrix(tid, 256, 3, rng).copy()
+        raw[1, FP16_FIELDS[tid][0] : FP16_FIELDS[tid][0] + 2] = np.array([0x7E00], np.uint16).view(np.uint8)
+        q = QTensor.from_bytes(tid, raw, (256, 3))
+        x = rng.standard_normal(256).astype(np.float32)
+        for path in (False, True):
+            set_int8_activations(path)
+            y = q.matvec(x)
+            assert np.isnan(y[1]) and np.isfinite(y[[0, 2]]).all(), (tname(tid), path)
+        x[5] = np.nan
+        assert np.isnan(q.matvec(x)).all()
+
+
+# -- threads ----------------------------------------------------------------------------------
+
+
+def test_results_identical_at_1_and_2_threads():
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("Numba was started with a single thread")
+    rng = np.random.default_rng(8)
+    before = get_threads()
+    try:
+        for tid in (gt.Q4_K, gt.Q6_K, gt.Q8_0, gt.Q3_K, gt.F16):
+            raw = random_matrix(tid, 256, 37, rng)
+            q = QTensor.from_bytes(tid, raw, (256, 37))
+            x = rng.standard_normal((7, 256)).astype(np.float32)
+            res = []
+            for n in (1, 2):
+                set_threads(n)
+                assert get_threads() == n
+                per = []
+                for int8 in (True, False):
+                    set_int8_activations(int8)
+                    per += [q.matvec(x[0]), q.matmul(x), q.dequantize()]
+                res.append(per)
+            for a, b in zip(*res):
+                assert np.array_equal(a, b, equal_nan=True)
+    finally:
+        set_int8_activations(True)
+        set_threads(before)
+
+
+def test_set_threads_validates():
+    with pytest.raises(ValueError):
+        set_threads(0)
+    before = get_threads()
+    set_threads(None)  # physical cores
+    assert get_threads() >= 1
+    set_threads(before)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def test_supported_types():
+    assert {tname(t) for t in SUPPORTED_TYPES} == {
+        "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K"}
+
+
+def test_from_bytes_validates():
+    raw = np.zeros(144 * 2, np.uint8)
+    with pytest.raises(UnsupportedError, match="iq4_nl, which qllama cannot run yet"):
+        QTensor.from_bytes(20, raw, (256, 2))
+    with pytest.raises(QllamaError, match="needs 288"):
+        QTensor.from_bytes(gt.Q4_K, raw[:-1], (256, 2))
+    with pytest.raises(QllamaError, match="multiple of the q4_K block size"):
+        QTensor.from_bytes(gt.Q4_K, raw, (128, 4))
+    with pytest.raises(QllamaError):
+        QTensor.from_bytes(gt.Q4_K, raw, (256, 0))
+    q = QTensor.from_bytes(gt.Q4_K, raw, (256, 2))
+    assert q.nbytes == 288 and q.n_cols == 256 and q.n_rows == 2 and q.shape == (256, 2)
+    assert not q.raw.flags.writeable
+
+
+def test_operations_validate_input():
+    q = QTensor.from_bytes(gt.Q8_0, np.zeros(34 * 8 * 3, np.uint8), (256, 3))
+    with pytest.raises(ValueError, match="shape"):
+        q.matvec(np.zeros(255, np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        q.matvec(np.zeros(256, np.float64))
+    with pytest.raises(ValueError, match="shape"):
+        q.matmul(np.zeros(256, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        q.matvec(np.zeros(256, np.float32), out=np.zeros(4, np.float32))
+    with pytest.raises(IndexError):
+        q.dequantize(np.array([0, 3]))
+    with pytest.raises(IndexError):
+        q.row(-4)
+    assert q.matmul(np.zeros((0, 256), np.float32)).shape == (0, 3)
+    assert q.dequantize(np.array([], np.int64)).shape == (0, 256)
+
+
+def test_from_gguf_rejects_unsupported_type(tmp_path):
+    from gguf import GGUFWriter
+
+    from qllama.gguf import GGUFFile
+
+    path = tmp_path / "t.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("ok.weight", np.zeros((2, 34), np.uint8), raw_shape=(2, 34), raw_dtype=GQ.Q8_0)
+    w.add_tensor("iq.weight", np.zeros((2, 18), np.uint8), raw_shape=(2, 18), raw_dtype=GQ.IQ4_NL)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf = GGUFFile(path)
+    q = QTensor.from_gguf(gf, "ok.weight")
+    assert q.shape == (32, 2) and q.type_id == gt.Q8_0
+    with pytest.raises(UnsupportedError, match="tensor iq.weight has type iq4_nl, which qllama cannot run yet"):
+        QTensor.from_gguf(gf, "iq.weight")
+
+
+# -- tensors quantized by llama.cpp ------------------------------------------------------------
+
+
+def _q4km_path() -> Path:
+    paths = sorted((SHARED / "models").glob("*Q4_K_M.gguf")) if SHARED.is_dir() else []
+    if not paths:
+        pytest.skip(f"no *Q4_K_M.gguf under {SHARED / 'models'}")
+    return paths[0]
+
+
+def test_llama_cpp_tensors_dequantize_bit_exact():
+    from qllama.gguf import GGUFFile
+
+    gf = GGUFFile(_q4km_path())
+    seen = set()
+    for name, info in gf.tensors.items():
+        if info.type_id not in (gt.Q4_K, gt.Q6_K, gt.Q8_0, gt.Q5_0):
+            continue
+        q = QTensor.from_gguf(gf, name)
+        ref = gq.dequantize(gf.tensor_bytes(name).reshape(q.n_rows, -1), GQ(info.type_id))
+        assert_bits_equal(q.dequantize(), ref)
+        seen.add(info.type_id)
+    assert {gt.Q4_K, gt.Q6_K} <= seen
+
+
+def test_llama_cpp_tensors_matvec():
+    from qllama.gguf import GGUFFile
+
+    gf = GGUFFile(_q4km_path())
+    rng = np.random.default_rng(9)
+    done = set()
+    for name, info in gf.tensors.items():
+        if info.type_id in done or info.type_id not in (gt.Q4_K, gt.Q6_K) or len(info.shape) != 2:
+            continue
+        done.add(info.type_id)
+        q = QTensor.from_gguf(gf, name)
+        w64 = q.dequantize().astype(np.float64)
+        xs = rng.standard_normal((3, q.n_cols)).astype(np.float32)
+        ref = xs.astype(np.float64) @ w64.T
+        for int8, tol in ((False, FLOAT_TOL), (True, INT8_TOL)):
+            set_int8_activations(int8)
+            try:
+                assert rel_err(q.matvec(xs[0]), ref[0]) <= tol
+                assert rel_err(q.matmul(xs), ref) <= tol
+            finally:
+                set_int8_activations(True)
