@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .errors import GGUFError, QllamaError, UnsupportedError
 from .ggml_types import (
@@ -361,98 +361,120 @@ def _pack_k4_scales(ls, lm, sc):
             sc[j] |= (lm[j] >> 4) << 6
 
 
-@njit(cache=True)
-def _quantize_q4_K_kernel(x, out, dd):
-    """x (nb, 256) float32 -> out (nb, 144) uint8 without the fp16 d/dmin (left in dd (nb, 2))."""
-    L = np.empty(256, np.int64)
-    Laux = np.empty(32, np.int64)
-    weights = np.empty(32, np.float32)
-    ls = np.empty(8, np.int64)
-    lm = np.empty(8, np.int64)
-    for ib in range(x.shape[0]):
-        xb = x[ib]
-        _kx_block_scales(xb, 15, _F32(-1.0), _F32(0.1), 20, L, Laux, weights, ls, lm, dd, ib)
-        o = out[ib]
-        _pack_k4_scales(ls, lm, o[4:16])
-        # qs (128): byte 32*g + l = L[64g + l] | L[64g + 32 + l] << 4
-        for g in range(4):
-            for l in range(32):
-                o[16 + 32 * g + l] = L[64 * g + l] | (L[64 * g + 32 + l] << 4)
+_BLOCKS_PER_TASK = 64  # super-blocks per parallel task (each task has its own scratch arrays)
 
 
 @njit(cache=True)
-def _quantize_q5_K_kernel(x, out, dd):
-    """x (nb, 256) float32 -> out (nb, 176) uint8 without the fp16 d/dmin (left in dd (nb, 2))."""
-    L = np.empty(256, np.int64)
-    Laux = np.empty(32, np.int64)
-    weights = np.empty(32, np.float32)
-    ls = np.empty(8, np.int64)
-    lm = np.empty(8, np.int64)
-    for ib in range(x.shape[0]):
-        xb = x[ib]
-        _kx_block_scales(xb, 31, _F32(-0.5), _F32(0.1), 15, L, Laux, weights, ls, lm, dd, ib)
-        o = out[ib]
-        _pack_k4_scales(ls, lm, o[4:16])
-        # qh (32) at 16, qs (128) at 48: value 64g + 32h + l -> low nibble in qs[32g + l]
-        # (h selects the nibble), bit 4 in qh[l] bit 2g + h
+def _q4_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
+    """One q4_K super-block: xb (256,) float32 -> o (144,) uint8 (d, dmin left in dd[ib])."""
+    _kx_block_scales(xb, 15, _F32(-1.0), _F32(0.1), 20, L, Laux, weights, ls, lm, dd, ib)
+    _pack_k4_scales(ls, lm, o[4:16])
+    # qs (128) at 16: byte 32g + l = L[64g + l] | L[64g + 32 + l] << 4
+    for g in range(4):
         for l in range(32):
-            o[16 + l] = 0
-        for g in range(4):
-            for l in range(32):
-                l1 = L[64 * g + l]
-                l2 = L[64 * g + 32 + l]
-                o[16 + l] |= ((l1 >> 4) << (2 * g)) | ((l2 >> 4) << (2 * g + 1))
-                o[48 + 32 * g + l] = (l1 & 0xF) | ((l2 & 0xF) << 4)
+            o[16 + 32 * g + l] = L[64 * g + l] | (L[64 * g + 32 + l] << 4)
 
 
 @njit(cache=True)
-def _quantize_q6_K_kernel(x, out, dd):
-    """x (nb, 256) float32 -> out (nb, 210) uint8 without the trailing fp16 d (left in dd (nb, 1))."""
-    L = np.empty(256, np.int64)
-    scales = np.empty(16, np.float32)
-    qsc = np.empty(16, np.int64)
-    for ib in range(x.shape[0]):
-        xb = x[ib]
-        o = out[ib]
-        max_scale = _F32(0)
-        max_abs_scale = _F32(0)
-        for j in range(16):
-            s = _make_qx_quants_rmse1(xb, 16 * j, 16, 32, L)
-            scales[j] = s
-            if abs(s) > max_abs_scale:
-                max_abs_scale = abs(s)
-                max_scale = s
-        if max_abs_scale < _GROUP_MAX_EPS:
-            for k in range(o.shape[0]):
-                o[k] = 0
-            dd[ib, 0] = _F32(0)
+def _q5_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
+    """One q5_K super-block: xb (256,) float32 -> o (176,) uint8 (d, dmin left in dd[ib])."""
+    _kx_block_scales(xb, 31, _F32(-0.5), _F32(0.1), 15, L, Laux, weights, ls, lm, dd, ib)
+    _pack_k4_scales(ls, lm, o[4:16])
+    # qh (32) at 16, qs (128) at 48: value 64g + 32h + l -> low nibble in qs[32g + l]
+    # (h selects the nibble), bit 4 in qh[l] bit 2g + h
+    for l in range(32):
+        o[16 + l] = 0
+    for g in range(4):
+        for l in range(32):
+            l1 = L[64 * g + l]
+            l2 = L[64 * g + 32 + l]
+            o[16 + l] |= ((l1 >> 4) << (2 * g)) | ((l2 >> 4) << (2 * g + 1))
+            o[48 + 32 * g + l] = (l1 & 0xF) | ((l2 & 0xF) << 4)
+
+
+@njit(cache=True)
+def _q6_K_block(xb, o, dd, ib, L, scales, qsc):
+    """One q6_K super-block: xb (256,) float32 -> o (210,) uint8 (the trailing d left in dd[ib])."""
+    max_scale = _F32(0)
+    max_abs_scale = _F32(0)
+    for j in range(16):
+        s = _make_qx_quants_rmse1(xb, 16 * j, 16, 32, L)
+        scales[j] = s
+        if abs(s) > max_abs_scale:
+            max_abs_scale = abs(s)
+            max_scale = s
+    if max_abs_scale < _GROUP_MAX_EPS:
+        for k in range(o.shape[0]):
+            o[k] = 0
+        dd[ib, 0] = _F32(0)
+        return
+    iscale = _F32(-128) / max_scale
+    d = _fp16_round(_F32(1) / iscale)
+    dd[ib, 0] = d
+    for j in range(16):
+        q = min(127, _nearest_int(iscale * scales[j]))
+        q = ((q + 128) & 0xFF) - 128  # stored as int8_t
+        qsc[j] = q
+        o[192 + j] = q & 0xFF
+    for j in range(16):
+        dj = d * _F32(qsc[j])
+        if dj == _F32(0):
             continue
-        iscale = _F32(-128) / max_scale
-        d = _fp16_round(_F32(1) / iscale)
-        dd[ib, 0] = d
-        for j in range(16):
-            q = min(127, _nearest_int(iscale * scales[j]))
-            q = ((q + 128) & 0xFF) - 128  # stored as int8_t
-            qsc[j] = q
-            o[192 + j] = q & 0xFF
-        for j in range(16):
-            dj = d * _F32(qsc[j])
-            if dj == _F32(0):
-                continue
-            for ii in range(16):
-                l = _nearest_int(xb[16 * j + ii] / dj)
-                L[16 * j + ii] = max(-32, min(31, l)) + 32
-        # ql (128) at 0, qh (64) at 128; per half h of 128 values, value 128h + 32k + l:
-        # low nibble -> ql[64h + l + 32*(k&1)] (high nibble if k >= 2), 2 high bits -> qh[32h + l] bits 2k
-        for h in range(2):
-            for l in range(32):
-                q1 = L[128 * h + l]
-                q2 = L[128 * h + l + 32]
-                q3 = L[128 * h + l + 64]
-                q4 = L[128 * h + l + 96]
-                o[64 * h + l] = (q1 & 0xF) | ((q3 & 0xF) << 4)
-                o[64 * h + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4)
-                o[128 + 32 * h + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+        for ii in range(16):
+            l = _nearest_int(xb[16 * j + ii] / dj)
+            L[16 * j + ii] = max(-32, min(31, l)) + 32
+    # ql (128) at 0, qh (64) at 128; per half h of 128 values, value 128h + 32k + l:
+    # low nibble -> ql[64h + l + 32*(k&1)] (high nibble if k >= 2), 2 high bits -> qh[32h + l] bits 2k
+    for h in range(2):
+        for l in range(32):
+            q1 = L[128 * h + l]
+            q2 = L[128 * h + l + 32]
+            q3 = L[128 * h + l + 64]
+            q4 = L[128 * h + l + 96]
+            o[64 * h + l] = (q1 & 0xF) | ((q3 & 0xF) << 4)
+            o[64 * h + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4)
+            o[128 + 32 * h + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+
+
+# The kernels: x (nb, 256) float32 -> out (nb, type_size) uint8, with the fp16 super-block
+# scales left as (fp16-exact) float32 in dd (nb, 2 or 1) for NumPy to pack. Blocks are
+# independent, so the parallel schedule cannot change the bytes.
+
+@njit(cache=True, parallel=True)
+def _quantize_q4_K_kernel(x, out, dd):
+    nb = x.shape[0]
+    for c in prange((nb + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
+        L = np.empty(256, np.int64)
+        Laux = np.empty(32, np.int64)
+        weights = np.empty(32, np.float32)
+        ls = np.empty(8, np.int64)
+        lm = np.empty(8, np.int64)
+        for ib in range(c * _BLOCKS_PER_TASK, min(nb, (c + 1) * _BLOCKS_PER_TASK)):
+            _q4_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q5_K_kernel(x, out, dd):
+    nb = x.shape[0]
+    for c in prange((nb + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
+        L = np.empty(256, np.int64)
+        Laux = np.empty(32, np.int64)
+        weights = np.empty(32, np.float32)
+        ls = np.empty(8, np.int64)
+        lm = np.empty(8, np.int64)
+        for ib in range(c * _BLOCKS_PER_TASK, min(nb, (c + 1) * _BLOCKS_PER_TASK)):
+            _q5_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q6_K_kernel(x, out, dd):
+    nb = x.shape[0]
+    for c in prange((nb + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
+        L = np.empty(256, np.int64)
+        scales = np.empty(16, np.float32)
+        qsc = np.empty(16, np.int64)
+        for ib in range(c * _BLOCKS_PER_TASK, min(nb, (c + 1) * _BLOCKS_PER_TASK)):
+            _q6_K_block(x[ib], out[ib], dd, ib, L, scales, qsc)
 
 
 def _quantize_q4_K(b: np.ndarray) -> np.ndarray:
