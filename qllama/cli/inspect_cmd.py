@@ -57,6 +57,11 @@ def show_str(s: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in raw)
 
 
+def quote(s: str) -> str:
+    """A string for display in quotes (tokens, array items)."""
+    return "'" + show_str(s).replace("'", "\\'") + "'"
+
+
 def show_scalar(v: Any) -> str:
     if isinstance(v, str):
         return show_str(v)
@@ -97,7 +102,7 @@ def summary_lines(f: GGUFFile, s: ModelSummary) -> list[str]:
     def token(i: int | None, t: str | None) -> str:
         if i is None:
             return "?"
-        return f"{i} {show_str(repr(t))}" if t is not None else str(i)
+        return f"{i} {quote(t)}" if t is not None else str(i)
 
     params = f"{human_count(s.n_params)} ({s.n_params:,})" if s.n_tensors else "0 (vocab only: no tensors)"
     if s.rope_freq_base is not None:
@@ -174,7 +179,7 @@ def _show_array(v: Any) -> str:
         if isinstance(x, (list, np.ndarray)):
             parts.append(_show_array(x))
         elif isinstance(x, str):
-            parts.append(show_str(repr(x)))
+            parts.append(quote(x))
         else:
             parts.append(show_scalar(x))
     if n > TEXT_ARRAY_LIMIT:
