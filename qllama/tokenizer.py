@@ -23,6 +23,7 @@ see tokenizer_spm.py). Around them, as llama.cpp does:
 from __future__ import annotations
 
 import codecs
+import gc
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -139,7 +140,13 @@ class Tokenizer:
     def from_metadata(cls, md: dict) -> "Tokenizer":
         """The tokenizer described by GGUF metadata (`tokenizer.ggml.*` keys)."""
         self = cls.__new__(cls)
-        self._init(md)
+        gc_was_on = gc.isenabled()
+        gc.disable()  # building makes ~10^5 small objects and no cycles: skip the collector passes
+        try:
+            self._init(md)
+        finally:
+            if gc_was_on:
+                gc.enable()
         return self
 
     def _init(self, md: dict) -> None:
@@ -153,7 +160,7 @@ class Tokenizer:
                                    "'llama' SentencePiece)")
         self.model = model
         tokens = md.get(KEY + "tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        if not isinstance(tokens, list) or not _all_str(tokens):
             raise QllamaError("tokenizer.ggml.tokens is missing or is not an array of strings")
         n = len(tokens)
         if n == 0:
@@ -349,10 +356,10 @@ class Tokenizer:
             return b""
         text = self._tokens[i]
         if attr & _SPECIAL_ATTRS:
-            return text.encode("utf-8", "surrogatepass")
+            return _raw_bytes(text)
         if attr & TokenAttr.NORMAL:
             if self.model == "llama":
-                return text.replace(SPACE, " ").encode("utf-8", "surrogatepass")
+                return _raw_bytes(text.replace(SPACE, " "))
             return gpt2_decode(text)
         if attr & TokenAttr.BYTE:
             try:
@@ -376,6 +383,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise QllamaError(f"text to encode must be a str, not {type(text).__name__}")
+        text = _no_surrogates(text)
         out: list[int] = []
         fragments = self._partition(text, parse_special) if text else []
         if self._spm is not None:
@@ -520,6 +528,31 @@ class StreamDecoder:
         s = self._pending + self._utf8.decode(b"", final=True)
         self._pending = ""
         return clean_up_spaces(s) if self._tok.clean_spaces else s
+
+
+def _no_surrogates(text: str) -> str:
+    # Lone surrogates have no UTF-8 form (they come from surrogateescape'd bytes): U+FFFD each.
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
+
+def _raw_bytes(text: str) -> bytes:
+    """The file's bytes of a token string (the GGUF reader keeps invalid UTF-8 as surrogateescape)."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _all_str(items: list) -> bool:
+    try:
+        "".join(items)  # C-speed element type check
+        return True
+    except TypeError:
+        return False
 
 
 def _opt_str(md: dict, key: str) -> str | None:

@@ -21,6 +21,7 @@ Two engines give those ids:
 from __future__ import annotations
 
 import heapq
+from itertools import accumulate, groupby
 
 import numpy as np
 
@@ -199,30 +200,43 @@ class BPEModel:
         import tiktoken
 
         t2i = self._token_to_id
-        n_merges = len(merges)
-        # rank of a merged token = 256 + index of the first merge that creates it
-        first: dict[str, int] = {}
-        for i, m in enumerate(merges):
-            pos = m.find(" ", 1)
-            if pos > 0:
-                first.setdefault(m[:pos] + m[pos + 1 :], i)
-        ranks: dict[bytes, int] = {}
-        rank_to_id = [-1] * (256 + n_merges)
-        for b in range(256):  # single bytes: ranks 0..255; a byte without a token maps to -1 (dropped)
-            ranks[bytes([b])] = b
-            rank_to_id[b] = t2i.get(BYTE_TO_UNICODE[b], -1)
-        for text, i in first.items():
-            tid = t2i.get(text)
-            if tid is None:
+        # The result of merge i is "left right" without its space. GPT-2-form text has no raw space
+        # or newline, so one join/replace/split does all merges at C speed.
+        joined = "\n".join(merges)
+        if joined.count(" ") != len(merges) or joined.count("\n") != len(merges) - 1:
+            return  # unusual merges: leave them to the exact engine
+        results = joined.replace(" ", "").split("\n")
+        byte_ids = [t2i.get(BYTE_TO_UNICODE[b], -1) for b in range(256)]
+        # Distinct results in order of their first merge give the tiktoken rank order. Common case
+        # (Llama 3, GPT-2): merges are grouped by result and the results are tokens 256, 257, ...
+        # in id order; checking that needs no hashing.
+        order = [k for k, _ in groupby(results)]
+        n_ranked = 256 + len(order)
+        if sorted(byte_ids) == list(range(256)) and order == tokens[256:n_ranked]:
+            order_ids = None  # identity: rank = id
+        else:
+            order = list(dict.fromkeys(results))
+            n_ranked = 256 + len(order)
+            order_ids = list(map(t2i.get, order))
+            if None in order_ids:
                 return  # a merge that makes no token: only the exact engine reproduces llama.cpp
-            ranks[gpt2_decode(text)] = 256 + i
-            rank_to_id[256 + i] = tid
-        # ignore_merges looks words up among all tokens; normal tokens no merge reaches would be missed
-        reachable = 256 + len(first)
-        if int(np.count_nonzero(is_normal)) > reachable:
-            n_unreached = sum(1 for t, ok in zip(tokens, is_normal) if ok and len(t) > 1 and t not in first)
-            if n_unreached:
+        # ignore_merges looks words up among all tokens: every normal token must be reachable
+        if int(np.count_nonzero(is_normal)) > 256 + len(order):
+            reachable = set(order) | {BYTE_TO_UNICODE[b] for b in range(256)}
+            if any(ok and t not in reachable for t, ok in zip(tokens, is_normal)):
                 return
+        merged_bytes = _gpt2_decode_many(order)
+        if order_ids is None:
+            # ids already follow the merge order (Llama 3, GPT-2): rank = id, no mapping needed
+            ranks = dict(zip(merged_bytes, range(256, n_ranked)))
+            ranks.update((bytes([b]), byte_ids[b]) for b in range(256))
+            rank_to_id = None
+        else:
+            ranks = dict(zip(merged_bytes, range(256, n_ranked)))
+            ranks.update((bytes([b]), b) for b in range(256))  # a byte without a token maps to -1: dropped
+            rank_to_id = byte_ids + order_ids
+        if len(ranks) != n_ranked:
+            return  # two tokens with the same bytes
         self._tiktoken = tiktoken.Encoding(
             name="qllama-bpe", pat_str=self.pre.tiktoken_pattern, mergeable_ranks=ranks, special_tokens={}
         )
@@ -234,11 +248,12 @@ class BPEModel:
         if not text:
             return []
         if self._tiktoken is not None:
-            text = _no_surrogates(text)
+            ids = self._tiktoken.encode_ordinary(text)
             r2i = self._rank_to_id
-            ids = [r2i[r] for r in self._tiktoken.encode_ordinary(text)]
-            if -1 in ids:
-                ids = [i for i in ids if i >= 0]
+            if r2i is not None:
+                ids = [r2i[r] for r in ids]
+                if -1 in ids:
+                    ids = [i for i in ids if i >= 0]
             return ids
         exact = self.exact
         cache = exact.cache
@@ -257,17 +272,28 @@ class BPEModel:
         return out
 
 
-def _no_surrogates(text: str) -> str:
-    # tiktoken cannot take lone surrogates (Python-only code points); UTF-8 has no form for them
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "replace").decode("utf-8")
-
-
 def check_merges(merges: object) -> list[str]:
-    """Validate `tokenizer.ggml.merges`."""
-    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+    """Validate `tokenizer.ggml.merges` (an array of strings)."""
+    if not isinstance(merges, list):
         raise QllamaError("tokenizer.ggml.merges must be an array of strings")
+    try:
+        "".join(merges)  # C-speed element type check
+    except TypeError:
+        raise QllamaError("tokenizer.ggml.merges must be an array of strings") from None
     return merges
+
+
+def _gpt2_decode_many(tokens: list[str]) -> list[bytes]:
+    """`gpt2_decode` of many tokens at once (one table lookup over all code points, then slices)."""
+    cps = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32)  # (total chars,)
+    if cps.size and int(cps.max()) >= len(_CP_TO_BYTE) or (cps.size and (_CP_TO_BYTE[cps] < 0).any()):
+        return [gpt2_decode(t) for t in tokens]  # a code point outside the byte map somewhere
+    big = _CP_TO_BYTE[cps].astype(np.uint8).tobytes()
+    offs = list(accumulate(map(len, tokens), initial=0))  # one byte per code point
+    return [big[a:b] for a, b in zip(offs, offs[1:])]
+
+
+# code point of the GPT-2 form -> byte (-1: not in the map)
+_CP_TO_BYTE = np.full(max(map(ord, UNICODE_TO_BYTE)) + 1, -1, dtype=np.int16)
+for _c, _b in UNICODE_TO_BYTE.items():
+    _CP_TO_BYTE[ord(_c)] = _b
