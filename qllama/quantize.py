@@ -25,11 +25,12 @@ import logging
 import math
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .errors import GGUFError, QllamaError, UnsupportedError
 from .ggml_types import (
@@ -361,9 +362,6 @@ def _pack_k4_scales(ls, lm, sc):
             sc[j] |= (lm[j] >> 4) << 6
 
 
-_BLOCKS_PER_TASK = 64  # super-blocks per parallel task (each task has its own scratch arrays)
-
-
 @njit(cache=True)
 def _q4_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
     """One q4_K super-block: xb (256,) float32 -> o (144,) uint8 (d, dmin left in dd[ib])."""
@@ -437,66 +435,78 @@ def _q6_K_block(xb, o, dd, ib, L, scales, qsc):
 
 
 # The kernels: x (nb, 256) float32 -> out (nb, type_size) uint8, with the fp16 super-block
-# scales left as (fp16-exact) float32 in dd (nb, 2 or 1) for NumPy to pack. Blocks are
-# independent, so the parallel schedule cannot change the bytes.
+# scales left as (fp16-exact) float32 in dd (nb, 2 or 1) for NumPy to pack. nogil: _run_blocks
+# runs them on slices of blocks in threads (cheaper to compile than numba's parallel=True).
+# Blocks are independent, so the split cannot change the bytes.
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True)
 def _quantize_q4_K_kernel(x, out, dd):
-    nb = x.shape[0]
-    for c in prange((nb + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
-        L = np.empty(256, np.int64)
-        Laux = np.empty(32, np.int64)
-        weights = np.empty(32, np.float32)
-        ls = np.empty(8, np.int64)
-        lm = np.empty(8, np.int64)
-        for ib in range(c * _BLOCKS_PER_TASK, min(nb, (c + 1) * _BLOCKS_PER_TASK)):
-            _q4_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
+    L = np.empty(256, np.int64)
+    Laux = np.empty(32, np.int64)
+    weights = np.empty(32, np.float32)
+    ls = np.empty(8, np.int64)
+    lm = np.empty(8, np.int64)
+    for ib in range(x.shape[0]):
+        _q4_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True)
 def _quantize_q5_K_kernel(x, out, dd):
-    nb = x.shape[0]
-    for c in prange((nb + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
-        L = np.empty(256, np.int64)
-        Laux = np.empty(32, np.int64)
-        weights = np.empty(32, np.float32)
-        ls = np.empty(8, np.int64)
-        lm = np.empty(8, np.int64)
-        for ib in range(c * _BLOCKS_PER_TASK, min(nb, (c + 1) * _BLOCKS_PER_TASK)):
-            _q5_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
+    L = np.empty(256, np.int64)
+    Laux = np.empty(32, np.int64)
+    weights = np.empty(32, np.float32)
+    ls = np.empty(8, np.int64)
+    lm = np.empty(8, np.int64)
+    for ib in range(x.shape[0]):
+        _q5_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True)
 def _quantize_q6_K_kernel(x, out, dd):
-    nb = x.shape[0]
-    for c in prange((nb + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
-        L = np.empty(256, np.int64)
-        scales = np.empty(16, np.float32)
-        qsc = np.empty(16, np.int64)
-        for ib in range(c * _BLOCKS_PER_TASK, min(nb, (c + 1) * _BLOCKS_PER_TASK)):
-            _q6_K_block(x[ib], out[ib], dd, ib, L, scales, qsc)
+    L = np.empty(256, np.int64)
+    scales = np.empty(16, np.float32)
+    qsc = np.empty(16, np.int64)
+    for ib in range(x.shape[0]):
+        _q6_K_block(x[ib], out[ib], dd, ib, L, scales, qsc)
+
+
+_MIN_BLOCKS_PER_THREAD = 256
+_pool: ThreadPoolExecutor | None = None
+
+
+def _run_blocks(kernel, b: np.ndarray, type_id: int, n_scales: int) -> tuple[np.ndarray, np.ndarray]:
+    """Run a k-quant kernel over blocks b (nb, 256), split across threads when there is enough work."""
+    global _pool
+    nb = b.shape[0]
+    out = np.empty((nb, GGML_TYPES[type_id].type_size), np.uint8)
+    dd = np.empty((nb, n_scales), np.float32)
+    n_threads = min(os.cpu_count() or 1, nb // _MIN_BLOCKS_PER_THREAD)
+    if n_threads <= 1:
+        kernel(b, out, dd)
+        return out, dd
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="qllama-quantize")
+    bounds = np.linspace(0, nb, n_threads + 1).astype(int)
+    futures = [_pool.submit(kernel, b[s:e], out[s:e], dd[s:e]) for s, e in zip(bounds[:-1], bounds[1:])]
+    for f in futures:
+        f.result()
+    return out, dd
 
 
 def _quantize_q4_K(b: np.ndarray) -> np.ndarray:
-    out = np.empty((b.shape[0], GGML_TYPES[Q4_K].type_size), np.uint8)
-    dd = np.empty((b.shape[0], 2), np.float32)  # (d, dmin), already fp16-exact
-    _quantize_q4_K_kernel(b, out, dd)
+    out, dd = _run_blocks(_quantize_q4_K_kernel, b, Q4_K, 2)  # dd: (d, dmin), already fp16-exact
     out[:, 0:4] = dd.astype(np.float16).view(np.uint8)
     return out
 
 
 def _quantize_q5_K(b: np.ndarray) -> np.ndarray:
-    out = np.empty((b.shape[0], GGML_TYPES[Q5_K].type_size), np.uint8)
-    dd = np.empty((b.shape[0], 2), np.float32)
-    _quantize_q5_K_kernel(b, out, dd)
+    out, dd = _run_blocks(_quantize_q5_K_kernel, b, Q5_K, 2)
     out[:, 0:4] = dd.astype(np.float16).view(np.uint8)
     return out
 
 
 def _quantize_q6_K(b: np.ndarray) -> np.ndarray:
-    out = np.empty((b.shape[0], GGML_TYPES[Q6_K].type_size), np.uint8)
-    dd = np.empty((b.shape[0], 1), np.float32)
-    _quantize_q6_K_kernel(b, out, dd)
+    out, dd = _run_blocks(_quantize_q6_K_kernel, b, Q6_K, 1)
     out[:, 208:210] = dd.astype(np.float16).view(np.uint8)
     return out
 
