@@ -116,6 +116,15 @@ def test_kquant_all_zero_and_tiny_rows():
         assert np.abs(y).max() < 1e-20
 
 
+def test_kquant_threads_do_not_change_bytes(monkeypatch):
+    x = _rows(5, 16, 512)  # 32 super-blocks
+    serial = {t: quantize_array(x, t) for t in (Q4_K, Q5_K, Q6_K)}
+    monkeypatch.setattr(qz, "_MIN_BLOCKS_PER_THREAD", 4)
+    monkeypatch.setattr(qz.os, "cpu_count", lambda: 3)  # uneven slices
+    for t, ref in serial.items():
+        np.testing.assert_array_equal(quantize_array(x, t), ref)
+
+
 def test_kquant_bytes_equal_llama_cpp():
     """q4_K and q6_K tensors that llama.cpp's llama-quantize wrote for the shared model: same bytes."""
     src, ref = GGUFFile(_need(F32_MODEL)), GGUFFile(_need(Q4KM_MODEL))
