@@ -21,7 +21,8 @@ Two engines give those ids:
 from __future__ import annotations
 
 import heapq
-from itertools import accumulate, groupby
+from itertools import accumulate, compress
+from operator import ne
 
 import numpy as np
 
@@ -210,7 +211,8 @@ class BPEModel:
         # Distinct results in order of their first merge give the tiktoken rank order. Common case
         # (Llama 3, GPT-2): merges are grouped by result and the results are tokens 256, 257, ...
         # in id order; checking that needs no hashing.
-        order = [k for k, _ in groupby(results)]
+        keep = [True, *map(ne, results[1:], results[:-1])]  # first of each run of equal results
+        order = list(compress(results, keep))
         n_ranked = 256 + len(order)
         if sorted(byte_ids) == list(range(256)) and order == tokens[256:n_ranked]:
             order_ids = None  # identity: rank = id

@@ -1,0 +1,141 @@
+"""Tokenizer benchmark: build time of the Llama 3 tokenizer, and encoding speed on ~1 MiB of English.
+
+    python tools/bench_tokenizer.py [--shared ../shared] [--reps 5] [--corpus shakespeare|docs]
+
+Reports medians of `--reps` repetitions (the machines are shared and noisy). Every encode
+repetition starts from empty word caches (a fresh cache is what a new text sees). With
+llama-cpp-python installed, llama.cpp's tokenizer runs on the same text in the same run,
+alternating with ours (A B A B), and the ratio of the medians is printed.
+
+Corpora: `shakespeare` repeats ../shared/models/shakespeare-val.txt up to 1 MiB (deterministic);
+`docs` concatenates the .rst/.md/.txt files of the installed Python packages (more varied words,
+so the word caches help less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import os
+import site
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from qllama.gguf import GGUFFile  # noqa: E402
+from qllama.tokenizer import Tokenizer  # noqa: E402
+
+MIB = 1 << 20
+
+
+def corpus(kind: str, shared: Path) -> str:
+    """About 1 MiB of English text (UTF-8 bytes), cut at a character boundary."""
+    if kind == "shakespeare":
+        base = (shared / "models" / "shakespeare-val.txt").read_text(encoding="utf-8")
+        text = base * (MIB // len(base.encode()) + 1)
+    else:
+        parts, size = [], 0
+        files = sorted(p for sp in site.getsitepackages() for ext in ("rst", "md", "txt")
+                       for p in glob.glob(os.path.join(sp, f"**/*.{ext}"), recursive=True))
+        for p in files:
+            try:
+                s = Path(p).read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            parts.append(s)
+            size += len(s.encode())
+            if size > MIB:
+                break
+        text = "\n".join(parts)
+    return text.encode()[:MIB].decode("utf-8", "ignore")
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def clear_caches(tok: Tokenizer) -> None:
+    if tok._spm is not None:
+        tok._spm.cache.clear()
+    if tok._bpe is not None and tok._bpe._exact is not None:
+        tok._bpe._exact.cache.clear()
+
+
+def bench_build(path: Path, reps: int) -> None:
+    opens, builds, totals = [], [], []
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.perf_counter()
+        gf = GGUFFile(path)
+        md = gf.metadata
+        t1 = time.perf_counter()
+        tok = Tokenizer.from_metadata(md)
+        t2 = time.perf_counter()
+        opens.append(t1 - t0)
+        builds.append(t2 - t1)
+        totals.append(t2 - t0)
+        del tok, gf, md
+    print(f"build {path.name}: GGUF open {statistics.median(opens):.3f} s + tokenizer "
+          f"{statistics.median(builds):.3f} s = {statistics.median(totals):.3f} s (medians of {reps})")
+
+
+def bench_encode(path: Path, text: str, reps: int) -> None:
+    tok = Tokenizer.from_gguf(GGUFFile(path))
+    n_bytes = len(text.encode())
+
+    def ours():
+        clear_caches(tok)
+        return tok.encode(text)
+
+    ids = ours()
+    try:
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+    if llama_cpp is None:
+        t = median_time(ours, reps)
+        print(f"encode {path.name}: {n_bytes / MIB:.2f} MiB -> {len(ids)} tokens in {t:.3f} s "
+              f"({n_bytes / MIB / t:.2f} MiB/s); llama-cpp-python not installed, no ratio")
+        return
+    ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    data = text.encode()
+
+    def theirs():
+        return ref.tokenize(data, add_bos=False, special=False)
+
+    same = theirs() == ids
+    a, b = [], []
+    for _ in range(reps):  # alternate A B A B
+        a.append(median_time(ours, 1))
+        b.append(median_time(theirs, 1))
+    ta, tb = statistics.median(a), statistics.median(b)
+    print(f"encode {path.name}: {n_bytes / MIB:.2f} MiB -> {len(ids)} tokens: qllama {ta:.3f} s, "
+          f"llama.cpp {tb:.3f} s, ratio {ta / tb:.2f}x (ids identical: {same})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shared", type=Path, default=REPO.parent / "shared")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--corpus", choices=("shakespeare", "docs"), default="shakespeare")
+    args = ap.parse_args()
+    vocab = args.shared / "vocab"
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    bench_build(vocab / "ggml-vocab-llama-bpe.gguf", args.reps)
+    text = corpus(args.corpus, args.shared)
+    for name in ("llama-bpe", "llama-spm", "gpt-2"):
+        bench_encode(vocab / f"ggml-vocab-{name}.gguf", text, args.reps)
+
+
+if __name__ == "__main__":
+    main()
