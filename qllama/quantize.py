@@ -780,7 +780,8 @@ def _copy_metadata(writer, g) -> None:
 
     from .gguf import ValueType
 
-    skip = {"general.architecture", "general.alignment", "general.file_type", "general.quantization_version"}
+    skip = {"general.architecture", "general.alignment", "general.file_type", "general.quantization_version",
+            "split.no", "split.count", "split.tensors.count"}  # set by the writer / ours / not a split
     for key, value in g.metadata.items():
         if key in skip:
             continue
