@@ -391,7 +391,13 @@ def _chk_slice(b: _Budget, value: Any, slices: Any, fill_with: Any = None) -> No
     b.check_int_arg(slices, "slice")
 
 
+# textwrap is superlinear (1M chars take seconds in one uninterruptible call): cap its input.
+_WORDWRAP_MAX_CHARS = 20_000
+
+
 def _chk_wordwrap(b: _Budget, s: Any, width: Any = 79, break_long_words: bool = True, wrapstring: Any = None, break_on_hyphens: bool = True) -> None:
+    if isinstance(s, str) and len(s) > _WORDWRAP_MAX_CHARS:
+        raise TemplateError(f"chat template {b.label}: wordwrap of {len(s)} characters (limit {_WORDWRAP_MAX_CHARS})")
     if isinstance(s, str) and isinstance(wrapstring, str):
         b.check_len(len(s) * (1 + len(wrapstring)), "a wordwrap() result")
 

@@ -551,6 +551,7 @@ LIMITED = {
     "to_bytes": ("{{ (1).to_bytes(1000000000, 'big') }}", "too large"),
     "range": ("{{ range(1000000000)|list }}", "too large"),
     "batch_fill": ("{{ [1]|batch(1000000000, 'x')|list }}", "too large"),
+    "wordwrap_input": ("{{ ('a' * 1000000)|wordwrap(10) }}", "wordwrap of 1000000 characters"),
     "strftime_width": ("{{ strftime_now('%999999999Y') }}", "width 999999999 is too large"),
     # growth by doubling: each step is checked
     "plus_doubling": ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "concatenated string"),
