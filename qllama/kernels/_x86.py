@@ -57,7 +57,7 @@ def _maddwd(builder, a, b):
 
 
 def _hsum(builder, v):
-    """Horizontal sum of <8 x i32> -> i64."""
+    """Horizontal sum of <n x i32> -> i64."""
     n = v.type.count
     fn = builder.module.declare_intrinsic(f"llvm.vector.reduce.add.v{n}i32", fnty=ir.FunctionType(_I32, [v.type]))
     return builder.sext(builder.call(fn, [v]), _I64)
@@ -103,14 +103,15 @@ def dot_q4_k(typingctx, row, qo, xq, xo, scales):
 
 
 @intrinsic
-def dot_q6_k(typingctx, row, bo, xq, xo):
-    """sum_k sc[k] * sum_l q[16k+l] * xq[xo+16k+l] over one q6_K super-block at row[bo:],
+def dot_q6_k(typingctx, row, bo, xq, xo, xs, so):
+    """sum_k sc[k] * sum_l (q[16k+l] - 32) * xq[xo+16k+l] over one q6_K super-block at row[bo:].
 
-    with q the *unsigned* 6-bit values 0..63 (the caller subtracts 32 * sum_k sc[k]*bsum[k]).
+    The 6-bit quants enter pmaddubsw unsigned (0..63); the -32 offset is applied through the
+    activation's 16-element sums xs[so:so+16] (int32): - 32 * sum_k sc[k] * xs[so+k].
     """
-    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xs, types.int32)):
         return None
-    sig = types.int64(row, bo, xq, xo)
+    sig = types.int64(row, bo, xq, xo, xs, so)
 
     def codegen(context, builder, signature, args):
         base = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
@@ -132,7 +133,9 @@ def dot_q6_k(typingctx, row, bo, xq, xo):
                 p = _maddubs(builder, q, _load32(builder, xp, 4 * n + s))
                 k = 8 * n + 2 * s
                 acc = builder.add(acc, _maddwd(builder, p, _lanes(builder, sc, [k] * 8 + [k + 1] * 8)))
-        return _hsum(builder, acc)
+        bs = builder.load(_ptr(context, builder, signature.args[4], args[4], args[5], _vec(_I32, 16)), align=4)
+        corr = _hsum(builder, builder.mul(builder.sext(sc, _vec(_I32, 16)), bs))
+        return builder.sub(_hsum(builder, acc), builder.shl(corr, ir.Constant(_I64, 5)))
 
     return sig, codegen
 
@@ -154,5 +157,24 @@ def dot_q8_0(typingctx, row, qo, xq, xo):
         sx = builder.select(builder.icmp_signed("==", w, _splat(_I8, 32, 0)), _splat(_I8, 32, 0), sx)
         p = _maddubs(builder, aw, sx)
         return _hsum(builder, _maddwd(builder, p, _splat(_I16, 16, 1)))
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_mins_q4_k(typingctx, mins, xs, so):
+    """sum_k mins[k] * (xs[so+2k] + xs[so+2k+1]) for k < 8: the min term of a q4_K/q5_K block.
+
+    `mins` packs the 8 six-bit mins one per byte of an int64; xs holds 16-element sums (int32).
+    """
+    if not _is_arr(xs, types.int32):
+        return None
+    sig = types.int64(mins, xs, so)
+
+    def codegen(context, builder, signature, args):
+        m = builder.zext(builder.bitcast(args[0], _vec(_I8, 8)), _vec(_I32, 8))
+        bs = builder.load(_ptr(context, builder, signature.args[1], args[1], args[2], _vec(_I32, 16)), align=4)
+        pairs = builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2)))
+        return _hsum(builder, builder.mul(m, pairs))
 
     return sig, codegen

@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._fp16 import f16_at
-from ._x86 import dot_q4_k, dot_q6_k, dot_q8_0
+from ._x86 import dot_mins_q4_k, dot_q4_k, dot_q6_k, dot_q8_0
 
 _NOPY = dict(cache=True, boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -100,6 +100,25 @@ def _u32(row, o):
     return np.int64(row[o]) | (np.int64(row[o + 1]) << 8) | (np.int64(row[o + 2]) << 16) | (np.int64(row[o + 3]) << 24)
 
 
+@njit(inline="always", **_NOPY)
+def _q4_k_scales(row, o):
+    """The 8 six-bit scales and 8 mins of the q4_K/q5_K block at row[o:], one per byte of two int64."""
+    u0 = _u32(row, o + 4)
+    u1 = _u32(row, o + 8)
+    u2 = _u32(row, o + 12)
+    sc = (u0 & 0x3F3F3F3F) | (((u2 & 0x0F0F0F0F) | (((u0 >> 6) & 0x03030303) << 4)) << 32)
+    mn = (u1 & 0x3F3F3F3F) | ((((u2 >> 4) & 0x0F0F0F0F) | (((u1 >> 6) & 0x03030303) << 4)) << 32)
+    return sc, mn
+
+
+@njit(inline="always", **_NOPY)
+def _q4_k_block(row, o, d, dmin, sc, mn, xqt, xdt, xst, b):
+    """Contribution of q4_K super-block b (at row[o:]) to the dot with one q8_K token."""
+    isum = dot_q4_k(row, o + 16, xqt, b * QK_K, sc)
+    msum = dot_mins_q4_k(mn, xst, b * 16)
+    return (xdt[b] * d) * np.float32(isum) - (xdt[b] * dmin) * np.float32(msum)
+
+
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q4_k(raw, xq, xd, xs, tab, out):
     """out[t, r] = row r . x[t] with x in q8_K form. raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows)."""
@@ -110,6 +129,16 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out):
     for task in prange(n_tasks):
         r0 = task * ROWS_PER_TASK
         r1 = min(n_rows, r0 + ROWS_PER_TASK)
+        if n_tok == 1:  # decode: keep the sum in a register
+            for r in range(r0, r1):
+                row = raw[r]
+                acc = np.float32(0.0)
+                for b in range(nb):
+                    o = b * 144
+                    sc, mn = _q4_k_scales(row, o)
+                    acc += _q4_k_block(row, o, f16_at(row, o, tab), f16_at(row, o + 2, tab), sc, mn, xq[0], xd[0], xs[0], b)
+                out[0, r] = acc
+            continue
         for t0 in range(0, n_tok, TOKEN_TILE):
             t1 = min(n_tok, t0 + TOKEN_TILE)
             for r in range(r0, r1):
@@ -120,18 +149,9 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out):
                     o = b * 144
                     d = f16_at(row, o, tab)
                     dmin = f16_at(row, o + 2, tab)
-                    # 6-bit scales/mins of the 8 sub-blocks, packed one per byte (ggml's utmp trick)
-                    u0 = _u32(row, o + 4)
-                    u1 = _u32(row, o + 8)
-                    u2 = _u32(row, o + 12)
-                    sc = (u0 & 0x3F3F3F3F) | (((u2 & 0x0F0F0F0F) | (((u0 >> 6) & 0x03030303) << 4)) << 32)
-                    mn = (u1 & 0x3F3F3F3F) | ((((u2 >> 4) & 0x0F0F0F0F) | (((u1 >> 6) & 0x03030303) << 4)) << 32)
+                    sc, mn = _q4_k_scales(row, o)
                     for t in range(t0, t1):
-                        isum = dot_q4_k(row, o + 16, xq[t], b * QK_K, sc)
-                        msum = 0
-                        for k in range(8):
-                            msum += ((mn >> (8 * k)) & 63) * (xs[t, b * 16 + 2 * k] + xs[t, b * 16 + 2 * k + 1])
-                        out[t, r] += (xd[t, b] * d) * np.float32(isum) - (xd[t, b] * dmin) * np.float32(msum)
+                        out[t, r] += _q4_k_block(row, o, d, dmin, sc, mn, xq[t], xd[t], xs[t], b)
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
@@ -144,6 +164,16 @@ def matmul_q6_k(raw, xq, xd, xs, tab, out):
     for task in prange(n_tasks):
         r0 = task * ROWS_PER_TASK
         r1 = min(n_rows, r0 + ROWS_PER_TASK)
+        if n_tok == 1:
+            for r in range(r0, r1):
+                row = raw[r]
+                acc = np.float32(0.0)
+                for b in range(nb):
+                    o = b * 210
+                    isum = dot_q6_k(row, o, xq[0], b * QK_K, xs[0], b * 16)
+                    acc += (xd[0, b] * f16_at(row, o + 208, tab)) * np.float32(isum)
+                out[0, r] = acc
+            continue
         for t0 in range(0, n_tok, TOKEN_TILE):
             t1 = min(n_tok, t0 + TOKEN_TILE)
             for r in range(r0, r1):
@@ -154,12 +184,8 @@ def matmul_q6_k(raw, xq, xd, xs, tab, out):
                     o = b * 210
                     d = f16_at(row, o + 208, tab)
                     for t in range(t0, t1):
-                        isum = dot_q6_k(row, o, xq[t], b * QK_K)
-                        corr = 0  # sum_k sc_k * bsum_k: the -32 offset of every quant
-                        for k in range(16):
-                            s8 = np.int64(row[o + 192 + k])
-                            corr += (s8 - ((s8 & 128) << 1)) * xs[t, b * 16 + k]
-                        out[t, r] += (xd[t, b] * d) * np.float32(isum - 32 * corr)
+                        isum = dot_q6_k(row, o, xq[t], b * QK_K, xs[t], b * 16)
+                        out[t, r] += (xd[t, b] * d) * np.float32(isum)
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
@@ -172,6 +198,15 @@ def matmul_q8_0(raw, xq, xd, tab, out):
     for task in prange(n_tasks):
         r0 = task * ROWS_PER_TASK
         r1 = min(n_rows, r0 + ROWS_PER_TASK)
+        if n_tok == 1:
+            for r in range(r0, r1):
+                row = raw[r]
+                acc = np.float32(0.0)
+                for b in range(nb):
+                    o = b * 34
+                    acc += (xd[0, b] * f16_at(row, o, tab)) * np.float32(dot_q8_0(row, o + 2, xq[0], b * QK8_0))
+                out[0, r] = acc
+            continue
         for t0 in range(0, n_tok, TOKEN_TILE):
             t1 = min(n_tok, t0 + TOKEN_TILE)
             for r in range(r0, r1):
@@ -182,5 +217,4 @@ def matmul_q8_0(raw, xq, xd, tab, out):
                     o = b * 34
                     d = f16_at(row, o, tab)
                     for t in range(t0, t1):
-                        isum = dot_q8_0(row, o + 2, xq[t], b * QK8_0)
-                        out[t, r] += (xd[t, b] * d) * np.float32(isum)
+                        out[t, r] += (xd[t, b] * d) * np.float32(dot_q8_0(row, o + 2, xq[t], b * QK8_0))

@@ -1,0 +1,213 @@
+"""Benchmark the mat-vec / mat-mat kernels (a developer tool, not a test).
+
+    python tools/bench_kernels.py                 # GB/s, GFLOP/s, vectorisation report
+    python tools/bench_kernels.py --cold-compile  # compile time of every kernel, empty cache
+
+Reports, at 1 and 2 threads (medians of repetitions; the machine is shared and noisy):
+- machine read bandwidth: numpy.sum over a 1 GiB float32 array split across the threads;
+- mat-vec GB/s of packed weights for q4_K, q6_K, q8_0 and f16 on Llama 3.2 1B shapes
+  (ne0 x ne1 = 2048x2048, 2048x512, 8192x2048, 2048x8192). Each repetition uses the next of
+  several copies of the matrix (>= 96 MiB in all), so weights stream from DRAM, not the 32 MiB L3;
+  the default path (int8 activations where available) and the float path;
+- mat-mat GFLOP/s (2 * ne0 * ne1 * batch / time) at a batch of 64 tokens;
+- which packed-SIMD instructions the inner loops use (from `kernel.inspect_asm(sig)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = [(2048, 2048), (2048, 512), (8192, 2048), (2048, 8192)]  # (ne0, ne1)
+TYPES = ["q4_K", "q6_K", "q8_0", "f16"]
+STREAM_BYTES = 96 << 20  # total size of the rotated copies: 3x the L3
+
+
+def median_time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def read_bandwidth(n_threads: int, reps: int = 7) -> float:
+    """GB/s of numpy.sum over 1 GiB of float32 split in n_threads parts (numpy releases the GIL)."""
+    a = np.ones(1 << 28, np.float32)  # 1 GiB
+    parts = np.array_split(a, n_threads)
+    with ThreadPoolExecutor(n_threads) as pool:
+        t = median_time(lambda: list(pool.map(np.sum, parts)), reps)
+    return a.nbytes / t / 1e9
+
+
+def make_matrix(tname: str, ne0: int, ne1: int, rng: np.random.Generator):
+    from gguf import GGMLQuantizationType as GQ
+    from gguf import quants as gq
+
+    from qllama.ggml_types import GGML_TYPES_BY_NAME
+    from qllama.quants import QTensor
+
+    t = GGML_TYPES_BY_NAME[tname]
+    if tname == "f16":
+        raw = rng.standard_normal((ne1, ne0)).astype(np.float16).view(np.uint8)
+    elif tname == "q8_0":
+        raw = gq.quantize(rng.standard_normal((ne1, ne0)).astype(np.float32), GQ.Q8_0)
+    else:  # k-quants: random bytes are valid blocks; small finite fp16 scales
+        nb = ne0 // 256
+        raw = rng.integers(0, 256, (ne1, nb, t.type_size), dtype=np.uint8)
+        for f in {"q4_K": (0, 2), "q6_K": (208,)}[tname]:
+            raw[:, :, f : f + 2] = rng.uniform(0.001, 0.01, (ne1, nb, 1)).astype(np.float16).view(np.uint8)
+    return QTensor.from_bytes(t.id, np.ascontiguousarray(raw), (ne0, ne1))
+
+
+def bench(args) -> None:
+    from qllama.quants import QTensor, int8_activations, set_int8_activations, set_threads
+
+    rng = np.random.default_rng(0)
+    print(f"# int8-activation types on this host: {sorted(int8_activations())}; reps={args.reps}, median")
+    bw = {}
+    for nt in (1, 2):
+        bw[nt] = read_bandwidth(nt)
+        print(f"numpy.sum 1 GiB, {nt} thread(s): {bw[nt]:.1f} GB/s")
+
+    print("\n## mat-vec, GB/s of packed weights streamed (copies rotated, >= 96 MiB)")
+    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {'1 thr':>7} {'2 thr':>7} {'%bw(2)':>7}")
+    for tname in args.types:
+        for ne0, ne1 in SHAPES:
+            q0 = make_matrix(tname, ne0, ne1, rng)
+            n_copy = max(2, STREAM_BYTES // q0.nbytes)
+            copies = [QTensor.from_bytes(q0.type_id, q0.raw.copy(), q0.shape) for _ in range(n_copy)]
+            x = rng.standard_normal(ne0).astype(np.float32)
+            out = np.empty(ne1, np.float32)
+            paths = ["int8", "float"] if q0.type_id in int8_activations() else ["float"]
+            for path in paths:
+                set_int8_activations(path == "int8")
+                res = []
+                for nt in (1, 2):
+                    set_threads(nt)
+                    copies[0].matvec(x, out)  # compile / warm
+                    i = [0]
+
+                    def step():
+                        copies[i[0] % n_copy].matvec(x, out)
+                        i[0] += 1
+
+                    res.append(q0.nbytes / median_time(step, max(args.reps, n_copy)) / 1e9)
+                print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {res[0]:7.1f} {res[1]:7.1f} {100 * res[1] / bw[2]:6.0f}%")
+            set_int8_activations(True)
+
+    print("\n## mat-mat, batch 64, GFLOP/s (2*ne0*ne1*64 / time)")
+    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {'1 thr':>7} {'2 thr':>7}")
+    for tname in args.types:
+        for ne0, ne1 in SHAPES:
+            q = make_matrix(tname, ne0, ne1, rng)
+            xs = rng.standard_normal((64, ne0)).astype(np.float32)
+            out = np.empty((64, ne1), np.float32)
+            paths = ["int8", "float"] if q.type_id in int8_activations() else ["float"]
+            for path in paths:
+                set_int8_activations(path == "int8")
+                res = []
+                for nt in (1, 2):
+                    set_threads(nt)
+                    q.matmul(xs, out)
+                    res.append(2 * ne0 * ne1 * 64 / median_time(lambda: q.matmul(xs, out), max(3, args.reps // 4)) / 1e9)
+                print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {res[0]:7.1f} {res[1]:7.1f}")
+            set_int8_activations(True)
+    set_threads(None)
+    print("\n## inner-loop instructions (counts of ymm-register instructions in each compiled kernel)")
+    _run_fresh(["--asm"])
+
+
+PACKED = ["vpmaddubsw", "vpmaddwd", "vfmadd231ps", "vfmadd213ps", "vcvtdq2ps", "vcvtph2ps",
+          "vpmovzxbw", "vpmovzxbd", "vpmovzxbq", "vcvtqq2ps", "vpgatherdd", "vgatherdps"]
+
+
+def vector_report() -> None:
+    """Count packed-SIMD instructions (on ymm registers) in each compiled kernel."""
+    from qllama.kernels import floats, int8, rows
+
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(COLD)  # compile every kernel (inspect_asm needs freshly compiled, not cached, code)
+    kernels = {
+        "int8.matmul_q4_k": int8.matmul_q4_k, "int8.matmul_q6_k": int8.matmul_q6_k,
+        "int8.matmul_q8_0": int8.matmul_q8_0, "floats.matvec_f16": floats.matvec_f16,
+        "rows.matvec (float, all types)": rows.matvec, "rows.matmul (float, all types)": rows.matmul,
+    }
+    for name, k in kernels.items():
+        if not k.signatures:
+            continue
+        asm = k.inspect_asm(k.signatures[0])
+        ymm = Counter(m.group(1) for m in re.finditer(r"^\s+(v\w+)\s[^\n]*ymm", asm, re.M))
+        shown = {op: ymm[op] for op in PACKED if ymm[op]}
+        print(f"{name:32} {shown}")
+
+
+COLD = r"""
+import time, numpy as np
+t0 = time.perf_counter()
+from qllama import ggml_types as gt
+from qllama.quants import QTensor, set_int8_activations, Activation
+rng = np.random.default_rng(0)
+for tid in sorted(__import__('qllama.quants', fromlist=['x']).SUPPORTED_TYPES):
+    t = gt.GGML_TYPES[tid]
+    q = QTensor.from_bytes(tid, np.zeros(t.row_bytes(256) * 2, np.uint8), (256, 2))
+    for int8 in (True, False):
+        set_int8_activations(int8)
+        q.matvec(np.ones(256, np.float32)); q.matmul(np.ones((3, 256), np.float32))
+    q.dequantize([0])
+print(f"{time.perf_counter() - t0:.1f}", end="")
+"""
+
+
+def _run_fresh(argv: list[str], runs: int = 1) -> list[str]:
+    """Run this script (or COLD) in subprocesses sharing a new, empty Numba cache directory."""
+    root = Path(__file__).resolve().parents[1]
+    outs = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=str(root))
+        for _ in range(runs):
+            cmd = [sys.executable, "-c", COLD] if argv == ["cold"] else [sys.executable, __file__, *argv]
+            r = subprocess.run(cmd, env=env, capture_output=argv == ["cold"], text=True, check=True)
+            outs.append((r.stdout or "").strip())
+    return outs
+
+
+def cold_compile() -> None:
+    cold, warm = _run_fresh(["cold"], runs=2)
+    print(f"first call of every kernel (13 types, int8 + float paths), empty cache: {cold} s")
+    print(f"the same with the cache filled: {warm} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--types", nargs="*", default=TYPES)
+    ap.add_argument("--cold-compile", action="store_true", help="measure kernel compile time with an empty cache")
+    ap.add_argument("--asm", action="store_true", help=argparse.SUPPRESS)  # internal: vectorisation report
+    args = ap.parse_args()
+    if args.asm:
+        vector_report()
+    elif args.cold_compile:
+        cold_compile()
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()
