@@ -405,6 +405,8 @@ class GGUFFile:
         return arr.reshape(tuple(reversed(t.shape)) if t.shape else ())
 
     def _info(self, name: str) -> TensorInfo:
+        if self._mm is None:
+            raise GGUFError(f"{self.path}: the file is closed")
         try:
             return self.tensors[name]
         except KeyError:

@@ -535,3 +535,10 @@ def test_no_allocation_proportional_to_lying_counts() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
+
+
+def test_closed_file_gives_an_error() -> None:
+    f = parse(make_gguf([], [("a", (8,), F32, 0)], data=bytes(32)))
+    f.close()
+    with pytest.raises(GGUFError, match="closed"):
+        f.tensor_bytes("a")
