@@ -206,9 +206,18 @@ class PreTokenizer:
         """Split `text` into words exactly as llama.cpp's `unicode_regex_split` does."""
         if not text:
             return []
-        t = text.translate(_WS_TO_VT)  # same length: offsets into t are offsets into text
+        compiled = self._compiled
+        if text.isascii() or not _HAS_WIDE_WS(text):
+            t = text
+        else:
+            t = text.translate(_WS_TO_VT)  # same length: offsets into t are offsets into text
+        if len(compiled) == 1:
+            # fast path: when the matches cover the text there are no gaps to keep
+            words = compiled[0].findall(t)
+            if sum(map(len, words)) == len(t):
+                return words if t is text else _slices(text, words)
         spans = [(0, len(t))]
-        for rx in self._compiled:
+        for rx in compiled:
             out: list[tuple[int, int]] = []
             for a, b in spans:
                 seg = t[a:b]
@@ -225,6 +234,18 @@ class PreTokenizer:
                     out.append((a + prev, b))
             spans = out
         return [text[a:b] for a, b in spans]
+
+
+_HAS_WIDE_WS = regex.compile(f"[{NON_ASCII_WHITESPACE}]").search
+
+
+def _slices(text: str, words: list[str]) -> list[str]:
+    # the pieces of `text` with the lengths of `words`
+    out, pos = [], 0
+    for w in words:
+        out.append(text[pos : pos + len(w)])
+        pos += len(w)
+    return out
 
 
 def get_pretokenizer(pre: str | None) -> PreTokenizer:

@@ -21,7 +21,7 @@ Two engines give those ids:
 from __future__ import annotations
 
 import heapq
-from itertools import accumulate, compress
+from itertools import accumulate, chain, compress
 from operator import ne
 
 import numpy as np
@@ -258,12 +258,13 @@ class BPEModel:
                     ids = [i for i in ids if i >= 0]
             return ids
         exact = self.exact
-        cache = exact.cache
-        out: list[int] = []
-        for word in self.pre.split(text):
-            ids = cache.get(word)
-            out.extend(ids if ids is not None else exact.encode_word(word))
-        return out
+        words = self.pre.split(text)
+        lists = list(map(exact.cache.get, words))  # cached ids per word, None if new
+        if None in lists:
+            for i, ids in enumerate(lists):
+                if ids is None:
+                    lists[i] = exact.encode_word(words[i])
+        return list(chain.from_iterable(lists))
 
     def encode_exact(self, text: str) -> list[int]:
         """The Python reference engine on `text`, whatever the fast path (for tests)."""

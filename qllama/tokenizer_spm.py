@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import re
+from itertools import chain
 
 SPACE = "\u2581"  # ▁, SentencePiece's visible space
 _WORDS = re.compile(f"{SPACE}*[^{SPACE}]+|{SPACE}+")
@@ -46,16 +47,20 @@ class SPMModel:
         if not self.word_split:
             return self._encode(text)
         cache = self.cache
-        out: list[int] = []
-        for word in _WORDS.findall(text):
-            ids = cache.get(word)
-            if ids is None:
-                ids = self._encode(word)
-                if len(cache) >= _WORD_CACHE_MAX:
-                    cache.clear()
-                cache[word] = ids
-            out.extend(ids)
-        return out
+        words = _WORDS.findall(text)
+        lists = list(map(cache.get, words))  # cached ids per word, None if new
+        if None in lists:
+            for i, ids in enumerate(lists):
+                if ids is None:
+                    word = words[i]
+                    ids = cache.get(word)  # may have been added a few words ago
+                    if ids is None:
+                        ids = self._encode(word)
+                        if len(cache) >= _WORD_CACHE_MAX:
+                            cache.clear()
+                        cache[word] = ids
+                    lists[i] = ids
+        return list(chain.from_iterable(lists))
 
     def _encode(self, text: str) -> list[int]:
         t2i = self._t2i
