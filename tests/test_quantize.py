@@ -217,14 +217,19 @@ def test_mix_equals_llama_cpp_q4_k_m():
 N_EMBD, N_FF, N_LAYER, N_VOCAB = 256, 288, 4, 40  # n_ff % 256 != 0: exercises the fallbacks
 
 
-def _write_model(path: Path, wtype: int = F32, alignment: int | None = None, tied: bool = False) -> dict[str, np.ndarray]:
-    """A tiny Llama-shaped GGUF with every kind of metadata value; returns the f32 weights."""
+def _write_model(path: Path, wtype: int = F32, alignment: int | None = None, tied: bool = False,
+                 nested: bool = True) -> dict[str, np.ndarray]:
+    """A tiny Llama-shaped GGUF with every kind of metadata value; returns the f32 weights.
+
+    nested: include nested arrays (valid GGUF, but llama.cpp's reader rejects them).
+    """
     rng = np.random.default_rng(7)
     w = gguf.GGUFWriter(str(path), "llama")
     if alignment:
         w.add_custom_alignment(alignment)
     V = gguf.GGUFValueType
     w.add_key_value("general.name", "tiny", V.STRING)
+    w.add_key_value("llama.context_length", 128, V.UINT32)
     w.add_key_value("llama.block_count", N_LAYER, V.UINT32)
     w.add_key_value("llama.embedding_length", N_EMBD, V.UINT32)
     w.add_key_value("llama.feed_forward_length", N_FF, V.UINT32)
@@ -243,8 +248,9 @@ def _write_model(path: Path, wtype: int = F32, alignment: int | None = None, tie
     w.add_key_value("test.empty_string", "", V.STRING)
     w.add_key_value("test.bools", [True, False, True], V.ARRAY, sub_type=V.BOOL)
     w.add_key_value("test.u64s", [1, 2**64 - 1], V.ARRAY, sub_type=V.UINT64)
-    w.add_key_value("test.nested", [[1, 2], [3]], V.ARRAY, sub_type=V.ARRAY)
-    w.add_key_value("test.nested_str", [["a", "bc"], ["ü"]], V.ARRAY, sub_type=V.ARRAY)
+    if nested:
+        w.add_key_value("test.nested", [[1, 2], [3]], V.ARRAY, sub_type=V.ARRAY)
+        w.add_key_value("test.nested_str", [["a", "bc"], ["ü"]], V.ARRAY, sub_type=V.ARRAY)
     tokens = [f"t{i}".encode() for i in range(N_VOCAB - 1)] + [b"\xff\xfe"]  # one invalid UTF-8 token
     w.add_key_value("tokenizer.ggml.tokens", tokens, V.ARRAY, sub_type=V.STRING)
     w.add_key_value("tokenizer.ggml.scores", [float(-i) / 3 for i in range(N_VOCAB)], V.ARRAY, sub_type=V.FLOAT32)
@@ -432,6 +438,29 @@ def _llama_quantize(llama_cpp, src: Path, dst: Path, ftype: int) -> None:
     params.nthread = 2
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     assert rc == 0, "llama_model_quantize failed"
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("preset", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0"])
+def test_oracle_tiny_model_like_llama_cpp(tmp_path, preset):
+    """The tiny model (ffn_down ne0 = 288 -> the q5_0/q5_1/q8_0 fallbacks; tied embeddings):
+    llama.cpp picks the same types; legacy blocks are byte-identical, k-quant RMSE within 1%."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src, ours, theirs = tmp_path / "in.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    weights = _write_model(src, nested=False, tied=True)  # llama.cpp rejects nested arrays
+    quantize_gguf(src, ours, preset)
+    _llama_quantize(llama_cpp, src, theirs, qz.PRESETS[preset].ftype)
+    a, b = GGUFFile(ours), GGUFFile(theirs)
+    assert b.tensors["token_embd.weight"].type_id == (Q8_0 if preset == "Q8_0" else Q6_K)
+    for name, t in b.tensors.items():
+        assert a.tensors[name].type_id == t.type_id, name
+        if t.type_id in (Q8_0, Q4_0, Q5_0, Q5_1, F32):
+            np.testing.assert_array_equal(a.tensor_bytes(name), b.tensor_bytes(name), err_msg=name)
+        else:
+            x = weights[name]
+            ea = _rel_rmse(x, _dequant(a.tensor_bytes(name), t.type_id, x.shape))
+            eb = _rel_rmse(x, _dequant(b.tensor_bytes(name), t.type_id, x.shape))
+            assert ea <= eb * 1.01, (name, ea, eb)
 
 
 @pytest.mark.oracle
