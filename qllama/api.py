@@ -19,27 +19,6 @@ from .tokenizer import Tokenizer
 from .weights import LlamaWeights
 
 
-def physical_cores() -> int:
-    """Physical core count (hyper-threads excluded where Linux tells), at least 1."""
-    try:
-        seen = set()
-        with open("/proc/cpuinfo") as f:
-            phys = core = None
-            for line in f:
-                if line.startswith("physical id"):
-                    phys = line.split(":")[1].strip()
-                elif line.startswith("core id"):
-                    core = line.split(":")[1].strip()
-                elif not line.strip() and core is not None:
-                    seen.add((phys, core))
-                    phys = core = None
-        if seen:
-            return max(1, min(len(seen), len(os.sched_getaffinity(0))))
-    except (OSError, AttributeError):
-        pass
-    return max(1, os.cpu_count() or 1)
-
-
 def load(
     path: str | os.PathLike,
     *,
@@ -75,8 +54,8 @@ class Model:
             raise QllamaError(f"context size must be >= 1, got {n_ctx}")
         if n_threads is not None and n_threads < 1:
             raise QllamaError(f"thread count must be >= 1, got {n_threads}")
-        self.n_threads = n_threads or physical_cores()
-        set_threads(self.n_threads)
+        set_threads(n_threads)  # None: the physical cores
+        self.n_threads = get_threads()
         self._model = LlamaModel(self.args, self.weights, n_ctx)
         self.session = Session(self._model, batch_size=batch_size)
         self.load_s = time.perf_counter() - t0
@@ -243,4 +222,4 @@ class Model:
         return f"<qllama.Model {os.path.basename(self.path)}: {a.arch}, {a.n_layer} layers, n_embd {a.n_embd}, n_ctx {self.n_ctx}>"
 
 
-__all__ = ["load", "Model", "physical_cores", "get_threads"]
+__all__ = ["load", "Model"]

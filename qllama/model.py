@@ -19,6 +19,7 @@ import numpy as np
 from .config import ModelArgs
 from .errors import QllamaError
 from .kernels import llama_ops as ops
+from .quants import quantize_activation
 from .weights import LlamaWeights
 
 
@@ -94,11 +95,6 @@ class LlamaModel:
         prof = self.profile
         clock = time.perf_counter
 
-        def project(w, x):  # x: (T, in) -> (T, out); decode uses the mat-vec kernel
-            if n_tok == 1:
-                return w.matvec(x[0]).reshape(1, -1)
-            return w.matmul(x)
-
         t0 = clock()
         x = self.weights.token_embd.dequantize(tokens)  # (T, n_embd) residual stream
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -113,9 +109,10 @@ class LlamaModel:
             t0 = clock()
             ops.rmsnorm(x, layer.attn_norm, a.rms_eps, h)
             t1 = clock()
-            q = project(layer.attn_q, h).reshape(n_tok, a.n_head, a.head_dim)  # (T, H, D)
-            k = project(layer.attn_k, h).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
-            v = project(layer.attn_v, h).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
+            hq = quantize_activation(h)  # quantized once (int8 path) for Q, K and V
+            q = project(layer.attn_q, hq).reshape(n_tok, a.n_head, a.head_dim)  # (T, H, D)
+            k = project(layer.attn_k, hq).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
+            v = project(layer.attn_v, hq).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
             t2 = clock()
             ops.rope_interleaved(q, positions, self.rope_cos, self.rope_sin)
             ops.rope_interleaved(k, positions, self.rope_cos, self.rope_sin)
@@ -123,16 +120,17 @@ class LlamaModel:
             cache.v[il, :, start : start + n_tok, :] = v.transpose(1, 0, 2)
             ops.attention(q, cache.k[il], cache.v[il], start, a.n_rep, scale, attn_out)
             t3 = clock()
-            x += project(layer.attn_output, attn_out.reshape(n_tok, a.n_embd))
+            x += project(layer.attn_output, quantize_activation(attn_out.reshape(n_tok, a.n_embd)))
             t4 = clock()
             ops.rmsnorm(x, layer.ffn_norm, a.rms_eps, h)
             t5 = clock()
-            gate = project(layer.ffn_gate, h)  # (T, n_ff)
-            up = project(layer.ffn_up, h)  # (T, n_ff)
+            hq = quantize_activation(h)  # shared by gate and up
+            gate = project(layer.ffn_gate, hq)  # (T, n_ff)
+            up = project(layer.ffn_up, hq)  # (T, n_ff)
             t6 = clock()
             ops.swiglu(gate, up, gate)
             t7 = clock()
-            x += project(layer.ffn_down, gate)
+            x += project(layer.ffn_down, quantize_activation(gate))
             t8 = clock()
             if prof:
                 prof.add("norms", (t1 - t0) + (t5 - t4))
@@ -148,14 +146,15 @@ class LlamaModel:
         rows = x if all_logits else x[-1:]
         hn = np.empty_like(rows)
         ops.rmsnorm(np.ascontiguousarray(rows), self.weights.output_norm, a.rms_eps, hn)
-        logits = project_out(self.weights.output, hn)
+        logits = project(self.weights.output, quantize_activation(hn))
         if prof:
             prof.add("output", clock() - t0)
         return logits
 
 
-def project_out(w, x: np.ndarray) -> np.ndarray:
-    """Output projection of (T, n_embd) rows -> (T, n_vocab)."""
-    if x.shape[0] == 1:
-        return w.matvec(x[0]).reshape(1, -1)
-    return w.matmul(x)
+def project(w, act) -> np.ndarray:
+    """(T, in) activations (an Activation, quantized once when shared) -> (T, out) float32.
+    One token takes the mat-vec (decode) kernel, a batch the mat-mat (prefill) kernel."""
+    if act.n_tok == 1:
+        return w.matvec(act).reshape(1, -1)
+    return w.matmul(act)

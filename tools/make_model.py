@@ -37,6 +37,11 @@ _SCALE_FIELDS = {
 }
 
 
+# Types made by quantizing Gaussian floats (realistic scale patterns); the others are random
+# packed blocks, which exercise every bit pattern but have heavy-tailed sub-block scales.
+_QUANTIZED_FROM_FLOATS = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K"}
+
+
 @dataclass
 class ModelSpec:
     n_embd: int = 64
@@ -114,6 +119,12 @@ def random_tensor(rng: np.random.Generator, type_name: str, rows: int, cols: int
         return (packed, gguf.GGMLQuantizationType.BF16), (bits.astype(np.uint32) << 16).view(np.float32)
     gt = GGML_TYPES_BY_NAME[type_name]
     qtype = gguf.GGMLQuantizationType(gt.id)
+    if type_name in _QUANTIZED_FROM_FLOATS:
+        # realistic blocks: Gaussian weights through qllama's ggml-compatible quantizer
+        from qllama.quantize import quantize_array
+
+        packed = quantize_array((rng.standard_normal((rows, cols)) * std).astype(np.float32), gt.id)
+        return (packed, qtype), gguf.quants.dequantize(packed, qtype).reshape(rows, cols).astype(np.float32)
     n_blocks = rows * cols // gt.block_size
     blocks = rng.integers(0, 256, size=(n_blocks, gt.type_size), dtype=np.uint8)
     fields = _SCALE_FIELDS[type_name]
