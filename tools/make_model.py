@@ -3,7 +3,7 @@
 Usage as a script:
     python tools/make_model.py OUT.gguf [--n-embd 64 --n-layer 2 --n-head 4 --n-head-kv 2 --n-ff 128
                                         --type q4_K --tied --rope-freqs --vocab ../shared/vocab/ggml-vocab-llama-spm.gguf]
-    python tools/make_model.py OUT.gguf --preset llama-3.2-1b        # the real shapes, random weights
+    python tools/make_model.py OUT.gguf --preset llama-3.2-1b --mix Q4_K_M   # real shapes, random weights
 
 Block-quantized tensors are made as random packed blocks (every bit pattern is a valid block)
 whose fp16 scale fields are then rescaled to a sane weight magnitude; the exact stored values
@@ -57,7 +57,9 @@ class ModelSpec:
     rope_scale_linear: float | None = None
     weight_type: str = "f32"  # type of the 2-D weight matrices
     types: dict[str, str] = field(default_factory=dict)  # per-tensor overrides: {"token_embd": "q6_K", ...}
+    preset: str | None = None  # a llama.cpp quantization preset ("Q4_K_M"...): per-tensor types as llama-quantize picks
     vocab: str | None = None  # copy tokenizer metadata from this GGUF; None: the tiny built-in SPM vocab
+    chat_template: str | None = None  # written as tokenizer.chat_template
     seed: int = 0
     name: str = "synthetic"
 
@@ -172,10 +174,22 @@ def write_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> di
         else:
             w.add_key_value(key, entry[0], _gw_type(entry[1]))
 
+    if spec.preset:
+        from qllama.quantize import get_preset
+
+        w.add_file_type(get_preset(spec.preset).ftype)
+    if spec.chat_template is not None:
+        w.add_string("tokenizer.chat_template", spec.chat_template)
     stored: dict[str, np.ndarray] = {}
 
     def add(name: str, rows: int, cols: int, std: float, kind: str) -> None:
         tname = spec.types.get(kind, spec.weight_type)
+        if spec.preset:
+            from qllama.ggml_types import GGML_TYPES
+            from qllama.quantize import choose_tensor_type
+
+            tid = choose_tensor_type(name, (cols, rows), spec.preset, spec.n_layer, tied_embeddings=spec.tied)
+            tname = GGML_TYPES[tid].name
         if tname != "f32" and cols % GGML_TYPES_BY_NAME[tname].block_size:
             tname = "f32"  # row length not a multiple of the block: keep this one float
         data, values = random_tensor(rng, tname, rows, cols, std)
@@ -238,6 +252,7 @@ def main() -> None:
     ap.add_argument("--n-ff", type=int, default=128)
     ap.add_argument("--n-ctx", type=int, default=128)
     ap.add_argument("--type", default="f32", help="type of the weight matrices (f32, f16, q8_0, q4_K, ...)")
+    ap.add_argument("--mix", help="per-tensor types of a llama.cpp preset instead of --type (e.g. Q4_K_M)")
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--rope-freqs", action="store_true")
     ap.add_argument("--vocab", help="copy the tokenizer from this GGUF")
@@ -246,10 +261,10 @@ def main() -> None:
     if a.preset:
         kw = dict(PRESETS[a.preset])
         kw["vocab"] = str(Path(a.shared) / "vocab" / kw["vocab"])
-        spec = ModelSpec(weight_type=a.type, seed=a.seed, **kw)
+        spec = ModelSpec(weight_type=a.type, preset=a.mix, seed=a.seed, **kw)
     else:
         spec = ModelSpec(n_embd=a.n_embd, n_layer=a.n_layer, n_head=a.n_head, n_head_kv=a.n_head_kv, n_ff=a.n_ff,
-                         n_ctx=a.n_ctx, weight_type=a.type, tied=a.tied, rope_freqs=a.rope_freqs, vocab=a.vocab,
+                         n_ctx=a.n_ctx, weight_type=a.type, preset=a.mix, tied=a.tied, rope_freqs=a.rope_freqs, vocab=a.vocab,
                          seed=a.seed)
     write_model(a.out, spec)
     print(f"wrote {a.out}", file=sys.stderr)
