@@ -88,7 +88,7 @@ _TYPES: dict[str, tuple[tuple[str, ...], str | None]] = {
         ),
         None,
     ),
-    "falcon": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"[0-9][0-9][0-9]"), None),
+    "falcon": ((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"), None),
     "starcoder": ((r"\p{N}", _GPT2), None),
     "gpt2": ((_GPT2,), None),
     "qwen2": ((_QWEN2,), None),
