@@ -166,7 +166,9 @@ def stream_generate(
     for t in prompt_ids:
         sampler.accept(t)
 
-    decoder = tokenizer.stream_decoder()
+    # The generated ids continue the prompt: keep the leading space of the first one
+    # (llama.cpp's detokenizer would strip it only at the start of a text).
+    decoder = tokenizer.stream_decoder(strip_leading_space=False)
     pending = ""  # decoded text not yet emitted
     pending_ids: list[int] = []
     reason = None

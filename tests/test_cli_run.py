@@ -128,3 +128,25 @@ def test_cli_run_on_trained_model_matches_llama_cpp():
 
     expected = q.load(model).detokenize(case["greedy_tokens"][:6])
     assert r.stdout == expected + "\n"
+
+
+def test_generated_text_keeps_the_leading_space_of_its_first_token():
+    """SPM: a continuation that starts with '▁word' prints ' word' (llama.cpp strips the space
+    only at the start of a whole text)."""
+    import qllama
+
+    model = qllama.load(shared_path("models", "shakespeare-spm-Q4_K_M.gguf"), n_ctx=64)
+    prompt = model.tokenize("ROMEO:\nO")
+    the = model.tokenize("the", add_bos=False)  # the dummy prefix makes it "▁the"
+    assert len(the) == 1 and model.tokenizer.token_bytes(the[0]) == b" the"
+    from qllama.generate import stream_generate
+
+    class ForceThe:  # a sampler that always picks "▁the"
+        def accept(self, t):
+            pass
+
+        def sample(self, logits):
+            return the[0]
+
+    chunks = list(stream_generate(model.session, model.tokenizer, prompt, ForceThe(), max_tokens=2))
+    assert "".join(c.text for c in chunks) == " the the"

@@ -32,7 +32,8 @@ EOS = 14
 class FakeTokenizer:
     eog_ids = frozenset({EOS})
 
-    def stream_decoder(self):
+    def stream_decoder(self, strip_leading_space=True):
+        assert strip_leading_space is False  # generated text continues the prompt: keep its first space
         dec = codecs.getincrementaldecoder("utf-8")("replace")
 
         class D:
