@@ -51,6 +51,11 @@ _ARRAY_HEADER_BYTES = 4 + 8  # element type + count in front of every array
 
 # Below this many strings the plain loop beats the vectorised gather (numpy call overhead).
 _VECTOR_MIN_STRINGS = 64
+# _scan_starts looks at this many bytes per string first (vocab strings average ~20 with their
+# prefix), growing 4x while needed up to the max; beyond it the sequential walk is used.
+_SCAN_BYTES_PER_STRING = 24
+_SCAN_MAX_BYTES_PER_STRING = 384
+_SCAN_MAX_WINDOW = 1 << 28  # bytes; bounds the scan's temporaries (2 bools per byte)
 
 
 class ValueType(IntEnum):
@@ -473,14 +478,39 @@ def _string_array_error(cur: _Cursor, i: int, count: int, pos: int, key: str) ->
 def _read_string_array(cur: _Cursor, count: int, key: str) -> list[str]:
     """`count` length-prefixed strings from the cursor, decoded (surrogateescape).
 
-    The hot path of opening a Llama 3 vocab (128K tokens + 280K merges). The walk over
-    the lengths is inherently sequential; everything after it is vectorised: drop the
-    8-byte length prefixes except their last byte, overwrite that byte with a separator
+    The hot path of opening a Llama 3 vocab (128K tokens + 280K merges), in two vectorised
+    steps: find where each string starts (`_scan_starts`, else the sequential walk), then drop
+    the 8-byte length prefixes except their last byte, overwrite that byte with a separator
     that occurs in no string, decode the whole run once and split it. An ASCII separator
     cannot merge with invalid UTF-8 around it, so the result equals decoding each string.
     """
     if count < _VECTOR_MIN_STRINGS:
         return _read_string_array_loop(cur, count, key)
+    buf, pos = cur.buf, cur.pos
+    found = _scan_starts(buf, pos, cur.end, count)
+    if found is None:
+        found = _walk_starts(cur, count, key)
+    s, p = found  # s: (count,) string starts relative to pos; p: absolute end of the array
+    cur.pos = p
+
+    region = np.frombuffer(buf, dtype=np.uint8, count=p - pos, offset=pos)  # (R,) the whole array
+    keep = np.ones(len(region), dtype=bool)  # (R,) True for string bytes and one byte per prefix
+    for k in range(2, _LEN_BYTES + 1):
+        keep[s - k] = False
+    packed = region[keep]  # (R - 7*count,) sep s0 sep s1 ...
+    sep_at = s - 1 - (_LEN_BYTES - 1) * np.arange(1, count + 1)  # (count,) where each prefix byte landed
+    for sep in _separators(packed, sep_at, count):
+        packed[sep_at] = sep
+        joined = packed.tobytes()
+        if joined.count(sep) == count:  # the separator occurs only where we put it
+            parts = joined.decode("utf-8", "surrogateescape").split(chr(sep))
+            return parts[1:]  # parts[0] is the empty text before the first separator
+    cur.pos = pos  # every ASCII byte occurs in some string: decode them one by one
+    return _read_string_array_loop(cur, count, key)
+
+
+def _walk_starts(cur: _Cursor, count: int, key: str) -> tuple[np.ndarray, int]:
+    """The sequential walk over the lengths: (starts relative to cur.pos, absolute end)."""
     buf, pos, end = cur.buf, cur.pos, cur.end
     unpack = _U64.unpack_from
     starts = array("q", bytes(8 * count))  # (count,) absolute start of each string's bytes
@@ -498,23 +528,48 @@ def _read_string_array(cur: _Cursor, count: int, key: str) -> list[str]:
         raise _string_array_error(cur, i, count, p, key) from None
     if p > end:
         raise _string_array_error(cur, i, count, starts[i] - 8, key)
-    cur.pos = p
+    return np.frombuffer(starts, dtype=np.int64) - pos, p
 
-    region = np.frombuffer(buf, dtype=np.uint8, count=p - pos, offset=pos)  # (R,) the whole array
-    s = np.frombuffer(starts, dtype=np.int64) - pos  # (count,) string starts, relative
-    keep = np.ones(len(region), dtype=bool)  # (R,) True for string bytes and one byte per prefix
-    for k in range(2, _LEN_BYTES + 1):
-        keep[s - k] = False
-    packed = region[keep]  # (R - 7*count,) sep? s0 sep? s1 ...
-    sep_at = s - 1 - (_LEN_BYTES - 1) * np.arange(1, count + 1)  # (count,) where each prefix byte landed
-    for sep in _separators(packed, sep_at, count):
-        packed[sep_at] = sep
-        joined = packed.tobytes()
-        if joined.count(sep) == count:  # the separator occurs only where we put it
-            parts = joined.decode("utf-8", "surrogateescape").split(chr(sep))
-            return parts[1:]  # parts[0] is the empty text before the first separator
-    cur.pos = pos  # every ASCII byte occurs in some string: decode them one by one
-    return _read_string_array_loop(cur, count, key)
+
+def _scan_starts(buf: Any, pos: int, end: int, count: int) -> tuple[np.ndarray, int] | None:
+    """Find the string starts without a Python loop, or None (then the walk decides).
+
+    A length below 2**16 has zero bytes 2..7, which text almost never has: every offset whose
+    bytes 2..7 are zero is a candidate prefix. A prefix of length < 256 also makes the offset
+    before it a candidate, so of two adjacent candidates the later is kept. The guess is then
+    *verified exactly*: the first candidate is the array's start and each next candidate is
+    where the previous string ends, which is precisely the sequential walk. Anything unusual
+    (a string >= 64 KiB, NUL bytes in strings, a truncated file) fails the check and falls
+    back to the walk, which also produces the error messages.
+    """
+    window = _SCAN_BYTES_PER_STRING * count + 64
+    while True:
+        w = min(end - pos, window, _SCAN_MAX_WINDOW)
+        if w < 8 * count:
+            return None
+        region = np.frombuffer(buf, dtype=np.uint8, count=w, offset=pos)  # (w,)
+        zero = region == 0
+        cand = zero[2 : w - 5].copy()  # (w-7,) cand[q]: bytes q+2..q+7 are zero
+        for k in range(3, _LEN_BYTES):
+            cand &= zero[k : w - 7 + k]
+        idx = np.flatnonzero(cand[: w - 7])  # candidate prefix offsets (relative), ascending
+        later = np.empty(len(idx), dtype=bool)  # a candidate directly followed by another
+        later[:-1] = idx[1:] == idx[:-1] + 1
+        later[-1:] = False
+        idx = idx[~later]
+        if len(idx) >= count:
+            break
+        if w < window or window >= _SCAN_MAX_BYTES_PER_STRING * count:
+            return None  # end of file or of the scan budget, or unusually long strings: walk
+        window *= 4
+    c = idx[:count]  # (count,)
+    if c[0] != 0:
+        return None
+    lengths = region[c].astype(np.int64) + (region[c + 1].astype(np.int64) << 8)  # bytes 2..7 are zero
+    nxt = c + _LEN_BYTES + lengths  # (count,) where each string ends
+    if not np.array_equal(nxt[:-1], c[1:]) or pos + int(nxt[-1]) > end:
+        return None
+    return c + _LEN_BYTES, pos + int(nxt[-1])
 
 
 def _separators(packed: np.ndarray, sep_at: np.ndarray, count: int):

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 
 from qllama.errors import GGUFError
 from qllama.ggml_types import BF16, F16, F32, GGML_TYPES, Q4_K, Q6_K, Q8_0
-from qllama.gguf import GGUFFile, MetadataType, ValueType, _Cursor, _read_string_array, _read_string_array_loop
+from qllama.gguf import (
+    GGUFFile, MetadataType, ValueType, _Cursor, _read_string_array, _read_string_array_loop, _scan_starts, _walk_starts,
+)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 VT = ValueType
@@ -332,6 +334,33 @@ def test_string_array_fast_path_equals_loop(items: list[bytes]) -> None:
     fast, slow = _both_paths(items)
     assert fast == slow
     assert [s.encode("utf-8", "surrogateescape") for s in fast] == items
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=6).map(str.encode),
+                          st.sampled_from([b"", b"\x00", b"\x00\x00abc", b"x" * 255, b"y" * 256, b"z" * 300])),
+                min_size=64, max_size=200))
+def test_string_starts_scan_equals_walk(items: list[bytes]) -> None:
+    blob = _strings_blob(items) + bytes(16)
+    walked = _walk_starts(_Cursor(blob, 0, len(blob)), len(items), "k")
+    scanned = _scan_starts(blob, 0, len(blob), len(items))
+    if scanned is not None:  # None: the scan declined (e.g. NULs or empty strings) and the walk decides
+        assert np.array_equal(scanned[0], walked[0]) and scanned[1] == walked[1]
+    assert _both_paths(items)[0] == [x.decode("utf-8", "surrogateescape") for x in items]
+
+
+def test_string_starts_scan_is_used_on_vocab_like_arrays() -> None:
+    # The fast path must really run on ordinary vocabularies, including strings >= 256 bytes.
+    items = [f"tok{i}".encode() for i in range(500)] + [b"w" * 300, "Ġ".encode() * 200, b"\xff\xfe"]
+    blob = _strings_blob(items) + bytes(8)
+    scanned = _scan_starts(blob, 0, len(blob), len(items))
+    assert scanned is not None
+    assert np.array_equal(scanned[0], _walk_starts(_Cursor(blob, 0, len(blob)), len(items), "k")[0])
+    # a string of 64 KiB or more, a truncated array: declined, the walk decides
+    big = _strings_blob(items[:100] + [b"q" * 70000])
+    assert _scan_starts(big, 0, len(big), 101) is None
+    assert _both_paths(items[:100] + [b"q" * 70000])[0][-1] == "q" * 70000
+    assert _scan_starts(blob[:-20], 0, len(blob) - 20, len(items)) is None
 
 
 def test_string_array_separator_fallbacks() -> None:
