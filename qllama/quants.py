@@ -258,7 +258,7 @@ class QTensor:
             self._int8(act if act is not None else Activation(x), out.reshape(1, -1))
             return out
         xv = act.x[0] if act is not None else x
-        from .kernels import floats, rows
+        from .kernels import floats
 
         if self.type_id == F32:
             floats.matvec_f32(self._typed, xv, out)
@@ -267,7 +267,8 @@ class QTensor:
         elif self.type_id == BF16:
             floats.matvec_bf16(self._typed, xv, out)
         else:
-            rows.matvec(self.type_id, self.raw, xv, _fp16_table(), out)
+            xs = xv.reshape(-1, 16).sum(axis=1, dtype=np.float32)  # (ne0/16,) for the min terms
+            _float_matvec_kernel(self.type_id)(self.raw, xv, xs, _fp16_table(), out)
         return out
 
     def matmul(self, x: "np.ndarray | Activation", out: np.ndarray | None = None) -> np.ndarray:
@@ -329,6 +330,18 @@ class QTensor:
         if not -self.n_rows <= i < self.n_rows:
             raise IndexError(f"row {i} out of range for a tensor of {self.n_rows} rows")
         return self.dequantize(np.array([i % self.n_rows]))[0]
+
+
+def _float_matvec_kernel(type_id: int):
+    """The fused float mat-vec kernel of a quantized type: kernel(raw, x, xs16, tab, out)."""
+    from .kernels import kquants as kq
+    from .kernels import legacy as lg
+
+    return {
+        Q4_0: lg.matvec_q4_0, Q4_1: lg.matvec_q4_1, Q5_0: lg.matvec_q5_0, Q5_1: lg.matvec_q5_1,
+        Q8_0: lg.matvec_q8_0, Q2_K: kq.matvec_q2_k, Q3_K: kq.matvec_q3_k, Q4_K: kq.matvec_q4_k,
+        Q5_K: kq.matvec_q5_k, Q6_K: kq.matvec_q6_k,
+    }[type_id]
 
 
 def _fp16_table() -> np.ndarray:
