@@ -296,13 +296,14 @@ class QTensor:
         from .kernels import int8
 
         tab = _fp16_table()
+        nt = get_threads()
         if self.type_id == Q8_0:
             xq, xd = act.q8_0()
-            int8.matmul_q8_0(self.raw, xq, xd, tab, out)
+            int8.matmul_q8_0(self.raw, xq, xd, tab, out, nt)
         else:
             xq, xd, xs = act.q8_k()
             kernel = int8.matmul_q4_k if self.type_id == Q4_K else int8.matmul_q6_k
-            kernel(self.raw, xq, xd, xs, tab, out)
+            kernel(self.raw, xq, xd, xs, tab, out, nt)
 
     def dequantize(self, rows: "None | slice | np.ndarray | list[int]" = None) -> np.ndarray:
         """Rows as float32 (len(rows), ne0): all (None), a slice, or an array of row ids."""

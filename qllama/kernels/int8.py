@@ -14,8 +14,9 @@ float scales, so the only error versus float is the rounding of x to 8 bits, lik
 (measured: max|y - y64| / max|y64| around 1e-2 on random data; see tests).
 
 Each mat-mul kernel takes x as (n_tok, ne0) and serves both decode (n_tok = 1) and prefill:
-rows are split over threads (`prange` over chunks of ROWS_PER_TASK rows); for each tile of
-TOKEN_TILE tokens each weight block is read once and applied to every token of the tile.
+rows are split over threads (one `prange` over one contiguous chunk of rows per thread); for
+each tile of TOKEN_TILE tokens a row's blocks are read from memory once (then from L1) and
+applied to every token of the tile, each token's sum kept in a register.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ _NOPY = dict(cache=True, boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 QK_K = 256
 QK8_0 = 32
-ROWS_PER_TASK = 8
-TOKEN_TILE = 32
+TOKEN_TILE = 64  # 64 tokens x ne0 int8 activations stay in L2
 
 
 @njit(parallel=True, **_NOPY)
@@ -111,110 +111,85 @@ def _q4_k_scales(row, o):
     return sc, mn
 
 
-@njit(inline="always", **_NOPY)
-def _q4_k_block(row, o, d, dmin, sc, mn, xqt, xdt, xst, b):
-    """Contribution of q4_K super-block b (at row[o:]) to the dot with one q8_K token."""
-    isum = dot_q4_k(row, o + 16, xqt, b * QK_K, sc)
-    msum = dot_mins_q4_k(mn, xst, b * 16)
-    return (xdt[b] * d) * np.float32(isum) - (xdt[b] * dmin) * np.float32(msum)
+@njit(**_NOPY)
+def _chunks(n_rows, n_threads):
+    """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk).
+
+    (n_threads comes from the caller: `numba.get_num_threads()` inside a kernel defeats caching.)
+    """
+    n = max(1, min(n_rows, n_threads))
+    return n, (n_rows + n - 1) // n
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matmul_q4_k(raw, xq, xd, xs, tab, out):
-    """out[t, r] = row r . x[t] with x in q8_K form. raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows)."""
+def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
+    """out[t, r] = row r . x[t] with x in q8_K form. raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows);
+    n_threads: the current thread count (rows are split in that many chunks).
+
+    Per row and tile of tokens, the block headers (d, dmin, 6-bit scales and mins) are decoded
+    once into a scratch (nb,); the quants are expanded in registers by `dot_q4_k`.
+    """
     n_rows = raw.shape[0]
     n_tok = xq.shape[0]
     nb = raw.shape[1] // 144
-    n_tasks = (n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(n_tasks):
-        r0 = task * ROWS_PER_TASK
-        r1 = min(n_rows, r0 + ROWS_PER_TASK)
-        if n_tok == 1:  # decode: keep the sum in a register
-            for r in range(r0, r1):
-                row = raw[r]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 144
-                    sc, mn = _q4_k_scales(row, o)
-                    acc += _q4_k_block(row, o, f16_at(row, o, tab), f16_at(row, o + 2, tab), sc, mn, xq[0], xd[0], xs[0], b)
-                out[0, r] = acc
-            continue
+    n_chunks, per = _chunks(n_rows, n_threads)
+    for c in prange(n_chunks):
+        dd = np.empty((nb, 2), np.float32)  # (nb, [d, dmin])
+        sm = np.empty((nb, 2), np.int64)  # (nb, [scales, mins]) one 6-bit value per byte
         for t0 in range(0, n_tok, TOKEN_TILE):
-            t1 = min(n_tok, t0 + TOKEN_TILE)
-            for r in range(r0, r1):
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for t in range(t0, t1):
-                    out[t, r] = 0.0
                 for b in range(nb):
                     o = b * 144
-                    d = f16_at(row, o, tab)
-                    dmin = f16_at(row, o + 2, tab)
-                    sc, mn = _q4_k_scales(row, o)
-                    for t in range(t0, t1):
-                        out[t, r] += _q4_k_block(row, o, d, dmin, sc, mn, xq[t], xd[t], xs[t], b)
+                    dd[b, 0] = f16_at(row, o, tab)
+                    dd[b, 1] = f16_at(row, o + 2, tab)
+                    sm[b, 0], sm[b, 1] = _q4_k_scales(row, o)
+                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                    xqt, xdt, xst = xq[t], xd[t], xs[t]
+                    acc = np.float32(0.0)
+                    for b in range(nb):
+                        isum = dot_q4_k(row, b * 144 + 16, xqt, b * QK_K, sm[b, 0])
+                        msum = dot_mins_q4_k(sm[b, 1], xst, b * 16)
+                        acc += (xdt[b] * dd[b, 0]) * np.float32(isum) - (xdt[b] * dd[b, 1]) * np.float32(msum)
+                    out[t, r] = acc
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matmul_q6_k(raw, xq, xd, xs, tab, out):
-    """As matmul_q4_k for q6_K weights (210-byte blocks)."""
+def matmul_q6_k(raw, xq, xd, xs, tab, out, n_threads):
+    """As matmul_q4_k for q6_K weights (210-byte blocks; the only header is d)."""
     n_rows = raw.shape[0]
     n_tok = xq.shape[0]
     nb = raw.shape[1] // 210
-    n_tasks = (n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(n_tasks):
-        r0 = task * ROWS_PER_TASK
-        r1 = min(n_rows, r0 + ROWS_PER_TASK)
-        if n_tok == 1:
-            for r in range(r0, r1):
-                row = raw[r]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 210
-                    isum = dot_q6_k(row, o, xq[0], b * QK_K, xs[0], b * 16)
-                    acc += (xd[0, b] * f16_at(row, o + 208, tab)) * np.float32(isum)
-                out[0, r] = acc
-            continue
+    n_chunks, per = _chunks(n_rows, n_threads)
+    for c in prange(n_chunks):
         for t0 in range(0, n_tok, TOKEN_TILE):
-            t1 = min(n_tok, t0 + TOKEN_TILE)
-            for r in range(r0, r1):
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for t in range(t0, t1):
-                    out[t, r] = 0.0
-                for b in range(nb):
-                    o = b * 210
-                    d = f16_at(row, o + 208, tab)
-                    for t in range(t0, t1):
-                        isum = dot_q6_k(row, o, xq[t], b * QK_K, xs[t], b * 16)
-                        out[t, r] += (xd[t, b] * d) * np.float32(isum)
+                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                    xqt, xdt, xst = xq[t], xd[t], xs[t]
+                    acc = np.float32(0.0)
+                    for b in range(nb):
+                        o = b * 210
+                        isum = dot_q6_k(row, o, xqt, b * QK_K, xst, b * 16)
+                        acc += (xdt[b] * f16_at(row, o + 208, tab)) * np.float32(isum)
+                    out[t, r] = acc
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matmul_q8_0(raw, xq, xd, tab, out):
+def matmul_q8_0(raw, xq, xd, tab, out, n_threads):
     """out[t, r] = row r . x[t] with x in q8_0 form (xd: (n_tok, ne0/32)). raw: uint8 (n_rows, nb*34)."""
     n_rows = raw.shape[0]
     n_tok = xq.shape[0]
     nb = raw.shape[1] // 34
-    n_tasks = (n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(n_tasks):
-        r0 = task * ROWS_PER_TASK
-        r1 = min(n_rows, r0 + ROWS_PER_TASK)
-        if n_tok == 1:
-            for r in range(r0, r1):
-                row = raw[r]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 34
-                    acc += (xd[0, b] * f16_at(row, o, tab)) * np.float32(dot_q8_0(row, o + 2, xq[0], b * QK8_0))
-                out[0, r] = acc
-            continue
+    n_chunks, per = _chunks(n_rows, n_threads)
+    for c in prange(n_chunks):
         for t0 in range(0, n_tok, TOKEN_TILE):
-            t1 = min(n_tok, t0 + TOKEN_TILE)
-            for r in range(r0, r1):
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for t in range(t0, t1):
-                    out[t, r] = 0.0
-                for b in range(nb):
-                    o = b * 34
-                    d = f16_at(row, o, tab)
-                    for t in range(t0, t1):
-                        out[t, r] += (xd[t, b] * d) * np.float32(dot_q8_0(row, o + 2, xq[t], b * QK8_0))
+                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                    xqt, xdt = xq[t], xd[t]
+                    acc = np.float32(0.0)
+                    for b in range(nb):
+                        o = b * 34
+                        acc += (xdt[b] * f16_at(row, o, tab)) * np.float32(dot_q8_0(row, o + 2, xqt, b * QK8_0))
+                    out[t, r] = acc
