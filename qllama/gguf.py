@@ -281,8 +281,8 @@ class GGUFFile:
         for _ in range(n_kv):
             key = cur.strict_string("metadata key")
             if key in self.metadata:
-                raise GGUFError(f"duplicate metadata key {key!r}")
-            vtype = self._read_type(cur, f"value of {key!r}")
+                raise GGUFError(f"duplicate metadata key {_q(key)}")
+            vtype = self._read_type(cur, f"value of {_q(key)}")
             value, mtype = self._read_value(cur, vtype, 0, key)
             self.metadata[key] = value
             self.metadata_types[key] = mtype
@@ -293,13 +293,13 @@ class GGUFFile:
         for i in range(n_tensors):
             name = cur.strict_string(f"name of tensor #{i}")
             if name in tensors:
-                raise GGUFError(f"duplicate tensor name {name!r}")
-            n_dims = cur.u32(f"n_dims of tensor {name!r}")
+                raise GGUFError(f"duplicate tensor name {_q(name)}")
+            n_dims = cur.u32(f"n_dims of tensor {_q(name)}")
             if n_dims > MAX_DIMS:
-                raise GGUFError(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
-            shape = tuple(cur.u64(f"dimensions of tensor {name!r}") for _ in range(n_dims))
-            type_id = cur.u32(f"type of tensor {name!r}")
-            offset = cur.u64(f"offset of tensor {name!r}")
+                raise GGUFError(f"tensor {_q(name)} has {n_dims} dimensions (at most {MAX_DIMS})")
+            shape = tuple(cur.u64(f"dimensions of tensor {_q(name)}") for _ in range(n_dims))
+            type_id = cur.u32(f"type of tensor {_q(name)}")
+            offset = cur.u64(f"offset of tensor {_q(name)}")
             tensors[name] = _tensor_info(name, shape, type_id, offset)
         self.tensors = tensors
         self.data_offset = _align(cur.pos, self.alignment)
@@ -329,12 +329,12 @@ class GGUFFile:
         for t in self.tensors.values():
             if t.offset % self.alignment:
                 raise GGUFError(
-                    f"tensor {t.name!r} offset {t.offset} is not a multiple of the alignment {self.alignment}"
+                    f"tensor {_q(t.name)} offset {t.offset} is not a multiple of the alignment {self.alignment}"
                 )
             size = t.n_bytes if t.n_bytes is not None else 0  # unknown type: at least its start must be inside
             if t.offset > data_size or size > data_size - t.offset:
                 raise GGUFError(
-                    f"tensor {t.name!r} ({t.n_bytes if t.n_bytes is not None else '?'} bytes at data offset "
+                    f"tensor {_q(t.name)} ({t.n_bytes if t.n_bytes is not None else '?'} bytes at data offset "
                     f"{t.offset}) extends past the end of the file ({self.file_size} bytes): "
                     "the file is truncated or corrupt"
                 )
@@ -344,7 +344,7 @@ class GGUFFile:
         for a, b in zip(placed, placed[1:]):
             if a.offset + a.n_bytes > b.offset:
                 raise GGUFError(
-                    f"tensors {a.name!r} (data offset {a.offset}, {a.n_bytes} bytes) and {b.name!r} "
+                    f"tensors {_q(a.name)} (data offset {a.offset}, {a.n_bytes} bytes) and {_q(b.name)} "
                     f"(data offset {b.offset}) overlap"
                 )
 
@@ -357,18 +357,18 @@ class GGUFFile:
 
     def _read_value(self, cur: _Cursor, vtype: int, depth: int, key: str) -> tuple[Any, MetadataType]:
         if vtype == ValueType.STRING:
-            return cur.string(f"value of {key!r}"), MetadataType(ValueType.STRING)
+            return cur.string(f"value of {_q(key)}"), MetadataType(ValueType.STRING)
         if vtype == ValueType.ARRAY:
             if depth >= MAX_ARRAY_NESTING:
-                raise GGUFError(f"{key!r}: arrays nested deeper than {MAX_ARRAY_NESTING}")
-            itype = self._read_type(cur, f"elements of {key!r}")
-            count = cur.u64(f"array length of {key!r}")
+                raise GGUFError(f"{_q(key)}: arrays nested deeper than {MAX_ARRAY_NESTING}")
+            itype = self._read_type(cur, f"elements of {_q(key)}")
+            count = cur.u64(f"array length of {_q(key)}")
             if itype == ValueType.STRING:
-                cur.need(count * _LEN_BYTES, f"array of {count} strings {key!r}")  # each has a u64 length
+                cur.need(count * _LEN_BYTES, f"array of {count} strings {_q(key)}")  # each has a u64 length
                 items = _read_string_array(cur, count, key)
                 return items, MetadataType(ValueType.ARRAY, MetadataType(ValueType.STRING))
             if itype == ValueType.ARRAY:
-                cur.need(count * _ARRAY_HEADER_BYTES, f"array of {count} arrays {key!r}")
+                cur.need(count * _ARRAY_HEADER_BYTES, f"array of {count} arrays {_q(key)}")
                 items = []
                 item_type = None
                 for _ in range(count):
@@ -376,14 +376,14 @@ class GGUFFile:
                     items.append(value)
                 return items, MetadataType(ValueType.ARRAY, item_type)
             _, dtype = _SCALARS[itype]
-            cur.need(count * dtype.itemsize, f"array of {count} {ValueType(itype).name.lower()} {key!r}")
+            cur.need(count * dtype.itemsize, f"array of {count} {ValueType(itype).name.lower()} {_q(key)}")
             arr = np.frombuffer(self._mm, dtype=dtype, count=count, offset=cur.pos)  # (count,) view
             cur.pos += count * dtype.itemsize
             if itype == ValueType.BOOL:
                 arr = arr != 0
             return arr, MetadataType(ValueType.ARRAY, MetadataType(ValueType(itype)))
         fmt, _ = _SCALARS[vtype]
-        cur.need(fmt.size, f"value of {key!r}")
+        cur.need(fmt.size, f"value of {_q(key)}")
         (value,) = fmt.unpack_from(self._mm, cur.pos)
         cur.pos += fmt.size
         return value, MetadataType(ValueType(vtype))
@@ -394,7 +394,7 @@ class GGUFFile:
         """The raw bytes of a tensor: a read-only uint8 view into the mmap (no copy)."""
         t = self._info(name)
         if t.n_bytes is None:
-            raise GGUFError(f"tensor {name!r} has type {t.type_name}, whose size qllama does not know")
+            raise GGUFError(f"tensor {_q(name)} has type {t.type_name}, whose size qllama does not know")
         return np.frombuffer(self._mm, dtype=np.uint8, count=t.n_bytes, offset=self.data_offset + t.offset)
 
     def tensor_array(self, name: str) -> np.ndarray:
@@ -405,7 +405,7 @@ class GGUFFile:
         t = self._info(name)
         dtype = _TENSOR_DTYPES.get(t.type_name)
         if dtype is None:
-            raise GGUFError(f"tensor {name!r} has block type {t.type_name}: use tensor_bytes()")
+            raise GGUFError(f"tensor {_q(name)} has block type {t.type_name}: use tensor_bytes()")
         arr = np.frombuffer(self._mm, dtype=dtype, count=t.n_elements, offset=self.data_offset + t.offset)
         return arr.reshape(tuple(reversed(t.shape)) if t.shape else ())
 
@@ -415,7 +415,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise GGUFError(f"no tensor named {name!r}") from None
+            raise GGUFError(f"no tensor named {_q(name)}") from None
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value, or `default` when the key is absent."""
@@ -441,6 +441,12 @@ class GGUFFile:
         return f"GGUFFile({self.path!r}, v{self.version}, {len(self.metadata)} keys, {len(self.tensors)} tensors)"
 
 
+def _q(name: str, limit: int = 80) -> str:
+    """A key or tensor name quoted for an error message, cut if absurdly long."""
+    r = repr(name)
+    return r if len(r) <= limit else r[: limit - 5] + "...'"
+
+
 def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
@@ -448,21 +454,21 @@ def _align(n: int, alignment: int) -> int:
 def _tensor_info(name: str, shape: tuple[int, ...], type_id: int, offset: int) -> TensorInfo:
     for d in shape:
         if d > INT64_MAX:
-            raise GGUFError(f"tensor {name!r} has a dimension out of range: {list(shape)}")
+            raise GGUFError(f"tensor {_q(name)} has a dimension out of range: {list(shape)}")
     n_elements = 1
     for d in shape:
         n_elements *= d  # Python ints: no wrap-around (the 2**42+1 trick of llama.cpp PR 18674)
     if n_elements > INT64_MAX:
-        raise GGUFError(f"tensor {name!r} dimensions {list(shape)} overflow: {n_elements} elements")
+        raise GGUFError(f"tensor {_q(name)} dimensions {list(shape)} overflow: {n_elements} elements")
     if offset > INT64_MAX:
-        raise GGUFError(f"tensor {name!r} offset {offset} is out of range")
+        raise GGUFError(f"tensor {_q(name)} offset {offset} is out of range")
     gtype = GGML_TYPES.get(type_id)
     n_bytes = None
     if gtype is not None:
         row = shape[0] if shape else 1
         if row % gtype.block_size:
             raise GGUFError(
-                f"tensor {name!r}: row length {row} is not a multiple of the {gtype.name} block size {gtype.block_size}"
+                f"tensor {_q(name)}: row length {row} is not a multiple of the {gtype.name} block size {gtype.block_size}"
             )
         n_bytes = n_elements // gtype.block_size * gtype.type_size
     return TensorInfo(name, shape, type_id, offset, n_elements, n_bytes)
@@ -470,7 +476,7 @@ def _tensor_info(name: str, shape: tuple[int, ...], type_id: int, offset: int) -
 
 def _string_array_error(cur: _Cursor, i: int, count: int, pos: int, key: str) -> GGUFError:
     return GGUFError(
-        f"truncated or corrupt file: string {i} of {count} in {key!r} (at offset {pos}) "
+        f"truncated or corrupt file: string {i} of {count} in {_q(key)} (at offset {pos}) "
         f"runs past the end of the file ({cur.end} bytes)"
     )
 

@@ -571,3 +571,8 @@ def test_closed_file_gives_an_error() -> None:
     f.close()
     with pytest.raises(GGUFError, match="closed"):
         f.tensor_bytes("a")
+
+
+def test_error_messages_stay_short() -> None:
+    msg = _error(make_gguf([("k" * 100_000, VT.UINT8, 1), ("k" * 100_000, VT.UINT8, 1)]))
+    assert "duplicate metadata key" in msg and len(msg) < 200
