@@ -12,7 +12,7 @@ Two arithmetic paths:
 
 - float (every type, portable): blocks decoded bit-exactly (== gguf-py) and dotted in float32;
   max|y - y64| / max|y64| <= 1e-5 against a float64 reference.
-- int8 activations (q4_K, q6_K, q8_0 on AVX2 hosts, on by default): x is rounded to 8 bits per
+- int8 activations (q4_K, q5_K, q6_K, q8_0, q4_0, q4_1, q5_0, q5_1 on AVX2 hosts, on by default): x is rounded to 8 bits per
   block as llama.cpp does (q8_K / q8_0) and blocks are dotted with integer SIMD. It is ~2-3x
   faster and matches llama.cpp's own numerics; the relative error against float64 is about
   1e-2. `set_int8_activations(False)` selects the float path everywhere.
@@ -51,8 +51,8 @@ __all__ = [
 
 SUPPORTED_TYPES: frozenset[int] = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 # types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)
-INT8_TYPES: frozenset[int] = frozenset({Q4_K, Q6_K, Q8_0})
-_Q8K_TYPES = frozenset({Q4_K, Q6_K})  # activations in q8_K form; Q8_0 uses q8_0 form
+INT8_TYPES: frozenset[int] = frozenset({Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1})
+_Q8K_TYPES = frozenset({Q4_K, Q5_K, Q6_K})  # activations in q8_K form; the 32-blocks use q8_0 form
 
 _state = {"int8": True}
 
@@ -128,7 +128,7 @@ class Activation:
         if not self.x.flags.writeable:  # one kernel signature: writable arrays only
             self.x = self.x.copy()
         self._q8_k: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._q8_0: tuple[np.ndarray, np.ndarray] | None = None
+        self._q8_0: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def n_tok(self) -> int:
@@ -151,16 +151,17 @@ class Activation:
             self._q8_k = (xq, xd, xs)
         return self._q8_k
 
-    def q8_0(self) -> tuple[np.ndarray, np.ndarray]:
-        """(xq int8 (n_tok, n), d float32 (n_tok, n/32)); n % 32 == 0."""
+    def q8_0(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(xq int8 (n_tok, n), d float32 (n_tok, n/32), sums of xq int32 (n_tok, n/32)); n % 32 == 0."""
         if self._q8_0 is None:
             from .kernels.int8 import quantize_q8_0
 
             t, n = self.x.shape
             xq = np.empty((t, n), np.int8)
             xd = np.empty((t, n // 32), np.float32)
-            quantize_q8_0(self.x, xq, xd)
-            self._q8_0 = (xq, xd)
+            xs = np.empty((t, n // 32), np.int32)
+            quantize_q8_0(self.x, xq, xd, xs)
+            self._q8_0 = (xq, xd, xs)
         return self._q8_0
 
 
@@ -297,13 +298,16 @@ class QTensor:
 
         tab = _fp16_table()
         nt = get_threads()
-        if self.type_id == Q8_0:
-            xq, xd = act.q8_0()
+        if self.type_id in _Q8K_TYPES:
+            xq, xd, xs = act.q8_k()
+            kernel = {Q4_K: int8.matmul_q4_k, Q5_K: int8.matmul_q5_k, Q6_K: int8.matmul_q6_k}[self.type_id]
+            kernel(self.raw, xq, xd, xs, tab, out, nt)
+        elif self.type_id == Q8_0:
+            xq, xd, _ = act.q8_0()
             int8.matmul_q8_0(self.raw, xq, xd, tab, out, nt)
         else:
-            xq, xd, xs = act.q8_k()
-            kernel = int8.matmul_q4_k if self.type_id == Q4_K else int8.matmul_q6_k
-            kernel(self.raw, xq, xd, xs, tab, out, nt)
+            xq, xd, xs = act.q8_0()
+            int8.matmul_legacy(self.type_id, self.raw, xq, xd, xs, tab, out, nt)
 
     def dequantize(self, rows: "None | slice | np.ndarray | list[int]" = None) -> np.ndarray:
         """Rows as float32 (len(rows), ne0): all (None), a slice, or an array of row ids."""

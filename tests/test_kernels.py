@@ -202,9 +202,9 @@ def test_int8_paths_match_float64(tid):
 
 def _int8_reference(tid: int, w64: np.ndarray, x: np.ndarray) -> np.ndarray:
     """float64 W @ x~, where x~ is x rounded to 8 bits as the int8 kernels do (NumPy, independent)."""
-    bs = 32 if tid == gt.Q8_0 else 256
+    bs = 256 if tid in (gt.Q4_K, gt.Q5_K, gt.Q6_K) else 32  # q8_K or q8_0 activations
     xb = x.astype(np.float64).reshape(-1, bs)
-    if tid == gt.Q8_0:
+    if bs == 32:
         d = np.abs(xb).max(1, keepdims=True) / 127
         q = np.sign(xb) * np.floor(np.abs(xb / np.where(d == 0, 1, d)) + 0.5)
     else:
@@ -280,7 +280,7 @@ def test_results_identical_at_1_and_2_threads():
     rng = np.random.default_rng(8)
     before = get_threads()
     try:
-        for tid in (gt.Q4_K, gt.Q6_K, gt.Q8_0, gt.Q3_K, gt.F16):
+        for tid in (gt.Q4_K, gt.Q5_K, gt.Q6_K, gt.Q8_0, gt.Q5_0, gt.Q3_K, gt.F16):
             raw = random_matrix(tid, 256, 37, rng)
             q = QTensor.from_bytes(tid, raw, (256, 37))
             x = rng.standard_normal((7, 256)).astype(np.float32)

@@ -72,6 +72,35 @@ def _is_arr(t, dtype):
     return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype
 
 
+def _kquant_nibbles(context, builder, signature, args, qh_off):
+    """Shared codegen of dot_q4_k / dot_q5_k; qh_off: byte offset of qh[32] relative to the quants, or None."""
+    qp = _ptr(context, builder, signature.args[0], args[0], args[1], _vec(_I8, 32))
+    xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
+    sc = builder.zext(builder.bitcast(args[4], _vec(_I8, 8)), _vec(_I16, 8))  # (8,) i16
+    qh = None
+    if qh_off is not None:
+        base = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+        qh = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I64, qh_off)]), ir.PointerType(_vec(_I8, 32))), align=1)
+    acc = ir.Constant(_vec(_I32, 8), None)
+    for j in range(4):
+        v = _load32(builder, qp, j)
+        lo = builder.and_(v, _splat(_I8, 32, 15))
+        hi = builder.lshr(v, _splat(_I8, 32, 4))
+        if qh is not None:  # 5th bit of element 64j+32h+l is bit 2j+h of qh[l]
+            for h in range(2):
+                bit = builder.and_(builder.lshr(qh, _splat(_I8, 32, 2 * j + h)), _splat(_I8, 32, 1))
+                bit = builder.shl(bit, _splat(_I8, 32, 4))
+                if h == 0:
+                    lo = builder.or_(lo, bit)
+                else:
+                    hi = builder.or_(hi, bit)
+        plo = _maddubs(builder, lo, _load32(builder, xp, 2 * j))  # (16,) i16 pair sums
+        phi = _maddubs(builder, hi, _load32(builder, xp, 2 * j + 1))
+        acc = builder.add(acc, _maddwd(builder, plo, _lanes(builder, sc, [2 * j] * 16)))
+        acc = builder.add(acc, _maddwd(builder, phi, _lanes(builder, sc, [2 * j + 1] * 16)))
+    return _hsum(builder, acc)
+
+
 @intrinsic
 def dot_q4_k(typingctx, row, qo, xq, xo, scales):
     """sum_j sc[j] * sum_l nib(q)[j, l] * xq[...] over one q4_K super-block.
@@ -83,23 +112,16 @@ def dot_q4_k(typingctx, row, qo, xq, xo, scales):
     if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
         return None
     sig = types.int64(row, qo, xq, xo, scales)
+    return sig, lambda context, builder, signature, args: _kquant_nibbles(context, builder, signature, args, None)
 
-    def codegen(context, builder, signature, args):
-        qp = _ptr(context, builder, signature.args[0], args[0], args[1], _vec(_I8, 32))
-        xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
-        sc = builder.zext(builder.bitcast(args[4], _vec(_I8, 8)), _vec(_I16, 8))  # (8,) i16
-        acc = ir.Constant(_vec(_I32, 8), None)
-        for j in range(4):
-            v = _load32(builder, qp, j)
-            lo = builder.and_(v, _splat(_I8, 32, 15))
-            hi = builder.lshr(v, _splat(_I8, 32, 4))
-            plo = _maddubs(builder, lo, _load32(builder, xp, 2 * j))  # (16,) i16 pair sums
-            phi = _maddubs(builder, hi, _load32(builder, xp, 2 * j + 1))
-            acc = builder.add(acc, _maddwd(builder, plo, _lanes(builder, sc, [2 * j] * 16)))
-            acc = builder.add(acc, _maddwd(builder, phi, _lanes(builder, sc, [2 * j + 1] * 16)))
-        return _hsum(builder, acc)
 
-    return sig, codegen
+@intrinsic
+def dot_q5_k(typingctx, row, qo, xq, xo, scales):
+    """As dot_q4_k for q5_K: quants at row[qo:qo+128], their 5th bits in qh = row[qo-32:qo]."""
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+        return None
+    sig = types.int64(row, qo, xq, xo, scales)
+    return sig, lambda context, builder, signature, args: _kquant_nibbles(context, builder, signature, args, -32)
 
 
 @intrinsic
@@ -178,3 +200,37 @@ def dot_mins_q4_k(typingctx, mins, xs, so):
         return _hsum(builder, builder.mul(m, pairs))
 
     return sig, codegen
+
+
+def _legacy_codegen(context, builder, signature, args, with_qh):
+    """sum over one 32-element q4_0/q4_1 (or q5_*) block of the *unsigned* quants times xq."""
+    base = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+    v = builder.load(builder.bitcast(base, ir.PointerType(_vec(_I8, 16))), align=1)
+    lo = builder.and_(v, _splat(_I8, 16, 15))
+    hi = builder.lshr(v, _splat(_I8, 16, 4))
+    q = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))  # elements 0..31
+    if with_qh:  # bit e of the uint32 qh is the 5th bit of element e
+        qh = builder.trunc(args[4], _I32)
+        spl = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(_I32, 32), None), qh, ir.Constant(_I32, 0)),
+                                     ir.Constant(_vec(_I32, 32), None), ir.Constant(_vec(_I32, 32), [0] * 32))
+        bits = builder.and_(spl, ir.Constant(_vec(_I32, 32), [1 << i for i in range(31)] + [-(1 << 31)]))
+        set_ = builder.icmp_unsigned("!=", bits, ir.Constant(_vec(_I32, 32), [0] * 32))
+        q = builder.or_(q, builder.select(set_, _splat(_I8, 32, 16), _splat(_I8, 32, 0)))
+    x = _load32(builder, _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32)))
+    return _hsum(builder, _maddwd(builder, _maddubs(builder, q, x), _splat(_I16, 16, 1)))
+
+
+@intrinsic
+def dot_q4_legacy(typingctx, row, qo, xq, xo):
+    """sum_l q_l * xq[xo+l] for the 16 nibble bytes at row[qo:] (q4_0 / q4_1 quants, unsigned 0..15)."""
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+        return None
+    return types.int64(row, qo, xq, xo), lambda c, b, sg, a: _legacy_codegen(c, b, sg, a, False)
+
+
+@intrinsic
+def dot_q5_legacy(typingctx, row, qo, xq, xo, qh):
+    """As dot_q4_legacy with 5th bits from qh (the block's uint32): q5_0 / q5_1 quants, 0..31."""
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+        return None
+    return types.int64(row, qo, xq, xo, qh), lambda c, b, sg, a: _legacy_codegen(c, b, sg, a, True)

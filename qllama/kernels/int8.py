@@ -24,8 +24,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..ggml_types import Q4_0, Q4_1, Q5_0
 from ._fp16 import f16_at
-from ._x86 import dot_mins_q4_k, dot_q4_k, dot_q6_k, dot_q8_0
+from ._x86 import dot_mins_q4_k, dot_q4_k, dot_q4_legacy, dot_q5_k, dot_q5_legacy, dot_q6_k, dot_q8_0
 
 _NOPY = dict(cache=True, boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -74,8 +75,8 @@ def quantize_q8_k(x, xq, xd, xs):
 
 
 @njit(parallel=True, **_NOPY)
-def quantize_q8_0(x, xq, xd):
-    """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/32)."""
+def quantize_q8_0(x, xq, xd, xs):
+    """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/32), xs int32 (n_tok, n/32) sums of xq."""
     n_tok, n = x.shape
     for t in prange(n_tok):
         for b in range(n // QK8_0):
@@ -89,10 +90,14 @@ def quantize_q8_0(x, xq, xd):
                 amax = max(amax, a)
             d = amax / np.float32(127.0)
             idv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            s = 0
             for j in range(QK8_0):
                 v = x[t, o + j] * idv if finite else np.float32(0.0)
-                xq[t, o + j] = int(np.floor(abs(v) + np.float32(0.5))) * (1 if v >= 0 else -1)
+                q = int(np.floor(abs(v) + np.float32(0.5))) * (1 if v >= 0 else -1)
+                xq[t, o + j] = q
+                s += q
             xd[t, b] = d if finite else np.float32(np.nan)
+            xs[t, b] = s
 
 
 @njit(**_NOPY)
@@ -155,6 +160,34 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+def matmul_q5_k(raw, xq, xd, xs, tab, out, n_threads):
+    """As matmul_q4_k for q5_K weights (176-byte blocks: d, dmin, scales[12], qh[32], qs[128])."""
+    n_rows = raw.shape[0]
+    n_tok = xq.shape[0]
+    nb = raw.shape[1] // 176
+    n_chunks, per = _chunks(n_rows, n_threads)
+    for c in prange(n_chunks):
+        dd = np.empty((nb, 2), np.float32)  # (nb, [d, dmin])
+        sm = np.empty((nb, 2), np.int64)  # (nb, [scales, mins]) one 6-bit value per byte
+        for t0 in range(0, n_tok, TOKEN_TILE):
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
+                row = raw[r]
+                for b in range(nb):
+                    o = b * 176
+                    dd[b, 0] = f16_at(row, o, tab)
+                    dd[b, 1] = f16_at(row, o + 2, tab)
+                    sm[b, 0], sm[b, 1] = _q4_k_scales(row, o)
+                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                    xqt, xdt, xst = xq[t], xd[t], xs[t]
+                    acc = np.float32(0.0)
+                    for b in range(nb):
+                        isum = dot_q5_k(row, b * 176 + 48, xqt, b * QK_K, sm[b, 0])
+                        msum = dot_mins_q4_k(sm[b, 1], xst, b * 16)
+                        acc += (xdt[b] * dd[b, 0]) * np.float32(isum) - (xdt[b] * dd[b, 1]) * np.float32(msum)
+                    out[t, r] = acc
+
+
+@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q6_k(raw, xq, xd, xs, tab, out, n_threads):
     """As matmul_q4_k for q6_K weights (210-byte blocks; the only header is d)."""
     n_rows = raw.shape[0]
@@ -192,4 +225,42 @@ def matmul_q8_0(raw, xq, xd, tab, out, n_threads):
                     for b in range(nb):
                         o = b * 34
                         acc += (xdt[b] * f16_at(row, o, tab)) * np.float32(dot_q8_0(row, o + 2, xqt, b * QK8_0))
+                    out[t, r] = acc
+
+
+@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
+    """q4_0, q4_1, q5_0, q5_1 rows times q8_0-form activations (xs: int32 (n_tok, ne0/32) sums of xq).
+
+    q4_0: d*(q-8), q5_0: d*(q-16) -> d*dx*(sum q xq - off*xs); q4_1 / q5_1: d*q + m -> d*dx*sum q xq + m*dx*xs.
+    """
+    n_rows = raw.shape[0]
+    n_tok = xq.shape[0]
+    if type_id == Q4_0:
+        bb, qo, off, has_m, has_h = 18, 2, 8, False, False
+    elif type_id == Q4_1:
+        bb, qo, off, has_m, has_h = 20, 4, 0, True, False
+    elif type_id == Q5_0:
+        bb, qo, off, has_m, has_h = 22, 6, 16, False, True
+    else:
+        bb, qo, off, has_m, has_h = 24, 8, 0, True, True
+    nb = raw.shape[1] // bb
+    n_chunks, per = _chunks(n_rows, n_threads)
+    for c in prange(n_chunks):
+        for t0 in range(0, n_tok, TOKEN_TILE):
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
+                row = raw[r]
+                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                    xqt, xdt, xst = xq[t], xd[t], xs[t]
+                    acc = np.float32(0.0)
+                    for b in range(nb):
+                        o = b * bb
+                        if has_h:
+                            isum = dot_q5_legacy(row, o + qo, xqt, b * QK8_0, _u32(row, o + qo - 4))
+                        else:
+                            isum = dot_q4_legacy(row, o + qo, xqt, b * QK8_0)
+                        v = (xdt[b] * f16_at(row, o, tab)) * np.float32(isum - off * xst[b])
+                        if has_m:
+                            v += (xdt[b] * f16_at(row, o + 2, tab)) * np.float32(xst[b])
+                        acc += v
                     out[t, r] = acc
