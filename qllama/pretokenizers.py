@@ -34,7 +34,9 @@ _WS_TO_VT = {ord(c): 0x0B for c in NON_ASCII_WHITESPACE}
 _ASCII_WS = r"\t\n\x0b\x0c\r "
 
 # --- llama.cpp's regexes (src/llama-vocab.cpp, llm_tokenizer_bpe), ECMAScript flavour ----------
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp runs this one with a hand-written splitter that also has a final `\s+` branch; with
+# the regex alone a lone whitespace before a non-space would be a gap piece, which is the same piece.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -181,6 +183,8 @@ def _to_python(expr: str) -> str:
             in_class = False
         elif c == "$" and not in_class:
             c = r"\Z"  # ECMAScript `$` (no multiline): only the end of the piece
+        elif c == "(" and not in_class and expr[i + 1 : i + 2] != "?":
+            c = "(?:"  # no capture groups: findall must return whole matches
         out.append(c)
         i += 1
     return "".join(out)
@@ -210,30 +214,28 @@ class PreTokenizer:
         if text.isascii() or not _HAS_WIDE_WS(text):
             t = text
         else:
-            t = text.translate(_WS_TO_VT)  # same length: offsets into t are offsets into text
-        if len(compiled) == 1:
-            # fast path: when the matches cover the text there are no gaps to keep
-            words = compiled[0].findall(t)
-            if sum(map(len, words)) == len(t):
-                return words if t is text else _slices(text, words)
-        spans = [(0, len(t))]
+            t = text.translate(_WS_TO_VT)  # same length: pieces of t have the lengths of pieces of text
+        pieces = [t]
         for rx in compiled:
-            out: list[tuple[int, int]] = []
-            for a, b in spans:
-                seg = t[a:b]
+            out: list[str] = []
+            for seg in pieces:
+                words = rx.findall(seg)
+                if sum(map(len, words)) == len(seg):  # the matches cover seg: no gaps to keep
+                    out.extend(words)
+                    continue
                 prev = 0
                 for m in rx.finditer(seg):
                     s, e = m.span()
                     if s == e:
                         continue
                     if s > prev:
-                        out.append((a + prev, a + s))  # the unmatched gap is a piece too
-                    out.append((a + s, a + e))
+                        out.append(seg[prev:s])  # the unmatched gap is a piece too
+                    out.append(seg[s:e])
                     prev = e
                 if prev < len(seg):
-                    out.append((a + prev, b))
-            spans = out
-        return [text[a:b] for a, b in spans]
+                    out.append(seg[prev:])
+            pieces = out
+        return pieces if t is text else _slices(text, pieces)
 
 
 _HAS_WIDE_WS = regex.compile(f"[{NON_ASCII_WHITESPACE}]").search
