@@ -139,6 +139,7 @@ _NAMES: dict[str, tuple[str, bool, bool, bool]] = {
     "stablelm2": ("qwen2", _N, _Y, _N),
     "dbrx": ("llama3", _N, _Y, _N),
     "smaug-bpe": ("llama3", _N, _Y, _N),
+    **{n: ("llama3", _N, _Y, _N) for n in ("glm4", "chatglm-bpe")},  # and no BOS id by default
     "poro-chat": ("poro", _N, _N, _N),
     "bloom": ("poro", _N, _Y, _N),
     "gpt3-finnish": ("poro", _N, _Y, _N),

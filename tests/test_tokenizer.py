@@ -244,6 +244,8 @@ def test_defaults_when_keys_are_absent():
     md = vocab("gpt-2")[0]
     t = Tokenizer.from_metadata({**md, "tokenizer.ggml.add_bos_token": True})
     assert t.encode("Hi", add_bos=True)[0] == 50256
+    t = Tokenizer.from_metadata({**_without(md, "tokenizer.ggml.bos_token_id"), "tokenizer.ggml.pre": "glm4"})
+    assert t.bos_id is None and not t.add_bos  # GLM-4 has no BOS default
 
 
 def test_add_space_prefix_false():

@@ -72,21 +72,24 @@ def clear_caches(tok: Tokenizer) -> None:
 
 
 def bench_build(path: Path, reps: int) -> None:
-    opens, builds, totals = [], [], []
+    opens, builds, totals, cpu_open, cpu_build = [], [], [], [], []
     for _ in range(reps):
         gc.collect()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         gf = GGUFFile(path)
         md = gf.metadata
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         tok = Tokenizer.from_metadata(md)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         opens.append(t1 - t0)
         builds.append(t2 - t1)
         totals.append(t2 - t0)
+        cpu_open.append(c1 - c0)
+        cpu_build.append(c2 - c1)
         del tok, gf, md
-    print(f"build {path.name}: GGUF open {statistics.median(opens):.3f} s + tokenizer "
-          f"{statistics.median(builds):.3f} s = {statistics.median(totals):.3f} s (medians of {reps})")
+    med = statistics.median
+    print(f"build {path.name}: GGUF open {med(opens):.3f} s + tokenizer {med(builds):.3f} s = "
+          f"{med(totals):.3f} s wall; CPU time {med(cpu_open):.3f} + {med(cpu_build):.3f} s (medians of {reps})")
 
 
 def bench_encode(path: Path, text: str, reps: int) -> None:
