@@ -64,6 +64,21 @@ class ForwardStats:
         self.seconds[name] = self.seconds.get(name, 0.0) + dt
 
 
+class _Marker:
+    """Adds the time since the previous mark to a ForwardStats entry (profiling only)."""
+
+    __slots__ = ("stats", "last")
+
+    def __init__(self, stats: ForwardStats):
+        self.stats = stats
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stats.add(name, now - self.last)
+        self.last = now
+
+
 class LlamaModel:
     """Forward pass over a KVCache. `forward` takes a batch of tokens at consecutive positions."""
 
@@ -92,63 +107,71 @@ class LlamaModel:
             raise QllamaError(f"context overflow: {start} + {n_tok} tokens > n_ctx {cache.n_ctx}")
         if tokens.min() < 0 or tokens.max() >= a.n_vocab:
             raise QllamaError(f"token id out of range [0, {a.n_vocab})")
-        prof = self.profile
-        clock = time.perf_counter
+        mark = _Marker(self.profile) if self.profile is not None else None
 
-        t0 = clock()
         x = self.weights.token_embd.dequantize(tokens)  # (T, n_embd) residual stream
         x = np.ascontiguousarray(x, dtype=np.float32)
         h = np.empty_like(x)  # (T, n_embd) normed input of each sub-layer
         positions = np.arange(start, start + n_tok, dtype=np.int64)
         attn_out = np.empty((n_tok, a.n_head, a.head_dim), dtype=np.float32)  # (T, H, D)
         scale = np.float32(1.0 / math.sqrt(a.head_dim))
-        if prof:
-            prof.add("embedding", clock() - t0)
+        if mark:
+            mark("embedding")
 
         for il, layer in enumerate(self.weights.layers):
-            t0 = clock()
             ops.rmsnorm(x, layer.attn_norm, a.rms_eps, h)
-            t1 = clock()
+            if mark:
+                mark("rmsnorm")
             hq = quantize_activation(h)  # quantized once (int8 path) for Q, K and V
             q = project(layer.attn_q, hq).reshape(n_tok, a.n_head, a.head_dim)  # (T, H, D)
+            if mark:
+                mark("matvec attn_q (+quantize x)")
             k = project(layer.attn_k, hq).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
+            if mark:
+                mark("matvec attn_k")
             v = project(layer.attn_v, hq).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
-            t2 = clock()
+            if mark:
+                mark("matvec attn_v")
             ops.rope_interleaved(q, positions, self.rope_cos, self.rope_sin)
             ops.rope_interleaved(k, positions, self.rope_cos, self.rope_sin)
+            if mark:
+                mark("rope")
             cache.k[il, :, start : start + n_tok, :] = k.transpose(1, 0, 2)
             cache.v[il, :, start : start + n_tok, :] = v.transpose(1, 0, 2)
+            if mark:
+                mark("kv store")
             ops.attention(q, cache.k[il], cache.v[il], start, a.n_rep, scale, attn_out)
-            t3 = clock()
+            if mark:
+                mark("attention")
             x += project(layer.attn_output, quantize_activation(attn_out.reshape(n_tok, a.n_embd)))
-            t4 = clock()
+            if mark:
+                mark("matvec attn_output (+quantize x, residual)")
             ops.rmsnorm(x, layer.ffn_norm, a.rms_eps, h)
-            t5 = clock()
+            if mark:
+                mark("rmsnorm")
             hq = quantize_activation(h)  # shared by gate and up
             gate = project(layer.ffn_gate, hq)  # (T, n_ff)
+            if mark:
+                mark("matvec ffn_gate (+quantize x)")
             up = project(layer.ffn_up, hq)  # (T, n_ff)
-            t6 = clock()
+            if mark:
+                mark("matvec ffn_up")
             ops.swiglu(gate, up, gate)
-            t7 = clock()
+            if mark:
+                mark("swiglu")
             x += project(layer.ffn_down, quantize_activation(gate))
-            t8 = clock()
-            if prof:
-                prof.add("norms", (t1 - t0) + (t5 - t4))
-                prof.add("matmul attn_qkv", t2 - t1)
-                prof.add("rope+attention", t3 - t2)
-                prof.add("matmul attn_output", t4 - t3)
-                prof.add("matmul ffn_gate+up", t6 - t5)
-                prof.add("swiglu", t7 - t6)
-                prof.add("matmul ffn_down", t8 - t7)
+            if mark:
+                mark("matvec ffn_down (+quantize x, residual)")
 
         cache.n_past = start + n_tok
-        t0 = clock()
         rows = x if all_logits else x[-1:]
         hn = np.empty_like(rows)
         ops.rmsnorm(np.ascontiguousarray(rows), self.weights.output_norm, a.rms_eps, hn)
+        if mark:
+            mark("rmsnorm")
         logits = project(self.weights.output, quantize_activation(hn))
-        if prof:
-            prof.add("output", clock() - t0)
+        if mark:
+            mark("matvec output (+quantize x)")
         return logits
 
 

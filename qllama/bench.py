@@ -1,0 +1,333 @@
+"""Speed measurement in the manner of llama-bench: prompt processing (pp) and text generation (tg).
+
+- **pp N**: N random tokens evaluated from an empty cache in batches of `batch_size`
+  (logits of the last token only); tokens/s = N / wall time.
+- **tg N**: N tokens decoded one at a time (no sampling, as llama-bench); with a depth D, the
+  cache already holds D tokens when the timed decode starts ("tg128@d1024").
+- Each figure is the mean ± sd over `reps` repetitions. A warm-up (the first call of every
+  kernel: Numba compile or cache load) runs before and is reported apart as `compile_s`.
+
+`run_bench` returns the `qllama bench --json` document:
+`{"model", "n_threads": [...], "results": [{"test", "threads", "mean_tps", "sd_tps", "reps"}], "compile_s"}`.
+`profile_decode` times each operation of decode steps (the `--profile` table).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import QllamaError
+
+__all__ = [
+    "BenchRunner",
+    "BenchTest",
+    "bench_tests",
+    "run_bench",
+    "profile_decode",
+    "format_table",
+    "format_profile",
+    "mean_sd",
+    "random_tokens",
+]
+
+
+def random_tokens(n: int, n_vocab: int, seed: int = 1234) -> list[int]:
+    """n token ids drawn uniformly from [0, n_vocab) by a seeded generator (the same for every engine)."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, n_vocab, size=n)]
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    vals = list(values)
+    if not vals:
+        return 0.0, 0.0
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+@dataclass(frozen=True)
+class BenchTest:
+    """One benchmark test: `kind` "pp" or "tg", `n` tokens, at `depth` tokens already cached."""
+
+    kind: str
+    n: int
+    depth: int = 0
+
+    @property
+    def name(self) -> str:
+        base = f"{self.kind}{self.n}"
+        return f"{base}@d{self.depth}" if self.depth else base
+
+
+def bench_tests(n_prompt: int, n_gen: int, depths: Sequence[int] = (0,)) -> list[BenchTest]:
+    """pp at depth 0 (if n_prompt > 0), then tg at each depth (if n_gen > 0), like llama-bench's defaults."""
+    tests = []
+    if n_prompt > 0:
+        tests.append(BenchTest("pp", n_prompt, 0))
+    if n_gen > 0:
+        for d in sorted(set(int(d) for d in depths) or {0}):
+            tests.append(BenchTest("tg", n_gen, d))
+    return tests
+
+
+class BenchRunner:
+    """Times pp and tg on one loaded qllama model; the same interface as the llama.cpp runner in tools/.
+
+    Every method starts from a cache whose first `depth` positions hold the prefix tokens:
+    the prefix is evaluated once and reused (its K/V entries are unchanged by later tokens).
+    """
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int, batch_size: int = 512, n_threads: int | None = None):
+        from .api import load
+
+        self.llm = load(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size)
+        self.model = self.llm._model  # LlamaModel
+        self.cache = self.model.new_cache()
+        self.batch_size = batch_size
+        self.n_vocab = self.llm.n_vocab
+        self._prefix: list[int] = []  # tokens at positions [0, len) of self.cache
+        self.path = os.fspath(path)
+
+    # -- threads -------------------------------------------------------------------------
+
+    def set_threads(self, n: int) -> int:
+        """Use n threads; returns the count actually used (capped by Numba's pool size)."""
+        from .quants import get_threads, set_threads
+
+        set_threads(n)
+        return get_threads()
+
+    # -- primitives ------------------------------------------------------------------------
+
+    def _eval(self, ids: Sequence[int]) -> None:
+        for start in range(0, len(ids), self.batch_size):
+            self.model.forward(ids[start : start + self.batch_size], self.cache)
+
+    def _ensure_prefix(self, depth: int) -> None:
+        """Make the cache hold `depth` prefix tokens (evaluating only the missing ones)."""
+        if depth > len(self._prefix):
+            more = random_tokens(depth, self.n_vocab, seed=99)[len(self._prefix) :]
+            self.cache.n_past = len(self._prefix)
+            self._eval(more)
+            self._prefix.extend(more)
+        self.cache.n_past = depth
+
+    def warmup(self) -> float:
+        """Run every kernel once (a 2-token batch, then one decode step); returns the seconds spent
+        beyond a second identical run: the Numba compile / cache-load time."""
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            self.cache.n_past = 0
+            self.model.forward(random_tokens(2, self.n_vocab, seed=7), self.cache)
+            self.model.forward(random_tokens(1, self.n_vocab, seed=8), self.cache)
+            return time.perf_counter() - t0
+
+        first = once()
+        second = once()
+        self._prefix = []
+        self.cache.n_past = 0
+        return max(0.0, first - second)
+
+    def pp(self, n: int, depth: int = 0) -> float:
+        """Seconds to evaluate n random prompt tokens after `depth` cached tokens."""
+        self._ensure_prefix(depth)
+        ids = random_tokens(n, self.n_vocab, seed=1234)
+        t0 = time.perf_counter()
+        self._eval(ids)
+        dt = time.perf_counter() - t0
+        self.cache.n_past = depth
+        return dt
+
+    def tg(self, n: int, depth: int = 0) -> float:
+        """Seconds to decode n tokens one at a time after `depth` cached tokens."""
+        self._ensure_prefix(depth)
+        ids = random_tokens(n, self.n_vocab, seed=4321)
+        forward, cache = self.model.forward, self.cache
+        t0 = time.perf_counter()
+        for t in ids:
+            forward([t], cache)
+        dt = time.perf_counter() - t0
+        self.cache.n_past = depth
+        return dt
+
+    def run(self, test: BenchTest) -> float:
+        """Tokens/s of one repetition of `test`."""
+        fn = self.pp if test.kind == "pp" else self.tg
+        return test.n / fn(test.n, test.depth)
+
+    def close(self) -> None:
+        """Drop the model and cache (the mmap closes when nothing refers to it)."""
+        self.cache = None
+        self.model = None
+        self.llm = None
+
+
+def needed_ctx(n_prompt: int, n_gen: int, depths: Sequence[int]) -> int:
+    """Cache positions the tests need (as llama-bench: prompt + depth + generated)."""
+    return max(n_prompt, max(depths or [0]) + n_gen, 8)
+
+
+def run_bench(
+    path: str | os.PathLike,
+    *,
+    n_prompt: int = 512,
+    n_gen: int = 128,
+    threads: Sequence[int] = (),
+    reps: int = 5,
+    depths: Sequence[int] = (0,),
+    batch_size: int = 512,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Run the tests at each thread count; returns the `qllama bench --json` document."""
+    if reps < 1:
+        raise QllamaError(f"repetitions must be >= 1, got {reps}")
+    if n_prompt < 0 or n_gen < 0 or any(d < 0 for d in depths):
+        raise QllamaError("token counts and depths must be >= 0")
+    if n_prompt == 0 and n_gen == 0:
+        raise QllamaError("nothing to measure: both -p and -n are 0")
+    from .quants import _physical_cores
+
+    threads = list(threads) or [_physical_cores()]
+    if any(t < 1 for t in threads):
+        raise QllamaError("thread counts must be >= 1")
+    runner = BenchRunner(path, n_ctx=needed_ctx(n_prompt, n_gen, depths), batch_size=batch_size, n_threads=threads[0])
+    if max(depths or [0]) + n_gen > runner.model.n_ctx or n_prompt > runner.model.n_ctx:
+        raise QllamaError("the tests do not fit in the context")
+    say = progress or (lambda msg: None)
+    compile_s = runner.warmup()
+    say(f"warm-up (Numba compile / cache load): {compile_s:.2f} s")
+    results = []
+    for n_thr in threads:
+        used = runner.set_threads(n_thr)
+        if used != n_thr:
+            say(f"note: {n_thr} threads requested, Numba's pool allows {used}")
+        for test in bench_tests(n_prompt, n_gen, depths):
+            runner.run(BenchTest(test.kind, min(test.n, 16), test.depth))  # untimed: warm caches at this shape
+            samples = []
+            for r in range(reps):
+                samples.append(runner.run(test))
+                say(f"{test.name} t={used} rep {r + 1}/{reps}: {samples[-1]:.2f} tokens/s")
+            m, sd = mean_sd(samples)
+            results.append({"test": test.name, "threads": used, "mean_tps": m, "sd_tps": sd, "reps": reps})
+    doc = {
+        "model": os.path.basename(os.fspath(path)),
+        "n_threads": [r for r in dict.fromkeys(res["threads"] for res in results)],
+        "results": results,
+        "compile_s": compile_s,
+    }
+    runner.close()
+    return doc
+
+
+def format_table(doc: dict, extra: dict | None = None) -> str:
+    """The results as a markdown table (mean ± sd tokens/s), like llama-bench's."""
+    lines = [
+        "| model | threads | test | t/s |",
+        "| --- | ---: | --- | ---: |",
+    ]
+    for r in doc["results"]:
+        lines.append(f"| {doc['model']} | {r['threads']} | {r['test']} | {r['mean_tps']:.2f} ± {r['sd_tps']:.2f} |")
+    lines.append("")
+    lines.append(f"Numba compile / cache load (warm-up, not timed above): {doc['compile_s']:.2f} s")
+    return "\n".join(lines)
+
+
+# -- the per-operation profile of decode -------------------------------------------------------
+
+
+@dataclass
+class DecodeProfile:
+    """Mean milliseconds per decode step, per operation; `total_ms` is the measured wall time per step."""
+
+    ms: dict[str, float] = field(default_factory=dict)
+    total_ms: float = 0.0
+    steps: int = 0
+    depth: int = 0
+    threads: int = 0
+    weight_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {"ms_per_token": self.ms, "total_ms": self.total_ms, "steps": self.steps, "depth": self.depth,
+                "threads": self.threads, "weight_bytes": self.weight_bytes}
+
+
+def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128, n_threads: int | None = None,
+                   batch_size: int = 512, runner: BenchRunner | None = None) -> DecodeProfile:
+    """Time each operation of `steps` decode steps after `depth` cached tokens, plus sampling.
+
+    "python overhead" is the wall time of a step minus everything measured inside it.
+    """
+    from .model import ForwardStats
+    from .sampling import Sampler, SamplingParams
+
+    own = runner is None
+    if own:
+        runner = BenchRunner(path, n_ctx=depth + steps + 8, batch_size=batch_size, n_threads=n_threads)
+        runner.warmup()
+    threads = runner.set_threads(n_threads) if n_threads else runner.set_threads(runner.llm.n_threads)
+    runner._ensure_prefix(depth)
+    sampler = Sampler(SamplingParams(seed=1))  # llama.cpp's default chain: top-k 40, top-p, min-p, temp 0.8
+    model = runner.model
+    token = random_tokens(1, runner.n_vocab, seed=3)[0]
+    # one untimed step at this depth, so that nothing below is a first call
+    model.forward([token], runner.cache)
+    runner.cache.n_past = depth
+    stats = ForwardStats()
+    model.profile = stats
+    sample_s = 0.0
+    clock = time.perf_counter
+    try:
+        t0 = clock()
+        for _ in range(steps):
+            logits = model.forward([token], runner.cache)
+            ts = clock()
+            token = sampler.sample(logits[-1])
+            sample_s += clock() - ts
+        wall = clock() - t0
+    finally:
+        model.profile = None
+        runner.cache.n_past = depth
+    ms = {name: 1000.0 * s / steps for name, s in sorted(stats.seconds.items(), key=lambda kv: -kv[1])}
+    ms["sampling"] = 1000.0 * sample_s / steps
+    measured = sum(ms.values())
+    total_ms = 1000.0 * wall / steps
+    ms["python overhead (unmeasured)"] = max(0.0, total_ms - measured)
+    w = runner.llm.weights
+    prof = DecodeProfile(ms=ms, total_ms=total_ms, steps=steps, depth=depth, threads=threads,
+                         weight_bytes=_weight_bytes(w))
+    if own:
+        runner.close()
+    return prof
+
+
+def _weight_bytes(weights) -> int:
+    """Bytes of weights one decode step reads (every matrix once, the output projection included)."""
+    total = weights.output.nbytes
+    for layer in weights.layers:
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            total += getattr(layer, name).nbytes
+    return total
+
+
+def format_profile(p: DecodeProfile) -> str:
+    """A markdown table: ms per token and share of the step, per operation."""
+    lines = [
+        f"decode profile: {p.steps} steps after {p.depth} cached tokens, {p.threads} threads, "
+        f"{p.total_ms:.2f} ms/token ({1000.0 / p.total_ms if p.total_ms else 0:.2f} tokens/s); "
+        f"weights read per token {p.weight_bytes / 1e9:.3f} GB -> {p.weight_bytes / 1e6 / p.total_ms if p.total_ms else 0:.1f} GB/s",
+        "",
+        "| operation | ms/token | share |",
+        "| --- | ---: | ---: |",
+    ]
+    for name, v in p.ms.items():
+        share = 100.0 * v / p.total_ms if p.total_ms else math.nan
+        lines.append(f"| {name} | {v:.3f} | {share:.1f}% |")
+    return "\n".join(lines)

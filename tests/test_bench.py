@@ -1,0 +1,113 @@
+"""`qllama bench` and qllama.bench on a tiny synthetic model: the tests run, the JSON document has
+the documented shape, figures are positive, the profile covers the step. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from qllama.bench import BenchTest, bench_tests, format_table, mean_sd, profile_decode, random_tokens, run_bench
+from tools.make_model import ModelSpec, write_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    write_model(path, ModelSpec(n_head=4, n_head_kv=2, weight_type="q8_0", seed=5, n_ctx=128))
+    return path
+
+
+def test_mean_sd_hand_computed():
+    assert mean_sd([2.0, 4.0, 6.0]) == (4.0, 2.0)  # sample sd: sqrt((4 + 0 + 4) / 2)
+    assert mean_sd([5.0]) == (5.0, 0.0)
+    assert mean_sd([]) == (0.0, 0.0)
+
+
+def test_test_names_and_order():
+    assert [t.name for t in bench_tests(512, 128, [0, 1024])] == ["pp512", "tg128", "tg128@d1024"]
+    assert [t.name for t in bench_tests(0, 16, [0])] == ["tg16"]
+    assert [t.name for t in bench_tests(8, 0, [0, 4])] == ["pp8"]
+    assert BenchTest("tg", 128, 1024).name == "tg128@d1024"
+
+
+def test_random_tokens_are_seeded_and_in_range():
+    a = random_tokens(100, 50, seed=1)
+    assert a == random_tokens(100, 50, seed=1)
+    assert a != random_tokens(100, 50, seed=2)
+    assert min(a) >= 0 and max(a) < 50
+
+
+def test_run_bench_document(tiny):
+    doc = run_bench(tiny, n_prompt=8, n_gen=4, threads=[1], reps=2, depths=[0, 16])
+    assert set(doc) == {"model", "n_threads", "results", "compile_s"}
+    assert doc["model"] == "tiny.gguf"
+    assert doc["n_threads"] == [1]
+    assert [r["test"] for r in doc["results"]] == ["pp8", "tg4", "tg4@d16"]
+    for r in doc["results"]:
+        assert set(r) == {"test", "threads", "mean_tps", "sd_tps", "reps"}
+        assert r["threads"] == 1 and r["reps"] == 2
+        assert r["mean_tps"] > 0 and math.isfinite(r["mean_tps"])
+        assert r["sd_tps"] >= 0
+    assert doc["compile_s"] >= 0
+    table = format_table(doc)
+    assert "| tiny.gguf | 1 | tg4@d16 |" in table and "compile" in table
+
+
+def test_cli_json_is_one_document(tiny):
+    from qllama.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", str(tiny), "-p", "8", "-n", "4", "-r", "1", "-t", "1", "-d", "8", "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [(r["test"], r["threads"], r["reps"]) for r in doc["results"]] == [("pp8", 1, 1), ("tg4", 1, 1), ("tg4@d8", 1, 1)]
+
+
+def test_cli_table_and_profile(tiny):
+    from qllama.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", str(tiny), "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-q",
+                                   "--profile", "--profile-steps", "3", "--profile-depth", "4"])
+    assert res.exit_code == 0, res.output
+    assert "| model | threads | test | t/s |" in res.stdout
+    assert "| tiny.gguf | 1 | tg4 |" in res.stdout
+    assert "matvec ffn_down" in res.stdout and "attention" in res.stdout and "sampling" in res.stdout
+
+
+def test_profile_accounts_for_the_step(tiny):
+    p = profile_decode(tiny, steps=3, depth=5, n_threads=1)
+    assert p.steps == 3 and p.depth == 5 and p.threads == 1
+    for name in ("matvec attn_q (+quantize x)", "matvec attn_k", "matvec attn_v", "matvec ffn_gate (+quantize x)",
+                 "matvec ffn_up", "attention", "rmsnorm", "swiglu", "sampling", "python overhead (unmeasured)"):
+        assert name in p.ms, name
+    assert all(v >= 0 for v in p.ms.values())
+    # the parts add up to the measured wall time per step (overhead is the remainder)
+    assert sum(p.ms.values()) == pytest.approx(p.total_ms, rel=1e-6) or sum(p.ms.values()) > p.total_ms
+    assert p.weight_bytes > 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["-r", "0"], ["-t", "0"], ["-t", "x"], ["-p", "-1"], ["-d", "-5"]],
+)
+def test_cli_rejects_bad_options(tiny, args):
+    from qllama.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tiny), *args])
+    assert e.value.code == 2
+
+
+def test_cli_errors_in_one_line(tmp_path, capsys):
+    from qllama.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tmp_path / "missing.gguf"), "-p", "4", "-n", "2", "-r", "1"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tmp_path / "missing.gguf"), "-p", "0", "-n", "0"])
+    assert e.value.code == 1
