@@ -451,13 +451,14 @@ class Tokenizer:
         text = b"".join(pieces).decode("utf-8", "replace")
         return clean_up_spaces(text) if self.clean_spaces else text
 
-    def stream_decoder(self, special: bool = False, strip_leading_space: bool = True) -> "StreamDecoder":
+    def stream_decoder(self, special: bool = False, continuation: bool = False) -> "StreamDecoder":
         """A decoder fed one id at a time; its chunks concatenate to `decode(all ids)`.
 
-        Pass `strip_leading_space=False` when the ids continue earlier text (e.g. generated after a
-        prompt): then no leading space is removed from the first token.
+        `continuation=True` is for ids that continue earlier text, e.g. tokens generated after a
+        prompt: the chunks are then what llama.cpp prints while generating (the pieces as they
+        are, without the first token's leading-space strip and without the clean-up of spaces).
         """
-        return StreamDecoder(self, special, strip_leading_space)
+        return StreamDecoder(self, special, continuation)
 
     def __repr__(self) -> str:
         pre = f", pre={self.pre.name!r}" if self.pre is not None else ""
@@ -495,14 +496,16 @@ def _stable_prefix(text: str) -> int:
 class StreamDecoder:
     """Turns token ids into text chunks, holding back incomplete UTF-8 sequences.
 
-    The chunks concatenate to `Tokenizer.decode(ids)` of all ids fed (same leading-space strip,
-    same clean-up of spaces before punctuation, which needs a few characters of look-ahead).
+    By default the chunks concatenate to `Tokenizer.decode(ids)` of all ids fed (same
+    leading-space strip, same clean-up of spaces before punctuation, which needs a few characters
+    of look-ahead). With `continuation` they are the plain pieces, as llama.cpp streams them.
     """
 
-    def __init__(self, tokenizer: Tokenizer, special: bool = False, strip_leading_space: bool = True):
+    def __init__(self, tokenizer: Tokenizer, special: bool = False, continuation: bool = False):
         self._tok = tokenizer
         self._special = special
-        self._strip = strip_leading_space and tokenizer.add_space_prefix
+        self._strip = tokenizer.add_space_prefix and not continuation
+        self._clean = tokenizer.clean_spaces and not continuation
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._pending = ""  # decoded text held back for the clean-up look-ahead
 
@@ -514,7 +517,7 @@ class StreamDecoder:
             if b[:1] == b" ":
                 b = b[1:]
         s = self._utf8.decode(b)
-        if not self._tok.clean_spaces:
+        if not self._clean:
             return s
         self._pending += s
         c = _stable_prefix(self._pending)
@@ -527,7 +530,7 @@ class StreamDecoder:
         """The rest: held-back text, and U+FFFD for an unfinished UTF-8 sequence."""
         s = self._pending + self._utf8.decode(b"", final=True)
         self._pending = ""
-        return clean_up_spaces(s) if self._tok.clean_spaces else s
+        return clean_up_spaces(s) if self._clean else s
 
 
 def _no_surrogates(text: str) -> str:

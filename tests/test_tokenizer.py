@@ -151,12 +151,31 @@ def test_stream_decoder_holds_back_incomplete_utf8():
     assert dec.feed(euro[0]) == "" and dec.flush() == "\ufffd"  # unfinished sequence at the end
 
 
-def test_stream_decoder_continuation_keeps_leading_space():
+def test_stream_decoder_continuation_is_llama_cpp_streaming():
+    # generated tokens continue the prompt: no leading-space strip, no clean-up (llama.cpp prints
+    # token pieces as they are while generating)
     t = tok("llama-spm")
     ids = t.encode("Hello world")  # [▁Hello, ▁world]
     assert t.decode(ids) == "Hello world"
-    dec = t.stream_decoder(strip_leading_space=False)
+    dec = t.stream_decoder(continuation=True)
     assert "".join(dec.feed(i) for i in ids) + dec.flush() == " Hello world"
+    t = tok("llama-bpe")
+    ids = t.encode("Hi .")
+    dec = t.stream_decoder(continuation=True)
+    assert "".join(dec.feed(i) for i in ids) + dec.flush() == "Hi ." and t.decode(ids) == "Hi."
+
+
+def test_generated_text_matches_llama_cpp_reference():
+    # llama.cpp's greedy continuations of the trained model, as text, from their token ids
+    import json
+
+    t = tok("llama-spm")
+    ref = json.loads(shared_path("models", "shakespeare-spm-f32.reference.json").read_text())
+    for case in ref["greedy"]["cases"]:
+        assert t.encode(case["prompt"], add_bos=True) == case["prompt_tokens"]
+        dec = t.stream_decoder(continuation=True)
+        text = "".join(dec.feed(i) for i in case["greedy_tokens"]) + dec.flush()
+        assert text == case["greedy_text"]
 
 
 # -- decoding rules ----------------------------------------------------------------------------
