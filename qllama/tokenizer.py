@@ -451,13 +451,17 @@ class Tokenizer:
         text = b"".join(pieces).decode("utf-8", "replace")
         return clean_up_spaces(text) if self.clean_spaces else text
 
-    def stream_decoder(self, special: bool = False, continuation: bool = False) -> "StreamDecoder":
+    def stream_decoder(self, special: bool = False, continuation: bool = False, *,
+                       strip_leading_space: bool | None = None) -> "StreamDecoder":
         """A decoder fed one id at a time; its chunks concatenate to `decode(all ids)`.
 
         `continuation=True` is for ids that continue earlier text, e.g. tokens generated after a
         prompt: the chunks are then what llama.cpp prints while generating (the pieces as they
         are, without the first token's leading-space strip and without the clean-up of spaces).
+        `strip_leading_space=False` is an older spelling of `continuation=True`.
         """
+        if strip_leading_space is not None:
+            continuation = not strip_leading_space
         return StreamDecoder(self, special, continuation)
 
     def __repr__(self) -> str:

@@ -157,8 +157,8 @@ def test_stream_decoder_continuation_is_llama_cpp_streaming():
     t = tok("llama-spm")
     ids = t.encode("Hello world")  # [▁Hello, ▁world]
     assert t.decode(ids) == "Hello world"
-    dec = t.stream_decoder(continuation=True)
-    assert "".join(dec.feed(i) for i in ids) + dec.flush() == " Hello world"
+    for dec in (t.stream_decoder(continuation=True), t.stream_decoder(strip_leading_space=False)):
+        assert "".join(dec.feed(i) for i in ids) + dec.flush() == " Hello world"
     t = tok("llama-bpe")
     ids = t.encode("Hi .")
     dec = t.stream_decoder(continuation=True)
