@@ -202,7 +202,7 @@ def test_int8_paths_match_float64(tid):
 
 def _int8_reference(tid: int, w64: np.ndarray, x: np.ndarray) -> np.ndarray:
     """float64 W @ x~, where x~ is x rounded to 8 bits as the int8 kernels do (NumPy, independent)."""
-    bs = 256 if tid in (gt.Q4_K, gt.Q5_K, gt.Q6_K) else 32  # q8_K or q8_0 activations
+    bs = 256 if tid in K_TYPES else 32  # q8_K or q8_0 activations
     xb = x.astype(np.float64).reshape(-1, bs)
     if bs == 32:
         d = np.abs(xb).max(1, keepdims=True) / 127

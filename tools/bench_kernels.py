@@ -35,13 +35,14 @@ TYPES = ["q4_K", "q6_K", "q8_0", "f16"]
 STREAM_BYTES = 96 << 20  # total size of the rotated copies: 3x the L3
 
 
-def median_time(fn, reps: int) -> float:
+def times(fn, reps: int) -> tuple[float, float]:
+    """(median, best) wall time of fn over reps calls."""
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return float(np.median(ts)), float(np.min(ts))
 
 
 def read_bandwidth(n_threads: int, reps: int = 7) -> float:
@@ -49,8 +50,8 @@ def read_bandwidth(n_threads: int, reps: int = 7) -> float:
     a = np.ones(1 << 28, np.float32)  # 1 GiB
     parts = np.array_split(a, n_threads)
     with ThreadPoolExecutor(n_threads) as pool:
-        t = median_time(lambda: list(pool.map(np.sum, parts)), reps)
-    return a.nbytes / t / 1e9
+        med, best = times(lambda: list(pool.map(np.sum, parts)), reps)
+    return a.nbytes / med / 1e9, a.nbytes / best / 1e9
 
 
 def make_matrix(tname: str, ne0: int, ne1: int, rng: np.random.Generator):
@@ -76,15 +77,19 @@ def make_matrix(tname: str, ne0: int, ne1: int, rng: np.random.Generator):
 def bench(args) -> None:
     from qllama.quants import QTensor, int8_activations, set_int8_activations, set_threads
 
+    from qllama.ggml_types import type_name
+
     rng = np.random.default_rng(0)
-    print(f"# int8-activation types on this host: {sorted(int8_activations())}; reps={args.reps}, median")
+    print(f"# int8-activation types on this host: {sorted(type_name(t) for t in int8_activations())}")
+    print(f"# reps={args.reps}; medians (best in brackets); load average at start: {os.getloadavg()[0]:.1f}")
     bw = {}
     for nt in (1, 2):
-        bw[nt] = read_bandwidth(nt)
-        print(f"numpy.sum 1 GiB, {nt} thread(s): {bw[nt]:.1f} GB/s")
+        med, best = read_bandwidth(nt)
+        bw[nt] = med
+        print(f"numpy.sum 1 GiB, {nt} thread(s): {med:.1f} GB/s ({best:.1f})")
 
     print("\n## mat-vec, GB/s of packed weights streamed (copies rotated, >= 96 MiB)")
-    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {'1 thr':>7} {'2 thr':>7} {'%bw(2)':>7}")
+    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {'1 thread':>12} {'2 threads':>12} {'%bw(2)':>7}")
     for tname in args.types:
         for ne0, ne1 in SHAPES:
             q0 = make_matrix(tname, ne0, ne1, rng)
@@ -105,12 +110,14 @@ def bench(args) -> None:
                         copies[i[0] % n_copy].matvec(x, out)
                         i[0] += 1
 
-                    res.append(q0.nbytes / median_time(step, max(args.reps, n_copy)) / 1e9)
-                print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {res[0]:7.1f} {res[1]:7.1f} {100 * res[1] / bw[2]:6.0f}%")
+                    med, best = times(step, max(args.reps, n_copy))
+                    res.append((q0.nbytes / med / 1e9, q0.nbytes / best / 1e9))
+                cols = " ".join(f"{m:5.1f} ({b:4.1f})" for m, b in res)
+                print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {cols} {100 * res[1][0] / bw[2]:6.0f}%")
             set_int8_activations(True)
 
     print("\n## mat-mat, batch 64, GFLOP/s (2*ne0*ne1*64 / time)")
-    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {'1 thr':>7} {'2 thr':>7}")
+    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {'1 thread':>12} {'2 threads':>12}")
     for tname in args.types:
         for ne0, ne1 in SHAPES:
             q = make_matrix(tname, ne0, ne1, rng)
@@ -123,8 +130,10 @@ def bench(args) -> None:
                 for nt in (1, 2):
                     set_threads(nt)
                     q.matmul(xs, out)
-                    res.append(2 * ne0 * ne1 * 64 / median_time(lambda: q.matmul(xs, out), max(3, args.reps // 4)) / 1e9)
-                print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {res[0]:7.1f} {res[1]:7.1f}")
+                    med, best = times(lambda: q.matmul(xs, out), max(3, args.reps // 4))
+                    res.append((2 * ne0 * ne1 * 64 / med / 1e9, 2 * ne0 * ne1 * 64 / best / 1e9))
+                cols = " ".join(f"{m:5.1f} ({b:4.1f})" for m, b in res)
+                print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {cols}")
             set_int8_activations(True)
     set_threads(None)
     print("\n## inner-loop instructions (counts of ymm-register instructions in each compiled kernel)")
@@ -144,11 +153,12 @@ def vector_report() -> None:
 
     with contextlib.redirect_stdout(io.StringIO()):
         exec(COLD)  # compile every kernel (inspect_asm needs freshly compiled, not cached, code)
-    kernels = {
-        "int8.matmul_q4_k": int8.matmul_q4_k, "int8.matmul_q6_k": int8.matmul_q6_k,
-        "int8.matmul_q8_0": int8.matmul_q8_0, "floats.matvec_f16": floats.matvec_f16,
-        "rows.matvec (float, all types)": rows.matvec, "rows.matmul (float, all types)": rows.matmul,
-    }
+    from qllama.kernels import kquants, legacy
+
+    kernels = {f"int8.{k}": getattr(int8, k) for k in ("matmul_q4_k", "matmul_q5_k", "matmul_q6_k", "matmul_q8_0", "matmul_legacy")}
+    kernels.update({f"kquants.{k}": getattr(kquants, k) for k in dir(kquants) if k.startswith("matvec_")})
+    kernels.update({f"legacy.{k}": getattr(legacy, k) for k in dir(legacy) if k.startswith("matvec_")})
+    kernels.update({"floats.matvec_f16": floats.matvec_f16, "rows.matmul (float, all types)": rows.matmul})
     for name, k in kernels.items():
         if not k.signatures:
             continue

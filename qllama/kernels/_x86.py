@@ -234,3 +234,54 @@ def dot_q5_legacy(typingctx, row, qo, xq, xo, qh):
     if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
         return None
     return types.int64(row, qo, xq, xo, qh), lambda c, b, sg, a: _legacy_codegen(c, b, sg, a, True)
+
+
+def _two_bit_codegen(context, builder, signature, args, kind):
+    """Shared codegen of dot_q2_k / dot_q3_k over one super-block at row[bo:].
+
+    Group (n, s) of 32 elements e = 128n + 32s + l has low bits (qs[32n+l] >> 2s) & 3; q3_K adds
+    4 * bit (4n+s) of hmask[l]. The 16 sub-block scales (i16) multiply pmaddubsw pair sums; lanes
+    0-7 of a group belong to sub-block 8n+2s, lanes 8-15 to 8n+2s+1.
+    """
+    base = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+    xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
+    v32 = ir.PointerType(_vec(_I8, 32))
+    lo_s, hi_s = (builder.bitcast(a, _vec(_I8, 8)) for a in (args[4], args[5]))
+    sc = builder.shuffle_vector(lo_s, hi_s, ir.Constant(_vec(_I32, 16), list(range(16))))
+    sc = (builder.zext if kind == "q2" else builder.sext)(sc, _vec(_I16, 16))
+    qs_off, hm = (16, None) if kind == "q2" else (32, builder.load(builder.bitcast(base, v32), align=1))
+    acc = ir.Constant(_vec(_I32, 8), None)
+    for n in range(2):
+        q = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I32, qs_off + 32 * n)]), v32), align=1)
+        for s in range(4):
+            v = builder.and_(builder.lshr(q, _splat(_I8, 32, 2 * s)) if s else q, _splat(_I8, 32, 3))
+            if hm is not None:
+                h = builder.and_(builder.lshr(hm, _splat(_I8, 32, 4 * n + s)), _splat(_I8, 32, 1))
+                v = builder.or_(v, builder.shl(h, _splat(_I8, 32, 2)))
+            p = _maddubs(builder, v, _load32(builder, xp, 4 * n + s))
+            k = 8 * n + 2 * s
+            acc = builder.add(acc, _maddwd(builder, p, _lanes(builder, sc, [k] * 8 + [k + 1] * 8)))
+    return _hsum(builder, acc)
+
+
+@intrinsic
+def dot_q2_k(typingctx, row, bo, xq, xo, sc_lo, sc_hi):
+    """sum_k sc[k] * sum_l q[16k+l] * xq[xo+16k+l] for the q2_K block at row[bo:] (q = 0..3).
+
+    sc_lo / sc_hi pack the 16 four-bit scales one per byte (sub-blocks 0-7, 8-15).
+    """
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+        return None
+    return types.int64(row, bo, xq, xo, sc_lo, sc_hi), lambda c, b, sg, a: _two_bit_codegen(c, b, sg, a, "q2")
+
+
+@intrinsic
+def dot_q3_k(typingctx, row, bo, xq, xo, sc_lo, sc_hi):
+    """sum_k sc[k] * sum_l (q+4)[16k+l] * xq[xo+16k+l] for the q3_K block at row[bo:] (q+4 = 0..7).
+
+    sc_lo / sc_hi pack the 16 signed six-bit scales (-32..31) one per byte. The caller subtracts
+    4 * sum_k sc[k] * bsum[k].
+    """
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
+        return None
+    return types.int64(row, bo, xq, xo, sc_lo, sc_hi), lambda c, b, sg, a: _two_bit_codegen(c, b, sg, a, "q3")

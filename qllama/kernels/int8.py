@@ -24,9 +24,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..ggml_types import Q4_0, Q4_1, Q5_0
+from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0
 from ._fp16 import f16_at
-from ._x86 import dot_mins_q4_k, dot_q4_k, dot_q4_legacy, dot_q5_k, dot_q5_legacy, dot_q6_k, dot_q8_0
+from ._x86 import dot_mins_q4_k, dot_q2_k, dot_q3_k, dot_q4_k, dot_q4_legacy, dot_q5_k, dot_q5_legacy, dot_q6_k, dot_q8_0
+from .kquants import scale_q3_k
 
 _NOPY = dict(cache=True, boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -263,4 +264,65 @@ def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
                         if has_m:
                             v += (xdt[b] * f16_at(row, o + 2, tab)) * np.float32(xst[b])
                         acc += v
+                    out[t, r] = acc
+
+
+@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+def matmul_q2_q3_k(type_id, raw, xq, xd, xs, tab, out, n_threads):
+    """q2_K (84-byte blocks) or q3_K (110-byte blocks) rows times q8_K activations.
+
+    q2_K: x = d*sc_k*q - dmin*m_k -> d*dx*dot - dmin*dx*sum_k m_k*bsum_k;
+    q3_K: x = d*sc_k*(q+4 - 4) -> d*dx*(dot - 4*sum_k sc_k*bsum_k).
+    Per row and tile, scales are decoded once into a scratch (nb, 3) int64 (scales lo/hi, mins term unused for q3).
+    """
+    n_rows = raw.shape[0]
+    n_tok = xq.shape[0]
+    is_q2 = type_id == Q2_K
+    bb = 84 if is_q2 else 110
+    nb = raw.shape[1] // bb
+    n_chunks, per = _chunks(n_rows, n_threads)
+    for c in prange(n_chunks):
+        sc = np.empty((nb, 2), np.int64)  # (nb, [scales 0-7, scales 8-15]) one per byte
+        ms = np.empty((nb, 16), np.int64)  # (nb, 16) mins (q2_K) or scales (q3_K), for the bsum terms
+        dd = np.empty((nb, 2), np.float32)  # (nb, [d, dmin])
+        for t0 in range(0, n_tok, TOKEN_TILE):
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
+                row = raw[r]
+                for b in range(nb):
+                    o = b * bb
+                    lo = 0
+                    hi = 0
+                    for k in range(16):
+                        if is_q2:
+                            v = np.int64(row[o + k])
+                            s = v & 15
+                            ms[b, k] = v >> 4
+                        else:
+                            s = np.int64(scale_q3_k(row, o + 96, k))
+                            ms[b, k] = s
+                        if k < 8:
+                            lo |= (s & 255) << (8 * k)
+                        else:
+                            hi |= (s & 255) << (8 * (k - 8))
+                    sc[b, 0] = lo
+                    sc[b, 1] = hi
+                    if is_q2:
+                        dd[b, 0] = f16_at(row, o + 80, tab)
+                        dd[b, 1] = f16_at(row, o + 82, tab)
+                    else:
+                        dd[b, 0] = f16_at(row, o + 108, tab)
+                        dd[b, 1] = np.float32(0.0)
+                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                    xqt, xdt, xst = xq[t], xd[t], xs[t]
+                    acc = np.float32(0.0)
+                    for b in range(nb):
+                        corr = 0
+                        for k in range(16):
+                            corr += ms[b, k] * xst[b * 16 + k]
+                        if is_q2:
+                            isum = dot_q2_k(row, b * bb, xqt, b * QK_K, sc[b, 0], sc[b, 1])
+                            acc += (xdt[b] * dd[b, 0]) * np.float32(isum) - (xdt[b] * dd[b, 1]) * np.float32(corr)
+                        else:
+                            isum = dot_q3_k(row, b * bb, xqt, b * QK_K, sc[b, 0], sc[b, 1])
+                            acc += (xdt[b] * dd[b, 0]) * np.float32(isum - 4 * corr)
                     out[t, r] = acc
