@@ -206,15 +206,29 @@ class ChatSession:
     def fit(self) -> list[int] | None:
         """Token ids of the conversation, after dropping the oldest turns if it outgrows the context.
 
-        Room is kept for the answer: min(max_tokens, n_ctx / 2) positions. Returns None (and
+        Room is kept for the answer: min(max_tokens, n_ctx / 2) positions; when the rest does not
+        hold the conversation, the oldest turns go until it fills at most half of it. Returns None (and
         removes the pending message) when even the system prompt and that message do not fit.
         """
         n_ctx = self.llm.n_ctx
         answer_room = n_ctx // 2 if self.max_tokens < 0 else min(self.max_tokens, n_ctx // 2)
         budget = max(n_ctx - answer_room, 1)
         ids = self.prompt_ids()
+        if len(ids) <= budget:
+            return ids
+        alone = Conversation(self.conv.system, self.conv.turns[-1:]).messages()
+        n_alone = len(self.llm.chat_tokens(alone, self.chat_template_file))
+        if n_alone >= n_ctx:  # not even one position left for the answer: drop nothing, refuse
+            self.conv.turns.pop()
+            what = "the system prompt and this message" if self.conv.system else "this message"
+            self.error(f"{what} take {n_alone} tokens, which do not fit in the context of {n_ctx} "
+                       "(raise -c/--ctx-size or shorten it)")
+            return None
+        # Dropped turns change every position after the system prompt, so all of it is evaluated
+        # again; dropping down to half the budget (as llama.cpp's context shift discards half)
+        # lets the next turns reuse the cache instead of paying that on every turn.
         dropped = 0
-        while len(ids) > budget:
+        while len(ids) > budget // 2:
             n = self.conv.drop_oldest_turn()
             if n == 0:
                 break
@@ -224,29 +238,22 @@ class ChatSession:
             kept = " (the system prompt is kept)" if self.conv.system else ""
             self.notice(f"the conversation outgrew the context of {n_ctx} tokens: "
                         f"dropped the {dropped} oldest messages{kept}")
-        if len(ids) >= n_ctx:  # not even one position left for the answer
-            self.conv.turns.pop()
-            what = "the system prompt and this message" if self.conv.system else "this message"
-            self.error(f"{what} take {len(ids)} tokens, which do not fit in the context of {n_ctx} "
-                       "(raise -c/--ctx-size or shorten it)")
-            return None
         return ids
 
     def prompt_ids(self) -> list[int]:
         """Token ids of the conversation, keeping the tokens the model generated when possible.
 
         The canonical ids are the rendered conversation tokenized afresh (as `Model.chat` does);
-        the KV cache then keeps their longest common prefix with the cached tokens. But an answer,
-        re-tokenized, may split differently from the tokens that were sampled (a random or unusual
-        model samples non-canonical splits; a template may trim the answer), and the cache would
-        lose everything after the difference. So we also look for the longest run of cached
-        tokens whose text is a prefix of the rendered conversation and that ends where a control
-        token (<|eot_id|>, </s>, <|end_header_id|>...) starts in the text, where tokenization
-        restarts anyway: cached tokens + the rest tokenized on its own give the same text, only
-        with the model's own split of its answers (as llama.cpp's interactive mode keeps them).
+        the KV cache then keeps their longest common prefix with the cached tokens. But an
+        answer, re-tokenized, may split differently from the tokens that were sampled (a random
+        or unusual model samples non-canonical splits), and the cache would lose everything after
+        the difference. Tokenization restarts at every control token (<|eot_id|>, </s>, ...), so
+        both sequences are runs of text tokens between the same control tokens: where the cached
+        runs spell the same bytes as the canonical ones, the cached tokens are kept and the
+        canonical ids continue from the next control token. Same text, only the model's own
+        split of its answers (as llama.cpp's interactive mode keeps them).
         """
-        messages = self.conv.messages()
-        ids = self.llm.chat_tokens(messages, self.chat_template_file)
+        ids = self.llm.chat_tokens(self.conv.messages(), self.chat_template_file)
         held = list(self.llm.session.tokens)
         common = 0
         for a, b in zip(held, ids):
@@ -255,33 +262,33 @@ class ChatSession:
             common += 1
         if common == len(held):
             return ids
-        return self._splice(held, ids, messages, better_than=common) or ids
+        k, j = self._aligned_prefix(held, ids)
+        return held[:k] + ids[j:] if k > common else ids
 
-    def _splice(self, held: list[int], ids: list[int], messages: list[dict], better_than: int) -> list[int] | None:
-        """held[:k] + the rest of the rendered text tokenized, for the largest k > better_than that works."""
-        from ..chat import strip_leading_bos
-
+    def _aligned_prefix(self, held: list[int], ids: list[int]) -> tuple[int, int]:
+        """The largest (k, j) with held[:k] the same text as ids[:j] and ids[j] a control token (or j == len(ids))."""
         tok = self.llm.tokenizer
-        bos = tok.bos_id
-        lead = 1 if bos is not None and ids[:1] == [bos] else 0  # BOS is a token, not text
-        if held[:lead] != ids[:lead]:
-            return None
-        text = self.llm.apply_chat_template(messages, chat_template_file=self.chat_template_file)
-        if bos is not None:
-            text, _ = strip_leading_bos(text, tok.token_text(bos))
-        controls = [k for k in range(lead + 1, len(held)) if tok.token_bytes(held[k]) == b""]
-        for k in [len(held)] + controls[::-1]:
-            if k <= better_than:
+
+        def run_end(seq: list[int], i: int) -> int:  # end of the text run starting at i
+            while i < len(seq) and tok.token_bytes(seq[i]) != b"":
+                i += 1
+            return i
+
+        def text(seq: list[int], a: int, b: int) -> bytes:
+            return b"".join(tok.token_bytes(t) for t in seq[a:b])
+
+        best = (0, 0)
+        i = j = 0
+        while i < len(held) and j < len(ids):
+            i2, j2 = run_end(held, i), run_end(ids, j)
+            if text(held, i, i2) != text(ids, j, j2):
                 break
-            held_text = tok.decode(held[lead:k], special=True)
-            if not text.startswith(held_text) or len(text) == len(held_text):
-                continue
-            rest_text = text[len(held_text):]
-            rest = tok.encode(rest_text, add_bos=False, parse_special=True)
-            # the rest must start at a control token, so that its tokenization is the canonical one
-            if rest and tok.token_bytes(rest[0]) == b"" and rest_text.startswith(tok.piece(rest[0])):
-                return held[:k] + rest
-        return None
+            best = (i2, j2)  # ids[j2:] starts at a control token (or is empty): tokenization restarts there
+            if i2 == len(held) or j2 == len(ids) or held[i2] != ids[j2]:
+                break
+            i, j = i2 + 1, j2 + 1  # the same control token
+            best = (i, j)
+        return best
 
     def ask(self, text: str) -> str | None:
         """Send one user message, stream the answer to `out`, record it. Returns the answer text."""
