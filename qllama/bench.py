@@ -117,6 +117,7 @@ class BenchRunner:
             self.cache.n_past = len(self._prefix)
             self._eval(more)
             self._prefix.extend(more)
+        del self._prefix[depth:]  # the run writes positions >= depth: only the first depth stay valid
         self.cache.n_past = depth
 
     def warmup(self) -> float:
