@@ -1,12 +1,13 @@
 """Numba kernels: one file per family.
 
 - `_fp16.py`   fp16 -> f32 lookup table (Numba has no float16 on the CPU)
-- `floats.py`  f32 / f16 / bf16 rows and direct float mat-vec
-- `legacy.py`  q4_0, q4_1, q5_0, q5_1, q8_0 block decoders
-- `kquants.py` q2_K .. q6_K block decoders
-- `rows.py`    the float paths for every type: dequantize rows, fused mat-vec, tiled mat-mat
-- `int8.py`    activation quantizers (q8_K, q8_0) and the int8-activation mat-vec / mat-mat
-- `_x86.py`    the AVX2 intrinsics used by `int8.py`
+- `floats.py`  f32 / f16 / bf16 row decoders and direct float mat-vecs
+- `legacy.py`  q4_0, q4_1, q5_0, q5_1, q8_0: bit-exact block decoders, fused float mat-vecs
+- `kquants.py` q2_K .. q6_K: bit-exact block decoders, fused float mat-vecs
+- `rows.py`    every type, row-wise: dequantize rows, float mat-mat (row decoded once per batch)
+- `int8.py`    activation quantizers (q8_K, q8_0) and the int8-activation mat-mat kernels
+               (which serve mat-vec too), for every quantized type
+- `_x86.py`    the AVX2 intrinsics (pmaddubsw / pmaddwd) used by `int8.py`
 
 Kernels take validated input (shapes, dtypes, sizes are checked in `qllama.quants`) and run
 with `boundscheck=False`. Importing this package compiles nothing (Numba compiles lazily).
