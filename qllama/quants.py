@@ -288,9 +288,15 @@ class QTensor:
         if self.type_id in int8_activations():
             self._int8(act if act is not None else Activation(x), out)
             return out
-        from .kernels import rows
+        xv = act.x if act is not None else x
+        from .kernels import floats, rows
 
-        rows.matmul(self.type_id, self.raw, act.x if act is not None else x, _fp16_table(), out)
+        if self.type_id == F32:
+            floats.matmul_f32(self._typed, xv, out, get_threads())
+        elif self.type_id in (F16, BF16):
+            floats.matmul_half(self._typed, self.type_id == BF16, xv, out, get_threads())
+        else:
+            rows.matmul(self.type_id, self.raw, xv, _fp16_table(), out)
         return out
 
     def _int8(self, act: Activation, out: np.ndarray) -> None:
@@ -326,11 +332,15 @@ class QTensor:
             if ids.size and (ids.min() < 0 or ids.max() >= self.n_rows):
                 bad = int(ids[(ids < 0) | (ids >= self.n_rows)][0])
                 raise IndexError(f"row {bad} out of range for a tensor of {self.n_rows} rows")
+        if self.type_id == F32:
+            return self._typed[ids]  # fancy indexing copies
+        if self.type_id == F16:
+            return _fp16_table()[self._typed[ids]]
+        if self.type_id == BF16:
+            return (self._typed[ids].astype(np.uint32) << 16).view(np.float32)
         out = np.empty((ids.size, self.n_cols), np.float32)
         if ids.size:
-            from .kernels import rows as krows
-
-            krows.dequantize_rows(self.type_id, self.raw, self.n_cols, ids, _fp16_table(), out)
+            _dequantize_kernel(self.type_id)(self.raw, ids, _fp16_table(), out)
         return out
 
     def row(self, i: int) -> np.ndarray:
@@ -349,6 +359,18 @@ def _float_matvec_kernel(type_id: int):
         Q4_0: lg.matvec_q4_0, Q4_1: lg.matvec_q4_1, Q5_0: lg.matvec_q5_0, Q5_1: lg.matvec_q5_1,
         Q8_0: lg.matvec_q8_0, Q2_K: kq.matvec_q2_k, Q3_K: kq.matvec_q3_k, Q4_K: kq.matvec_q4_k,
         Q5_K: kq.matvec_q5_k, Q6_K: kq.matvec_q6_k,
+    }[type_id]
+
+
+def _dequantize_kernel(type_id: int):
+    """The row dequantization kernel of a quantized type: kernel(raw, rows, tab, out)."""
+    from .kernels import kquants as kq
+    from .kernels import legacy as lg
+
+    return {
+        Q4_0: lg.dequantize_q4_0, Q4_1: lg.dequantize_q4_1, Q5_0: lg.dequantize_q5_0, Q5_1: lg.dequantize_q5_1,
+        Q8_0: lg.dequantize_q8_0, Q2_K: kq.dequantize_q2_k, Q3_K: kq.dequantize_q3_k, Q4_K: kq.dequantize_q4_k,
+        Q5_K: kq.dequantize_q5_k, Q6_K: kq.dequantize_q6_k,
     }[type_id]
 
 

@@ -154,6 +154,19 @@ def test_dequantize_all_half_bit_patterns(tid):
     assert_bits_equal(q.dequantize(), ref)
 
 
+def test_f16_conversion_in_products_all_bit_patterns():
+    """The f16 mat-vec/mat-mat convert fp16 with bit arithmetic, not the table: check every pattern."""
+    w = np.zeros((1 << 16, 32), np.uint16)  # row r = [pattern r, 0, 0, ...]
+    w[:, 0] = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    q = QTensor.from_bytes(gt.F16, w.view(np.uint8), (32, 1 << 16))
+    ref = w[:, 0].view(np.float16).astype(np.float32)
+    e0 = np.zeros(32, np.float32)
+    e0[0] = 1.0
+    with np.errstate(all="ignore"):
+        for y in (q.matvec(e0), q.matmul(np.stack([e0, e0]))[1]):
+            assert np.array_equal(y, ref, equal_nan=True)
+
+
 # -- mat-vec / mat-mat against float64 ---------------------------------------------------------
 
 

@@ -1,9 +1,9 @@
-"""Float weight types: f32, f16, bf16.
+"""Float weight types: f32, f16, bf16 (on typed views: float32 or uint16 bits).
 
-Row decoders (same convention as `legacy.py`: `decode_<type>(row, bo, tab, out, oo, n)` converts
-`n` elements starting at byte `bo`) and direct mat-vec kernels that read the packed row and
-convert on the fly (no scratch). f16 mat-vec converts with bit arithmetic (vectorisable),
-not the table; the decoders use the table, which is bit-exact with NumPy.
+Mat-vec kernels convert on the fly (no scratch); mat-mat kernels convert each row once into a
+per-thread scratch and apply it to every token. fp16 is converted with branch-free bit
+arithmetic (vectorisable), not the table. (Dequantization of these types is plain NumPy, in
+`qllama.quants`.)
 """
 
 from __future__ import annotations
@@ -11,32 +11,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._fp16 import f16_at, f32_as_u32 as _f32_as_u32, u32_as_f32 as _u32_as_f32
+from ._fp16 import f32_as_u32 as _f32_as_u32
+from ._fp16 import u32_as_f32 as _u32_as_f32
 
 _NOPY = dict(cache=True, boundscheck=False)
 # float reductions may be reassociated (vectorised), but NaN/Inf must still propagate
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-
-
-@njit(**_NOPY)
-def decode_f32(row, bo, tab, out, oo, n):
-    for i in range(n):
-        o = bo + 4 * i
-        bits = np.uint32(row[o]) | (np.uint32(row[o + 1]) << 8) | (np.uint32(row[o + 2]) << 16) | (np.uint32(row[o + 3]) << 24)
-        out[oo + i] = _u32_as_f32(bits)
-
-
-@njit(**_NOPY)
-def decode_f16(row, bo, tab, out, oo, n):
-    for i in range(n):
-        out[oo + i] = f16_at(row, bo + 2 * i, tab)
-
-
-@njit(**_NOPY)
-def decode_bf16(row, bo, tab, out, oo, n):
-    for i in range(n):
-        o = bo + 2 * i
-        out[oo + i] = _u32_as_f32((np.uint32(row[o]) << 16) | (np.uint32(row[o + 1]) << 24))
+TOKEN_TILE = 64  # tokens per pass over a chunk of rows (their activations stay in L2)
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
@@ -61,21 +42,73 @@ def matvec_bf16(w, x, out):
         out[r] = acc
 
 
+@njit(inline="always", **_NOPY)
+def f16_value(h):
+    """The float32 value of fp16 bits h (int32 0..65535), branch-free so loops vectorise.
+
+    Shift exponent+mantissa into place and multiply by 2^112 (exact for normals and subnormals);
+    Inf/NaN (exponent all ones) get the float32 all-ones exponent, keeping the mantissa.
+    """
+    sign = np.uint32((h & 0x8000) << 16)
+    mag = np.uint32((h & 0x7FFF) << 13)
+    bits = _f32_as_u32(_u32_as_f32(mag) * np.float32(2.0**112))
+    if (h & 0x7C00) == 0x7C00:
+        bits = mag | np.uint32(0x7F800000)
+    return _u32_as_f32(bits | sign)
+
+
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matvec_f16(w, x, out):
-    """w: uint16 fp16 bits (n_rows, ne0). Converts with integer ops + one multiply by 2^112."""
-    magic = np.float32(2.0**112)
+    """w: uint16 fp16 bits (n_rows, ne0)."""
     for r in prange(w.shape[0]):
         acc = np.float32(0.0)
         wr = w[r]
         for i in range(x.shape[0]):
-            h = np.int32(wr[i])
-            sign = np.uint32((h & 0x8000) << 16)
-            mag = np.uint32((h & 0x7FFF) << 13)
-            v = _u32_as_f32(mag) * magic  # exact for normals and subnormals
-            bits = _f32_as_u32(v)
-            if (h & 0x7C00) == 0x7C00:  # Inf / NaN: exponent all ones, keep the mantissa
-                bits = mag | np.uint32(0x7F800000)
-            acc += _u32_as_f32(bits | sign) * x[i]
+            acc += f16_value(np.int32(wr[i])) * x[i]
         out[r] = acc
 
+
+@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+def matmul_f32(w, x, out, n_threads):
+    """out[t, r] = w[r] . x[t]. w: float32 (n_rows, ne0); x: float32 (n_tok, ne0); out: (n_tok, n_rows)."""
+    n_rows = w.shape[0]
+    n_tok, n = x.shape
+    nc = max(1, min(n_rows, n_threads))
+    per = (n_rows + nc - 1) // nc
+    for c in prange(nc):
+        for t0 in range(0, n_tok, TOKEN_TILE):
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
+                wr = w[r]
+                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                    xt = x[t]
+                    acc = np.float32(0.0)
+                    for i in range(n):
+                        acc += wr[i] * xt[i]
+                    out[t, r] = acc
+
+
+@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+def matmul_half(w, is_bf16, x, out, n_threads):
+    """As matmul_f32 for w: uint16 (n_rows, ne0) fp16 or bf16 bits; each row is converted once
+    into a per-thread scratch (ne0,) and applied to every token."""
+    n_rows = w.shape[0]
+    n_tok, n = x.shape
+    nc = max(1, min(n_rows, n_threads))
+    per = (n_rows + nc - 1) // nc
+    for c in prange(nc):
+        buf = np.empty(n, np.float32)  # (ne0,) one converted row
+        for t0 in range(0, n_tok, TOKEN_TILE):
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
+                wr = w[r]
+                if is_bf16:
+                    for i in range(n):
+                        buf[i] = _u32_as_f32(np.uint32(wr[i]) << 16)
+                else:
+                    for i in range(n):
+                        buf[i] = f16_value(np.int32(wr[i]))
+                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                    xt = x[t]
+                    acc = np.float32(0.0)
+                    for i in range(n):
+                        acc += buf[i] * xt[i]
+                    out[t, r] = acc

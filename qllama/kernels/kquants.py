@@ -318,3 +318,56 @@ def matvec_q6_k(raw, x, xs, tab, out):
                                + np.float32(np.int8(row[k + 6])) * (s3 - c32 * xs[x16 + 6]))
                 acc += f16_at(row, o + 208, tab) * sq
             out[r] = acc
+
+
+# -- per-type row dequantization (embedding lookup); one small kernel per type, compiled lazily --
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q2_k(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*84); rows: int64 (n,); out: float32 (n, nb*256)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK_K):
+            decode_q2_k(row, b * 84, tab, o, b * QK_K)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q3_k(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*110); rows: int64 (n,); out: float32 (n, nb*256)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK_K):
+            decode_q3_k(row, b * 110, tab, o, b * QK_K)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q4_k(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*144); rows: int64 (n,); out: float32 (n, nb*256)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK_K):
+            decode_q4_k(row, b * 144, tab, o, b * QK_K)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q5_k(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*176); rows: int64 (n,); out: float32 (n, nb*256)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK_K):
+            decode_q5_k(row, b * 176, tab, o, b * QK_K)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q6_k(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*210); rows: int64 (n,); out: float32 (n, nb*256)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK_K):
+            decode_q6_k(row, b * 210, tab, o, b * QK_K)

@@ -191,3 +191,56 @@ def matvec_q8_0(raw, x, xs, tab, out):
                     s += np.float32(np.int8(row[o + 2 + l])) * x[b * 32 + l]
                 acc += f16_at(row, o, tab) * s
             out[r] = acc
+
+
+# -- per-type row dequantization (embedding lookup); one small kernel per type, compiled lazily --
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q4_0(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*18); rows: int64 (n,); out: float32 (n, nb*32)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK):
+            decode_q4_0(row, b * 18, tab, o, b * QK)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q4_1(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*20); rows: int64 (n,); out: float32 (n, nb*32)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK):
+            decode_q4_1(row, b * 20, tab, o, b * QK)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q5_0(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*22); rows: int64 (n,); out: float32 (n, nb*32)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK):
+            decode_q5_0(row, b * 22, tab, o, b * QK)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q5_1(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*24); rows: int64 (n,); out: float32 (n, nb*32)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK):
+            decode_q5_1(row, b * 24, tab, o, b * QK)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def dequantize_q8_0(raw, rows, tab, out):
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*34); rows: int64 (n,); out: float32 (n, nb*32)."""
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(out.shape[1] // QK):
+            decode_q8_0(row, b * 34, tab, o, b * QK)

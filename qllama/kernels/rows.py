@@ -1,14 +1,10 @@
-"""Row-wise float kernels for every supported type: dequantize rows, tiled mat-mat.
+"""The float mat-mat of the quantized types (used when int8 activations are off or unavailable).
 
-One kernel per operation, dispatching on the type id *inside* (once per row), so each
-operation compiles once with one signature. Rows are decoded by the bit-exact block decoders
-of `floats.py`, `legacy.py` and `kquants.py`:
-
-- `dequantize_rows`: decode whole rows straight into the output (embedding lookup).
-- `matmul`: per row, decode the row once into a per-task scratch (ne0 floats) and apply it to
-  every token of the batch. Scratch is O(ne0) per task; the matrix is never materialised.
-
-(The float mat-vecs are fused per type, in `legacy.py`, `kquants.py` and `floats.py`.)
+One kernel dispatching on the type id *inside* (once per row), so it compiles once with one
+signature (but then compiles every decoder: ~10 s cold; it is only compiled when used).
+`matmul`: per row, decode the row once (bit-exact decoders of `legacy.py` / `kquants.py`) into
+a per-task scratch (ne0 floats) and apply it to every token of the batch. Scratch is O(ne0) per
+task; the matrix is never materialised.
 
 All three take `raw` as the (n_rows, row_bytes) uint8 view of the packed tensor.
 """
@@ -18,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..ggml_types import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..ggml_types import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from . import kquants as kq
 from . import legacy as lg
-from .floats import FASTMATH, decode_bf16, decode_f16, decode_f32
+from .floats import FASTMATH
 
 _NOPY = dict(cache=True, boundscheck=False)
 ROWS_PER_TASK = 8  # rows per prange iteration (amortises scratch allocation)
@@ -60,20 +56,7 @@ def decode_row(type_id, row, n_cols, tab, out):
     elif type_id == Q5_1:
         for b in range(n_cols // 32):
             lg.decode_q5_1(row, 24 * b, tab, out, 32 * b)
-    elif type_id == F32:
-        decode_f32(row, 0, tab, out, 0, n_cols)
-    elif type_id == F16:
-        decode_f16(row, 0, tab, out, 0, n_cols)
-    elif type_id == BF16:
-        decode_bf16(row, 0, tab, out, 0, n_cols)
     return out
-
-
-@njit(parallel=True, **_NOPY)
-def dequantize_rows(type_id, raw, n_cols, rows, tab, out):
-    """out[i] = row rows[i] of the tensor, as float32. rows: int64 (n,), out: float32 (n, n_cols)."""
-    for i in prange(rows.shape[0]):
-        decode_row(type_id, raw[rows[i]], n_cols, tab, out[i])
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
