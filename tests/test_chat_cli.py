@@ -282,6 +282,34 @@ def test_chat_template_that_rejects_the_system_prompt_fails_at_start(models, tmp
     assert r.returncode == 0 and r.stdout == "Hi!\n" and "no system role" in r.stderr
 
 
+def test_a_template_error_mid_session_is_reported_and_the_session_goes_on(models, tmp_path):
+    tf = tmp_path / "boom.jinja"
+    tf.write_text("{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom') }}"
+                  "{% endif %}{% endfor %}" + TEMPLATE)
+    f = tmp_path / "s.json"
+    r = cli("chat", models["hi"], "--chat-template", tf, stdin=f"hello\nboom\nagain\n/save {f}\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "Hi!\nHi!\n" and "error: chat template" in r.stderr and "no boom" in r.stderr
+    assert [m["content"] for m in json.loads(f.read_text())] == ["hello", "Hi!", "again", "Hi!"]
+
+
+def test_run_and_chat_pick_the_llama3_builtin_for_the_real_llama3_vocab(tmp_path):
+    from conftest import shared_path
+
+    vocab = shared_path("vocab", "ggml-vocab-llama-bpe.gguf")
+    path = tmp_path / "l3.gguf"
+    write_model(path, ModelSpec(n_embd=64, n_layer=1, n_ctx=256, weight_type="q8_0", vocab=str(vocab), seed=3))
+    r = cli("run", path, "hello", "-v", "-n", "3", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "prompt format: chat template builtin:llama-3" in r.stderr
+    n = len(conversation_ids(path, [{"role": "user", "content": "hello"}]))
+    assert f"; {n} prompt tokens" in r.stderr
+    r = cli("chat", path, "-v", "-n", "3", "--temp", "0", stdin="hello\nagain\n")
+    assert r.returncode == 0, r.stderr
+    (e1, c1), (e2, c2) = stats(r.stderr)
+    assert (e1, c1) == (n, 0) and c2 >= n  # the first turn's prompt is reused
+
+
 # -- context overflow ------------------------------------------------------------------------------
 
 def test_context_overflow_drops_oldest_turns_and_keeps_the_system_prompt(models):

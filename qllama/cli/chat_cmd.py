@@ -291,21 +291,20 @@ class ChatSession:
         return best
 
     def ask(self, text: str) -> str | None:
-        """Send one user message, stream the answer to `out`, record it. Returns the answer text."""
+        """Send one user message, stream the answer to `out`, record it. Returns the answer text.
+
+        Ctrl-C (KeyboardInterrupt) stops the answer: what was shown is kept as the answer (with
+        nothing shown, the question is forgotten too). An error is printed, not raised.
+        """
         self.conv.turns.append({"role": "user", "content": text})
-        try:
-            ids = self.fit()
-        except QllamaError as e:  # e.g. the template rejects the conversation
-            self.conv.turns.pop()
-            self.error(str(e))
-            return None
-        if ids is None:
-            return None
-        max_tokens = self.llm.n_ctx if self.max_tokens < 0 else self.max_tokens
         parts: list[str] = []
         reason = None
         chunks = None
         try:
+            ids = self.fit()
+            if ids is None:
+                return None
+            max_tokens = self.llm.n_ctx if self.max_tokens < 0 else self.max_tokens
             chunks = self.llm.stream(ids, max_tokens=max_tokens, **self.sampling)
             for chunk in chunks:
                 if chunk.text:
@@ -315,24 +314,30 @@ class ChatSession:
                 reason = chunk.finish_reason or reason
         except KeyboardInterrupt:  # Ctrl-C: stop this answer, keep the session
             reason = "interrupted"
+        except QllamaError as e:  # e.g. the template rejects the conversation
+            reason = "error"
+            if parts:
+                self.out.write("\n")
+            self.error(str(e))
         finally:
             if chunks is not None:
                 chunks.close()
-        self.out.write("\n")
-        self.out.flush()
         answer = "".join(parts)
+        if reason != "error":
+            self.out.write("\n")
+            self.out.flush()
         if reason == "interrupted":
             self.notice("interrupted")
         elif reason == "context":
             self.notice(f"the context of {self.llm.n_ctx} tokens is full: the answer is cut "
                         "(the oldest turns will be dropped next turn)")
-        if answer or reason != "interrupted":
+        if answer or reason not in ("interrupted", "error"):
             self.conv.turns.append({"role": "assistant", "content": answer})
-        else:  # interrupted before any text: forget the question too
-            self.conv.turns.pop()
-        if self.verbose:
+        elif self.conv.turns and self.conv.turns[-1] == {"role": "user", "content": text}:
+            self.conv.turns.pop()  # nothing was answered: forget the question too
+        if self.verbose and reason != "error":
             self.report(reason)
-        return answer
+        return answer if reason != "error" else None
 
     def report(self, reason: str | None) -> None:
         t = self.llm.last_timings
