@@ -282,6 +282,22 @@ def test_nan_propagates_through_matvec(float_path):
         assert np.isnan(q.matvec(x)).all()
 
 
+def test_int8_activations_extreme_values():
+    """Tiny (subnormal), huge and zero activation blocks stay finite and accurate."""
+    rng = np.random.default_rng(10)
+    for tid in (gt.Q4_K, gt.Q8_0, gt.Q4_0):
+        raw = random_matrix(tid, 512, 5, rng)
+        q = QTensor.from_bytes(tid, raw, (512, 5))
+        w64 = oracle(tid, raw, 512).astype(np.float64)
+        x = rng.standard_normal(512).astype(np.float32)
+        x[:256] *= np.float32(1e-41)  # subnormal block(s): the inverse scale overflows
+        x[256:288] = 0
+        x[300] = np.float32(1e30)
+        y = q.matvec(x)
+        assert np.isfinite(y).all()
+        assert rel_err(y, w64 @ x.astype(np.float64)) <= INT8_TOL
+
+
 # -- threads ----------------------------------------------------------------------------------
 
 

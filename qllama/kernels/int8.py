@@ -36,6 +36,21 @@ QK8_0 = 32
 TOKEN_TILE = 64  # 64 tokens x ne0 int8 activations stay in L2
 
 
+_FLT_MAX = np.float32(3.4028234663852886e38)
+
+
+@njit(inline="always", **_NOPY)
+def _to_int8(v):
+    """A rounded float to an int in [-127, 127]; NaN (from a 0 * inf scale) gives 0.
+
+    Tiny blocks can make the inverse scale overflow to inf; clamping keeps the quants defined
+    (their scale d is then ~0, as is the true product).
+    """
+    if not (v == v):
+        return 0
+    return int(min(np.float32(127.0), max(np.float32(-127.0), v)))
+
+
 @njit(parallel=True, **_NOPY)
 def quantize_q8_k(x, xq, xd, xs):
     """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/256), xs int32 (n_tok, n/16).
@@ -52,7 +67,7 @@ def quantize_q8_k(x, xq, xd, xs):
             for j in range(QK_K):
                 v = x[t, o + j]
                 a = abs(v)
-                if not (a <= np.float32(3.0e38)):
+                if not (a <= _FLT_MAX):
                     finite = False
                 if a > amax:
                     amax = a
@@ -68,7 +83,7 @@ def quantize_q8_k(x, xq, xd, xs):
             for k in range(QK_K // 16):
                 s = 0
                 for j in range(16):
-                    q = min(127, int(np.rint(iscale * x[t, o + 16 * k + j])))
+                    q = _to_int8(np.rint(iscale * x[t, o + 16 * k + j]))
                     xq[t, o + 16 * k + j] = q
                     s += q
                 xs[t, b * 16 + k] = s
@@ -86,7 +101,7 @@ def quantize_q8_0(x, xq, xd, xs):
             finite = True
             for j in range(QK8_0):
                 a = abs(x[t, o + j])
-                if not (a <= np.float32(3.0e38)):
+                if not (a <= _FLT_MAX):
                     finite = False
                 amax = max(amax, a)
             d = amax / np.float32(127.0)
@@ -94,7 +109,7 @@ def quantize_q8_0(x, xq, xd, xs):
             s = 0
             for j in range(QK8_0):
                 v = x[t, o + j] * idv if finite else np.float32(0.0)
-                q = int(np.floor(abs(v) + np.float32(0.5))) * (1 if v >= 0 else -1)
+                q = _to_int8(np.floor(abs(v) + np.float32(0.5)) * (1 if v >= 0 else -1))
                 xq[t, o + j] = q
                 s += q
             xd[t, b] = d if finite else np.float32(np.nan)
