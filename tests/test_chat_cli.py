@@ -247,6 +247,29 @@ def test_prompt_ids_after_an_edit_falls_back_to_the_canonical_ids(models):
     assert chat.prompt_ids() == chat.llm.chat_tokens(chat.conv.messages())
 
 
+def test_session_answers_equal_a_fresh_evaluation_of_the_same_prompt(tmp_path):
+    """With reused (and spliced) cache contents, a random model, whose every logit depends on the whole
+    context, answers exactly as a fresh evaluation of the same prompt ids does."""
+    import qllama
+
+    path = tmp_path / "random.gguf"
+    write_model(path, ModelSpec(n_embd=64, n_layer=2, n_ctx=256, weight_type="f32", chat_template=TEMPLATE, seed=12))
+    chat = session(path, max_tokens=8)
+    fresh = qllama.load(path)
+    reused, spliced = [], []
+    for q in ["the cat", "and then?", "is the end"]:
+        chat.conv.turns.append({"role": "user", "content": q})
+        ids = chat.prompt_ids()
+        spliced.append(ids != chat.llm.chat_tokens(chat.conv.messages()))
+        chat.conv.turns.pop()
+        answer = chat.ask(q)
+        reused.append(chat.llm.last_timings.cached_tokens)
+        fresh.session.reset()
+        assert answer == fresh.complete(ids, max_tokens=8, temperature=0.0)
+    assert reused[0] == 0 and all(r > 0 for r in reused[1:])
+    assert spliced == [False, True, True]  # seed 12 samples non-canonical splits: the splice is exercised
+
+
 def test_chat_commands_save_load_system_reset(models, tmp_path):
     f1, f2, f3 = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     script = f"hello\n/system be kind\nagain\n/save {f1}\n/reset\n/save {f2}\n/load {f1}\nthird\n/save {f3}\n"
