@@ -267,7 +267,8 @@ def test_session_answers_equal_a_fresh_evaluation_of_the_same_prompt(tmp_path):
         fresh.session.reset()
         assert answer == fresh.complete(ids, max_tokens=8, temperature=0.0)
     assert reused[0] == 0 and all(r > 0 for r in reused[1:])
-    assert spliced == [False, True, True]  # seed 12 samples non-canonical splits: the splice is exercised
+    # seed 12 samples non-canonical splits, so the splice is exercised (if make_model changes, pick another seed)
+    assert not spliced[0] and any(spliced), spliced
 
 
 def test_chat_commands_save_load_system_reset(models, tmp_path):
