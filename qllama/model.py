@@ -19,24 +19,33 @@ import numpy as np
 from .config import ModelArgs
 from .errors import QllamaError
 from .kernels import llama_ops as ops
-from .quants import quantize_activation
+from .quants import get_threads, quantize_activation
 from .weights import LlamaWeights
 
 
 class KVCache:
-    """Keys and values of every layer for up to n_ctx positions, one contiguous float32 array each."""
+    """Keys and values of every layer for up to n_ctx positions, one contiguous float32 array each.
+
+    Keys are stored row-major (a score is a dot with one key row); values are stored d-major
+    (`vt`), so that each output component is one long dot over the positions (see
+    `llama_ops._attend`). `v` is a (L, Hkv, n_ctx, D) view of it.
+    """
 
     def __init__(self, args: ModelArgs, n_ctx: int):
-        shape = (args.n_layer, args.n_head_kv, n_ctx, args.head_dim)
         # np.zeros maps lazily: pages are committed only as positions are written.
-        self.k = np.zeros(shape, dtype=np.float32)  # (L, Hkv, n_ctx, D)
-        self.v = np.zeros(shape, dtype=np.float32)  # (L, Hkv, n_ctx, D)
+        self.k = np.zeros((args.n_layer, args.n_head_kv, n_ctx, args.head_dim), dtype=np.float32)  # (L, Hkv, n_ctx, D)
+        self.vt = np.zeros((args.n_layer, args.n_head_kv, args.head_dim, n_ctx), dtype=np.float32)  # (L, Hkv, D, n_ctx)
         self.n_ctx = n_ctx
         self.n_past = 0  # positions [0, n_past) hold valid entries
 
     @property
+    def v(self) -> np.ndarray:
+        """Values as a (L, Hkv, n_ctx, D) view."""
+        return self.vt.transpose(0, 1, 3, 2)
+
+    @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.vt.nbytes
 
 
 def rope_tables(args: ModelArgs, rope_freqs: np.ndarray | None, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,9 +121,12 @@ class LlamaModel:
         x = self.weights.token_embd.dequantize(tokens)  # (T, n_embd) residual stream
         x = np.ascontiguousarray(x, dtype=np.float32)
         h = np.empty_like(x)  # (T, n_embd) normed input of each sub-layer
-        positions = np.arange(start, start + n_tok, dtype=np.int64)
         attn_out = np.empty((n_tok, a.n_head, a.head_dim), dtype=np.float32)  # (T, H, D)
         scale = np.float32(1.0 / math.sqrt(a.head_dim))
+        # decode-sized work runs on this thread: waking the pool would cost more than it saves
+        swiglu = ops.swiglu if n_tok > 1 else ops.swiglu_serial
+        parallel = ops.attention_parallel_pays(n_tok, start, a.n_head, get_threads())
+        attention = ops.attention if parallel else ops.attention_serial
         if mark:
             mark("embedding")
 
@@ -132,15 +144,10 @@ class LlamaModel:
             v = project(layer.attn_v, hq).reshape(n_tok, a.n_head_kv, a.head_dim)  # (T, Hkv, D)
             if mark:
                 mark("matvec attn_v")
-            ops.rope_interleaved(q, positions, self.rope_cos, self.rope_sin)
-            ops.rope_interleaved(k, positions, self.rope_cos, self.rope_sin)
+            ops.rope_store(q, k, v, start, self.rope_cos, self.rope_sin, cache.k[il], cache.vt[il])
             if mark:
-                mark("rope")
-            cache.k[il, :, start : start + n_tok, :] = k.transpose(1, 0, 2)
-            cache.v[il, :, start : start + n_tok, :] = v.transpose(1, 0, 2)
-            if mark:
-                mark("kv store")
-            ops.attention(q, cache.k[il], cache.v[il], start, a.n_rep, scale, attn_out)
+                mark("rope + kv store")
+            attention(q, cache.k[il], cache.vt[il], start, a.n_rep, scale, attn_out)
             if mark:
                 mark("attention")
             x += project(layer.attn_output, quantize_activation(attn_out.reshape(n_tok, a.n_embd)))
@@ -156,7 +163,7 @@ class LlamaModel:
             up = project(layer.ffn_up, hq)  # (T, n_ff)
             if mark:
                 mark("matvec ffn_up")
-            ops.swiglu(gate, up, gate)
+            swiglu(gate, up, gate)
             if mark:
                 mark("swiglu")
             x += project(layer.ffn_down, quantize_activation(gate))

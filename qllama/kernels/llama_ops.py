@@ -1,6 +1,20 @@
-"""Numba kernels for the non-matmul parts of a Llama layer: RMSNorm, RoPE, attention, SwiGLU.
+"""Numba kernels for the non-matmul parts of a Llama layer: RMSNorm, RoPE (+ KV-cache store),
+attention, SwiGLU.
 
 Shapes use T for tokens in the batch, H for query heads, Hkv for KV heads, D for head_dim.
+
+Speed notes:
+- Numba has no vectorised `exp` without Intel SVML, and a scalar libm call costs ~20 ns: at depth
+  1024 the softmax alone would take ~10 ms per token. `_exp_shifted` is a Cephes-style expf
+  (range reduction to r in [-ln2/2, ln2/2], degree-6 polynomial, 2^k built from its IEEE bits)
+  written as plain counted loops over float32/int32 so that LLVM vectorises it (16 lanes on
+  AVX-512). Its relative error is below 3e-7 (a few ulp); ggml's SIMD silu/softmax use the same
+  kind of approximation.
+- Every kernel that would be a parallel region has a serial twin: decode-sized work is done
+  without waking the thread pool (each wake-up costs microseconds on a quiet machine and
+  milliseconds on a loaded one). The Python side picks one with `attention_parallel_pays`.
+- Attention works per KV head: the n_rep query heads that share it read each cached key and
+  value row once, one after another, while the row is in L1.
 """
 
 from __future__ import annotations
@@ -9,6 +23,62 @@ import math
 
 import numpy as np
 from numba import njit, prange
+
+# float32 constants (module globals are frozen into the kernels with their float32 type)
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split in two (Cody-Waite): k*HI is exact for |k| < 2^9
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.3)  # exp of less is below the smallest normal float32: clamped (~1e-38)
+_EXP_MAX = np.float32(88.37)  # keeps k <= 127 (2^128 is not a float32): larger inputs clamp (~2.4e38)
+_HALF = np.float32(0.5)
+_NEG_INF = np.float32(-np.inf)
+_BIAS = np.float32(127.0)  # IEEE float32 exponent bias
+_MANT = np.float32(8388608.0)  # 2^23: one unit of the exponent field
+# Cephes expf polynomial: exp(r) ~ 1 + r + r^2 * P(r), |r| <= ln2/2
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+
+# Numba's fastmath without reassociation: keeps the Cody-Waite reduction exact; the loops have
+# no reductions, so they vectorise without it.
+_EXP_FLAGS = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
+
+EXP_BLOCK = 256  # elements per scratch block of the vectorised exp
+
+
+@njit(cache=True, fastmath=_EXP_FLAGS)
+def _exp_shifted(x, n, shift, bits, fbits):
+    """x[:n] = exp(x[:n] - shift) in place. bits: int32 scratch (>= n); fbits: its float32 view."""
+    for i in range(n):
+        v = min(max(x[i] - shift, _EXP_MIN), _EXP_MAX)
+        k = np.floor(v * _LOG2E + _HALF)  # exp(v) = 2^k * exp(r)
+        r = (v - k * _LN2_HI) - k * _LN2_LO
+        p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
+        x[i] = p * r * r + r + _F1
+        # the float32 bits of 2^k, computed in float (exact: an integer times 2^23 < 2^31) so
+        # that the lanes stay 32-bit (Numba widens int32 arithmetic to int64)
+        bits[i] = np.int32((k + _BIAS) * _MANT)
+    for i in range(n):
+        x[i] *= fbits[i]
+
+
+@njit(cache=True, fastmath=True)
+def exp_f32(x, out):
+    """out = exp(x) for 1-D float32 arrays, with the vectorised approximation (for tests and reuse)."""
+    n = x.shape[0]
+    bits = np.empty(EXP_BLOCK, np.int32)
+    fbits = bits.view(np.float32)
+    for b0 in range(0, n, EXP_BLOCK):
+        m = min(EXP_BLOCK, n - b0)
+        blk = out[b0 : b0 + m]
+        for i in range(m):
+            blk[i] = x[b0 + i]
+        _exp_shifted(blk, m, _F0, bits, fbits)
 
 
 @njit(cache=True, fastmath=True)
@@ -45,49 +115,155 @@ def rope_interleaved(x, positions, cos_table, sin_table):
                 x[t, h, 2 * i + 1] = x0 * s + x1 * c
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def attention(q, k_cache, v_cache, start_pos, n_rep, scale, out):
-    """Causal grouped-query attention over the cache.
+@njit(cache=True, fastmath=True)
+def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache):
+    """RoPE on q and k (in place) for positions start.., then k and v into the cache, in one call.
 
-    q: (T, H, D) float32 (already roped); k_cache, v_cache: (Hkv, n_ctx, D) float32 for one layer,
-    holding positions [0, start_pos + T); out: (T, H, D) float32. Token t sees keys 0..start_pos+t.
+    q: (T, H, D); k, v: (T, Hkv, D); k_cache: (Hkv, n_ctx, D); vt_cache: (Hkv, D, n_ctx) values
+    stored d-major (see `_attend`); all float32, one layer.
     """
     n_tok, n_heads, head_dim = q.shape
-    for job in prange(n_tok * n_heads):
-        t = job // n_heads
-        h = job % n_heads
-        kvh = h // n_rep
-        n_keys = start_pos + t + 1
-        scores = np.empty(n_keys, dtype=np.float32)
-        best = -np.inf
-        for j in range(n_keys):
-            acc = np.float32(0.0)
+    n_kv = k.shape[1]
+    half = cos_table.shape[1]
+    for t in range(n_tok):
+        p = start + t
+        for h in range(n_heads):
+            for i in range(half):
+                c = cos_table[p, i]
+                s = sin_table[p, i]
+                x0 = q[t, h, 2 * i]
+                x1 = q[t, h, 2 * i + 1]
+                q[t, h, 2 * i] = x0 * c - x1 * s
+                q[t, h, 2 * i + 1] = x0 * s + x1 * c
+        for h in range(n_kv):
+            for i in range(half):
+                c = cos_table[p, i]
+                s = sin_table[p, i]
+                x0 = k[t, h, 2 * i]
+                x1 = k[t, h, 2 * i + 1]
+                k_cache[h, p, 2 * i] = x0 * c - x1 * s
+                k_cache[h, p, 2 * i + 1] = x0 * s + x1 * c
+            for d in range(2 * half, head_dim):  # dims past n_rot are not rotated
+                k_cache[h, p, d] = k[t, h, d]
             for d in range(head_dim):
-                acc += q[t, h, d] * k_cache[kvh, j, d]
-            acc *= scale
-            scores[j] = acc
-            if acc > best:
-                best = acc
-        total = 0.0
+                vt_cache[h, d, p] = v[t, h, d]
+
+
+@njit(cache=True, fastmath=True)
+def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, bits, fbits, out):
+    """Attention of the n_rep query heads of KV head kvh, for token t, over keys [0, n_keys).
+
+    k_cache: (Hkv, n_ctx, D): a score is a 64-long dot with one cached key row.
+    vt_cache: (Hkv, D, n_ctx), values d-major: out[h, d] is a long dot of the softmax weights with
+    one contiguous row, read once for the n_rep heads and summed in registers (with the values
+    row-major, the accumulator row would round-trip through memory for every key).
+    scores: (n_rep, >= n_keys), totals: (n_rep,) float32 scratch; bits/fbits: int32 scratch
+    (>= n_keys) and its float32 view; out: (T, H, D).
+    """
+    head_dim = q.shape[2]
+    h0 = kvh * n_rep
+    for r in range(n_rep):
+        qh = q[t, h0 + r]  # (D,)
+        sr = scores[r]
+        best = _NEG_INF
         for j in range(n_keys):
-            e = math.exp(scores[j] - best)  # stable softmax: the largest term is exp(0)
-            scores[j] = e
-            total += e
-        inv = np.float32(1.0 / total)
-        for d in range(head_dim):
-            out[t, h, d] = 0.0
-        for j in range(n_keys):
-            w = scores[j] * inv
+            kj = k_cache[kvh, j]  # (D,)
+            s = _F0
             for d in range(head_dim):
-                out[t, h, d] += w * v_cache[kvh, j, d]
+                s += qh[d] * kj[d]
+            s *= scale
+            sr[j] = s
+            best = s if s > best else best
+        _exp_shifted(sr, n_keys, best, bits, fbits)  # stable softmax: the largest term is exp(0)
+        total = _F0
+        for j in range(n_keys):
+            total += sr[j]
+        totals[r] = total
+    for d in range(head_dim):
+        vd = vt_cache[kvh, d]  # (n_ctx,): component d of every value
+        for r in range(n_rep):
+            sr = scores[r]
+            a = _F0
+            for j in range(n_keys):
+                a += sr[j] * vd[j]
+            out[t, h0 + r, d] = a / totals[r]
+
+
+@njit(cache=True, fastmath=True)
+def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, out):
+    """Causal grouped-query attention over the cache, on the calling thread (decode-sized work).
+
+    q: (T, H, D) float32 (already roped); k_cache: (Hkv, n_ctx, D), vt_cache: (Hkv, D, n_ctx)
+    float32 for one layer, holding positions [0, start_pos + T); out: (T, H, D) float32.
+    Token t sees keys 0..start_pos+t.
+    """
+    n_tok = q.shape[0]
+    n_kv = k_cache.shape[0]
+    n_max = start_pos + n_tok
+    scores = np.empty((n_rep, n_max), np.float32)
+    totals = np.empty(n_rep, np.float32)
+    bits = np.empty(n_max, np.int32)
+    fbits = bits.view(np.float32)
+    for t in range(n_tok):
+        for kvh in range(n_kv):
+            _attend(q, t, kvh, k_cache, vt_cache, start_pos + t + 1, n_rep, scale, scores, totals, bits, fbits, out)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, out):
+    """`attention_serial` with the (token, KV head) jobs spread over the threads (one parallel region)."""
+    n_tok = q.shape[0]
+    n_kv = k_cache.shape[0]
+    n_max = start_pos + n_tok
+    for job in prange(n_tok * n_kv):
+        t = job // n_kv
+        kvh = job % n_kv
+        scores = np.empty((n_rep, n_max), np.float32)
+        totals = np.empty(n_rep, np.float32)
+        bits = np.empty(n_max, np.int32)
+        fbits = bits.view(np.float32)
+        _attend(q, t, kvh, k_cache, vt_cache, start_pos + t + 1, n_rep, scale, scores, totals, bits, fbits, out)
+
+
+# below this many (query head x key) dot products, waking the thread pool costs more than it saves
+ATTENTION_PARALLEL_MIN = 16384
+
+
+def attention_parallel_pays(n_tok: int, start_pos: int, n_head: int, n_threads: int) -> bool:
+    """Whether `attention` (parallel) beats `attention_serial` for this much work."""
+    n_dots = n_head * n_tok * (start_pos + (n_tok + 1) / 2)
+    return n_threads > 1 and n_dots >= ATTENTION_PARALLEL_MIN
+
+
+@njit(cache=True, fastmath=True)
+def _swiglu_row(gate, up, out, t, tmp, bits, fbits):
+    """out[t] = silu(gate[t]) * up[t] in blocks of EXP_BLOCK (out may be gate)."""
+    n_ff = gate.shape[1]
+    for b0 in range(0, n_ff, EXP_BLOCK):
+        m = min(EXP_BLOCK, n_ff - b0)
+        for i in range(m):
+            tmp[i] = -gate[t, b0 + i]
+        _exp_shifted(tmp, m, _F0, bits, fbits)  # exp(-g)
+        for i in range(m):
+            g = gate[t, b0 + i]
+            out[t, b0 + i] = g / (_F1 + tmp[i]) * up[t, b0 + i]
+
+
+@njit(cache=True, fastmath=True)
+def swiglu_serial(gate, up, out):
+    """out = silu(gate) * up, all (T, n_ff) float32, on the calling thread (out may be gate)."""
+    tmp = np.empty(EXP_BLOCK, np.float32)
+    bits = np.empty(EXP_BLOCK, np.int32)
+    fbits = bits.view(np.float32)
+    for t in range(gate.shape[0]):
+        _swiglu_row(gate, up, out, t, tmp, bits, fbits)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
 def swiglu(gate, up, out):
-    """out = silu(gate) * up, all (T, n_ff) float32."""
-    n_tok, n_ff = gate.shape
-    for k in prange(n_tok * n_ff):
-        t = k // n_ff
-        i = k % n_ff
-        g = gate[t, i]
-        out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * up[t, i]
+    """out = silu(gate) * up, all (T, n_ff) float32, rows spread over the threads (out may be gate)."""
+    for t in prange(gate.shape[0]):
+        tmp = np.empty(EXP_BLOCK, np.float32)
+        bits = np.empty(EXP_BLOCK, np.int32)
+        fbits = bits.view(np.float32)
+        _swiglu_row(gate, up, out, t, tmp, bits, fbits)
