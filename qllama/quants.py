@@ -55,6 +55,7 @@ INT8_TYPES: frozenset[int] = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0
 _Q8K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # activations in q8_K form; the 32-blocks use q8_0 form
 
 _state = {"int8": True}
+FLOAT_MATMUL_TILE_BYTES = 1 << 20  # decoded rows per step of the float mat-mat of quantized types
 
 
 # -- threads --------------------------------------------------------------------------------
@@ -289,14 +290,28 @@ class QTensor:
             self._int8(act if act is not None else Activation(x), out)
             return out
         xv = act.x if act is not None else x
-        from .kernels import floats, rows
+        from .kernels import floats
 
+        nt = get_threads()
         if self.type_id == F32:
-            floats.matmul_f32(self._typed, xv, out, get_threads())
+            floats.matmul_f32(self._typed, xv, out, nt)
         elif self.type_id in (F16, BF16):
-            floats.matmul_half(self._typed, self.type_id == BF16, xv, out, get_threads())
+            floats.matmul_half(self._typed, self.type_id == BF16, xv, out, nt)
         else:
-            rows.matmul(self.type_id, self.raw, xv, _fp16_table(), out)
+            # decode a tile of rows (bit-exact, into a small scratch), multiply it with every token
+            dequant, tab = _dequantize_kernel(self.type_id), _fp16_table()
+            tile = max(1, min(self.n_rows, FLOAT_MATMUL_TILE_BYTES // (4 * self.n_cols)))
+            w = np.empty((tile, self.n_cols), np.float32)  # (tile, ne0) decoded rows
+            y = np.empty((n_tok, tile), np.float32)  # (n_tok, tile)
+            for r0 in range(0, self.n_rows, tile):
+                n = min(tile, self.n_rows - r0)
+                if n < tile:
+                    w, y = w[:n], np.empty((n_tok, n), np.float32)
+                dequant(self.raw, np.arange(r0, r0 + n, dtype=np.int64), tab, w)
+                wv = w.view()
+                wv.flags.writeable = False  # the same kernel signature as f32 weights
+                floats.matmul_f32(wv, xv, y, nt)
+                out[:, r0 : r0 + n] = y
         return out
 
     def _int8(self, act: Activation, out: np.ndarray) -> None:

@@ -146,7 +146,7 @@ PACKED = ["vpmaddubsw", "vpmaddwd", "vfmadd231ps", "vfmadd213ps", "vcvtdq2ps", "
 
 def vector_report() -> None:
     """Count packed-SIMD instructions (on ymm registers) in each compiled kernel."""
-    from qllama.kernels import floats, int8, rows
+    from qllama.kernels import floats, int8
 
     import contextlib
     import io
@@ -158,7 +158,7 @@ def vector_report() -> None:
     kernels = {f"int8.{k}": getattr(int8, k) for k in ("matmul_q4_k", "matmul_q5_k", "matmul_q6_k", "matmul_q8_0", "matmul_legacy")}
     kernels.update({f"kquants.{k}": getattr(kquants, k) for k in dir(kquants) if k.startswith("matvec_")})
     kernels.update({f"legacy.{k}": getattr(legacy, k) for k in dir(legacy) if k.startswith("matvec_")})
-    kernels.update({"floats.matvec_f16": floats.matvec_f16, "rows.matmul (float, all types)": rows.matmul})
+    kernels.update({f"floats.{k}": getattr(floats, k) for k in ("matvec_f16", "matmul_f32", "matmul_half")})
     for name, k in kernels.items():
         if not k.signatures:
             continue
