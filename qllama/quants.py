@@ -12,10 +12,12 @@ Two arithmetic paths:
 
 - float (every type, portable): blocks decoded bit-exactly (== gguf-py) and dotted in float32;
   max|y - y64| / max|y64| <= 1e-5 against a float64 reference.
-- int8 activations (every quantized type, on AVX2 hosts; on by default): x is rounded to 8 bits per
-  block as llama.cpp does (q8_K / q8_0) and blocks are dotted with integer SIMD. It is ~2-3x
-  faster and matches llama.cpp's own numerics; the relative error against float64 is about
-  1e-2. `set_int8_activations(False)` selects the float path everywhere.
+- int8 activations (every quantized type, on AVX2 hosts; on by default): x is rounded to 8 bits
+  per block as llama.cpp does (q8_K for k-quants, q8_0 for the 32-element types) and blocks are
+  dotted with integer SIMD (pmaddubsw). It is 1.2-5x faster than the float path (q8_0 .. q6_K)
+  and follows llama.cpp's own numerics; its error against float64 comes only from rounding x:
+  max|y - y64| / max|y64| measured 2e-3 .. 1.3e-2 on random data (tests allow 3e-2).
+  `set_int8_activations(False)` selects the float path everywhere.
 
 When several matrices multiply the same x (Q, K, V; gate, up), `quantize_activation(x)` returns
 an `Activation` that can be passed instead of x, so x is quantized once.
@@ -221,7 +223,7 @@ class QTensor:
         ne0, ne1 = int(shape[0]), int(shape[1])
         if ne0 % t.block_size:
             raise QllamaError(f"{name}: row length {ne0} is not a multiple of the {t.name} block size {t.block_size}")
-        raw = np.asarray(raw)
+        raw = np.frombuffer(raw, np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else np.asarray(raw)
         if not raw.flags.c_contiguous:
             raise QllamaError(f"{name}: packed data must be C-contiguous")
         raw = raw.reshape(-1).view(np.uint8)

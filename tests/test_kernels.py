@@ -356,6 +356,7 @@ def test_from_bytes_validates():
         QTensor.from_bytes(gt.Q4_K, raw, (128, 4))
     with pytest.raises(QllamaError):
         QTensor.from_bytes(gt.Q4_K, raw, (256, 0))
+    assert QTensor.from_bytes(gt.Q4_K, raw.tobytes(), (256, 2)).nbytes == 288
     q = QTensor.from_bytes(gt.Q4_K, raw, (256, 2))
     assert q.nbytes == 288 and q.n_cols == 256 and q.n_rows == 2 and q.shape == (256, 2)
     assert not q.raw.flags.writeable
