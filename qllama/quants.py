@@ -329,8 +329,8 @@ class QTensor:
                 kernel = {Q4_K: int8.matmul_q4_k, Q5_K: int8.matmul_q5_k, Q6_K: int8.matmul_q6_k}[self.type_id]
                 kernel(self.raw, xq, xd, xs, tab, out, nt)
         elif self.type_id == Q8_0:
-            xq, xd, _ = act.q8_0()
-            int8.matmul_q8_0(self.raw, xq, xd, tab, out, nt)
+            xq, xd, xs = act.q8_0()
+            int8.matmul_q8_0(self.raw, xq, xd, xs, tab, out, nt)
         else:
             xq, xd, xs = act.q8_0()
             int8.matmul_legacy(self.type_id, self.raw, xq, xd, xs, tab, out, nt)

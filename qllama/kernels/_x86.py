@@ -18,7 +18,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-HAVE_AVX2: bool = "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
+_FEATURES = set(llvm.get_host_cpu_features().flatten().split(","))
+HAVE_AVX2: bool = {"+avx2", "+f16c"} <= _FEATURES  # f16c: fp16 scales converted in vector code
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
@@ -72,14 +73,14 @@ def _is_arr(t, dtype):
     return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype
 
 
-def _kquant_nibbles(context, builder, signature, args, qh_off):
-    """Shared codegen of dot_q4_k / dot_q5_k; qh_off: byte offset of qh[32] relative to the quants, or None."""
-    qp = _ptr(context, builder, signature.args[0], args[0], args[1], _vec(_I8, 32))
-    xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
-    sc = builder.zext(builder.bitcast(args[4], _vec(_I8, 8)), _vec(_I16, 8))  # (8,) i16
+def _nibbles_core(builder, qp, xp, sc, qh_off):
+    """<8 x i32> partial sums of sum_j sc[j] * nib . x over one q4_K/q5_K super-block.
+
+    qp: <32 x i8>* to the 128 quant bytes, xp: <32 x i8>* to 256 int8 activations, sc: <8 x i16>.
+    """
     qh = None
     if qh_off is not None:
-        base = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+        base = builder.bitcast(qp, ir.PointerType(_I8))
         qh = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I64, qh_off)]), ir.PointerType(_vec(_I8, 32))), align=1)
     acc = ir.Constant(_vec(_I32, 8), None)
     for j in range(4):
@@ -98,108 +99,40 @@ def _kquant_nibbles(context, builder, signature, args, qh_off):
         phi = _maddubs(builder, hi, _load32(builder, xp, 2 * j + 1))
         acc = builder.add(acc, _maddwd(builder, plo, _lanes(builder, sc, [2 * j] * 16)))
         acc = builder.add(acc, _maddwd(builder, phi, _lanes(builder, sc, [2 * j + 1] * 16)))
-    return _hsum(builder, acc)
+    return acc
 
 
-@intrinsic
-def dot_q4_k(typingctx, row, qo, xq, xo, scales):
-    """sum_j sc[j] * sum_l nib(q)[j, l] * xq[...] over one q4_K super-block.
+def _q6_core(builder, base, xp, sc):
+    """<8 x i32> partial sums of sum_k sc[k] * sum_l q * x over one q6_K block at i8* base, q unsigned 0..63.
 
-    row[qo:qo+128] holds the nibbles (byte 32j+l: low nibble = element 64j+l, high = 64j+32+l),
-    xq[xo:xo+256] the int8 activations, `scales` the 8 six-bit sub-block scales packed as bytes
-    of an int64 (scale k in bits 8k..8k+7).
+    xp: <32 x i8>* to its 256 activations; sc: <16 x i16> the block's scales.
     """
-    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
-        return None
-    sig = types.int64(row, qo, xq, xo, scales)
-    return sig, lambda context, builder, signature, args: _kquant_nibbles(context, builder, signature, args, None)
+    v32 = ir.PointerType(_vec(_I8, 32))
+    m15 = _splat(_I8, 32, 15)
+    m3 = _splat(_I8, 32, 3)
+    acc = ir.Constant(_vec(_I32, 8), None)
+    for n in range(2):  # 128-element halves
+        a = builder.load(builder.bitcast(_gep8(builder, base, 64 * n), v32), align=1)
+        b = builder.load(builder.bitcast(_gep8(builder, base, 64 * n + 32), v32), align=1)
+        h = builder.load(builder.bitcast(_gep8(builder, base, 128 + 32 * n), v32), align=1)
+        lows = [builder.and_(a, m15), builder.and_(b, m15), builder.lshr(a, _splat(_I8, 32, 4)), builder.lshr(b, _splat(_I8, 32, 4))]
+        for s in range(4):  # 32-element groups: sub-blocks 8n+2s (lanes 0-7) and 8n+2s+1 (lanes 8-15)
+            hs = builder.and_(builder.lshr(h, _splat(_I8, 32, 2 * s)) if s else h, m3)
+            q = builder.or_(lows[s], builder.shl(hs, _splat(_I8, 32, 4)))
+            p = _maddubs(builder, q, _load32(builder, xp, 4 * n + s))
+            k = 8 * n + 2 * s
+            acc = builder.add(acc, _maddwd(builder, p, _lanes(builder, sc, [k] * 8 + [k + 1] * 8)))
+    return acc
 
 
-@intrinsic
-def dot_q5_k(typingctx, row, qo, xq, xo, scales):
-    """As dot_q4_k for q5_K: quants at row[qo:qo+128], their 5th bits in qh = row[qo-32:qo]."""
-    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
-        return None
-    sig = types.int64(row, qo, xq, xo, scales)
-    return sig, lambda context, builder, signature, args: _kquant_nibbles(context, builder, signature, args, -32)
-
-
-@intrinsic
-def dot_q6_k(typingctx, row, bo, xq, xo, xs, so):
-    """sum_k sc[k] * sum_l (q[16k+l] - 32) * xq[xo+16k+l] over one q6_K super-block at row[bo:].
-
-    The 6-bit quants enter pmaddubsw unsigned (0..63); the -32 offset is applied through the
-    activation's 16-element sums xs[so:so+16] (int32): - 32 * sum_k sc[k] * xs[so+k].
-    """
-    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xs, types.int32)):
-        return None
-    sig = types.int64(row, bo, xq, xo, xs, so)
-
-    def codegen(context, builder, signature, args):
-        base = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
-        xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
-        v32 = ir.PointerType(_vec(_I8, 32))
-        scp = builder.bitcast(builder.gep(base, [ir.Constant(_I32, 192)]), ir.PointerType(_vec(_I8, 16)))
-        sc = builder.sext(builder.load(scp, align=1), _vec(_I16, 16))  # (16,) i16
-        m15 = _splat(_I8, 32, 15)
-        m3 = _splat(_I8, 32, 3)
-        acc = ir.Constant(_vec(_I32, 8), None)
-        for n in range(2):  # 128-element halves
-            a = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I32, 64 * n)]), v32), align=1)
-            b = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I32, 64 * n + 32)]), v32), align=1)
-            h = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I32, 128 + 32 * n)]), v32), align=1)
-            lows = [builder.and_(a, m15), builder.and_(b, m15), builder.lshr(a, _splat(_I8, 32, 4)), builder.lshr(b, _splat(_I8, 32, 4))]
-            for s in range(4):  # 32-element groups
-                hs = builder.and_(builder.lshr(h, _splat(_I8, 32, 2 * s)) if s else h, m3)
-                q = builder.or_(lows[s], builder.shl(hs, _splat(_I8, 32, 4)))
-                p = _maddubs(builder, q, _load32(builder, xp, 4 * n + s))
-                k = 8 * n + 2 * s
-                acc = builder.add(acc, _maddwd(builder, p, _lanes(builder, sc, [k] * 8 + [k + 1] * 8)))
-        bs = builder.load(_ptr(context, builder, signature.args[4], args[4], args[5], _vec(_I32, 16)), align=4)
-        corr = _hsum(builder, builder.mul(builder.sext(sc, _vec(_I32, 16)), bs))
-        return builder.sub(_hsum(builder, acc), builder.shl(corr, ir.Constant(_I64, 5)))
-
-    return sig, codegen
-
-
-@intrinsic
-def dot_q8_0(typingctx, row, qo, xq, xo):
-    """sum_l int8(row[qo+l]) * xq[xo+l] for l < 32 (one q8_0 block's quants)."""
-    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
-        return None
-    sig = types.int64(row, qo, xq, xo)
-
-    def codegen(context, builder, signature, args):
-        w = _load32(builder, _ptr(context, builder, signature.args[0], args[0], args[1], _vec(_I8, 32)))
-        x = _load32(builder, _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32)))
-        # u8 x i8 trick: |w| * (x * sign(w)); |w| = 128 for w = -128 is fine as unsigned
-        neg = builder.icmp_signed("<", w, _splat(_I8, 32, 0))
-        aw = builder.select(neg, builder.sub(_splat(_I8, 32, 0), w), w)
-        sx = builder.select(neg, builder.sub(_splat(_I8, 32, 0), x), x)
-        sx = builder.select(builder.icmp_signed("==", w, _splat(_I8, 32, 0)), _splat(_I8, 32, 0), sx)
-        p = _maddubs(builder, aw, sx)
-        return _hsum(builder, _maddwd(builder, p, _splat(_I16, 16, 1)))
-
-    return sig, codegen
-
-
-@intrinsic
-def dot_mins_q4_k(typingctx, mins, xs, so):
-    """sum_k mins[k] * (xs[so+2k] + xs[so+2k+1]) for k < 8: the min term of a q4_K/q5_K block.
-
-    `mins` packs the 8 six-bit mins one per byte of an int64; xs holds 16-element sums (int32).
-    """
-    if not _is_arr(xs, types.int32):
-        return None
-    sig = types.int64(mins, xs, so)
-
-    def codegen(context, builder, signature, args):
-        m = builder.zext(builder.bitcast(args[0], _vec(_I8, 8)), _vec(_I32, 8))
-        bs = builder.load(_ptr(context, builder, signature.args[1], args[1], args[2], _vec(_I32, 16)), align=4)
-        pairs = builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2)))
-        return _hsum(builder, builder.mul(m, pairs))
-
-    return sig, codegen
+def _q8_products(builder, w, x):
+    """pmaddubsw of two signed <32 x i8>: |w| * (x * sign(w)) (|w| = 128 for w = -128 is fine unsigned)."""
+    zero = _splat(_I8, 32, 0)
+    neg = builder.icmp_signed("<", w, zero)
+    aw = builder.select(neg, builder.sub(zero, w), w)
+    sx = builder.select(neg, builder.sub(zero, x), x)
+    sx = builder.select(builder.icmp_signed("==", w, zero), zero, sx)
+    return _maddubs(builder, aw, sx)
 
 
 def _legacy_codegen(context, builder, signature, args, with_qh):
@@ -285,3 +218,172 @@ def dot_q3_k(typingctx, row, bo, xq, xo, sc_lo, sc_hi):
     if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
         return None
     return types.int64(row, bo, xq, xo, sc_lo, sc_hi), lambda c, b, sg, a: _two_bit_codegen(c, b, sg, a, "q3")
+
+
+def _load_f16(builder, p):
+    """float32 value of the fp16 at i8* p (F16C: vcvtph2ps)."""
+    h = builder.load(builder.bitcast(p, ir.PointerType(ir.HalfType())), align=1)
+    return builder.fpext(h, ir.FloatType())
+
+
+def _gep8(builder, p, off):
+    return builder.gep(p, [off if isinstance(off, ir.Value) else ir.Constant(_I64, off)])
+
+
+def _splat_f(builder, v):
+    v8f = _vec(ir.FloatType(), 8)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(v8f, None), v, ir.Constant(_I32, 0)),
+                                  ir.Constant(v8f, None), ir.Constant(_vec(_I32, 8), [0] * 8))
+
+
+def _row_loop(builder, nb, body):
+    """Emit `for b in range(nb): acc = body(b, acc)` over a <8 x float> accumulator; return its lane sum.
+
+    Keeping the partial sums in a vector register for the whole row (one horizontal sum per row,
+    not per block) is what makes these row kernels fast.
+    """
+    v8f = _vec(ir.FloatType(), 8)
+    zero = ir.Constant(v8f, [0.0] * 8)
+    entry = builder.block
+    loop = builder.append_basic_block("row_loop")
+    done = builder.append_basic_block("row_done")
+    builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    b = builder.phi(_I64)
+    acc = builder.phi(v8f)
+    acc2 = body(b, acc)
+    b1 = builder.add(b, ir.Constant(_I64, 1))
+    b.add_incoming(ir.Constant(_I64, 0), entry)
+    b.add_incoming(b1, builder.block)
+    acc.add_incoming(zero, entry)
+    acc.add_incoming(acc2, builder.block)
+    last = builder.block
+    builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
+    builder.position_at_end(done)
+    v = builder.phi(v8f)
+    v.add_incoming(zero, entry)
+    v.add_incoming(acc2, last)
+    for n in (4, 2, 1):  # pairwise horizontal sum
+        v = builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _row_ptrs(context, builder, signature, args):
+    """Data pointers of (row u8, xq i8, xd f32, xs i32) from the row intrinsics' arguments."""
+    z = ir.Constant(_I64, 0)
+    return (_ptr(context, builder, signature.args[0], args[0], z, _I8), _ptr(context, builder, signature.args[2], args[2], z, _I8),
+            _ptr(context, builder, signature.args[3], args[3], z, ir.FloatType()),
+            _ptr(context, builder, signature.args[4], args[4], z, _I32))
+
+
+def _row_kquant45(context, builder, signature, args, kind):
+    """A whole q4_K / q5_K row times a q8_K activation: sum_b dx_b * (d_b*isum_b - dmin_b*msum_b).
+
+    args: row (u8[]), nb, xq (i8[]), xd (f32[]), xs (i32[] of 16-element sums).
+    """
+    bsz, qoff, qh_off = (144, 16, None) if kind == "q4" else (176, 48, -32)
+    v8f = _vec(ir.FloatType(), 8)
+    rowp, xqp, xdp, xsp = _row_ptrs(context, builder, signature, args)
+
+    def c(v):
+        return ir.Constant(_I32, v)
+
+    def body(b, acc):
+        blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
+        xdb = builder.load(builder.gep(xdp, [b]), align=4)
+        d = builder.fmul(_load_f16(builder, blk), xdb)
+        dmin = builder.fmul(_load_f16(builder, _gep8(builder, blk, 2)), xdb)
+        u = [builder.load(builder.bitcast(_gep8(builder, blk, 4 + 4 * i), ir.PointerType(_I32)), align=1) for i in range(3)]
+        # 6-bit scales and mins, one per byte (ggml's utmp unpacking)
+        sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
+        mn_lo = builder.and_(u[1], c(0x3F3F3F3F))
+        sc_hi = builder.or_(builder.and_(u[2], c(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u[0], c(6)), c(0x03030303)), c(4)))
+        mn_hi = builder.or_(builder.and_(builder.lshr(u[2], c(4)), c(0x0F0F0F0F)),
+                            builder.shl(builder.and_(builder.lshr(u[1], c(6)), c(0x03030303)), c(4)))
+
+        def bytes8(lo, hi):
+            v = builder.insert_element(ir.Constant(_vec(_I32, 2), None), lo, c(0))
+            return builder.bitcast(builder.insert_element(v, hi, c(1)), _vec(_I8, 8))
+
+        sc = builder.zext(bytes8(sc_lo, sc_hi), _vec(_I16, 8))
+        mn = builder.zext(bytes8(mn_lo, mn_hi), _vec(_I32, 8))
+        qp = builder.bitcast(_gep8(builder, blk, qoff), ir.PointerType(_vec(_I8, 32)))
+        xp = builder.bitcast(_gep8(builder, xqp, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
+        isum = _nibbles_core(builder, qp, xp, sc, qh_off)
+        bsp = builder.gep(xsp, [builder.mul(b, ir.Constant(_I64, 16))])
+        bs = builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4)
+        msum = builder.mul(mn, builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))))
+        acc = builder.fadd(acc, builder.fmul(_splat_f(builder, d), builder.sitofp(isum, v8f)))
+        return builder.fsub(acc, builder.fmul(_splat_f(builder, dmin), builder.sitofp(msum, v8f)))
+
+    return _row_loop(builder, args[1], body)
+
+
+def _row_q6_k(context, builder, signature, args):
+    """A whole q6_K row times a q8_K activation: sum_b d_b*dx_b*(sum_k sc_k*(sum q x - 32*bsum_k))."""
+    v8f = _vec(ir.FloatType(), 8)
+    rowp, xqp, xdp, xsp = _row_ptrs(context, builder, signature, args)
+
+    def body(b, acc):
+        blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 210)))
+        d = builder.fmul(_load_f16(builder, _gep8(builder, blk, 208)), builder.load(builder.gep(xdp, [b]), align=4))
+        xp = builder.bitcast(_gep8(builder, xqp, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
+        sc = builder.sext(builder.load(builder.bitcast(_gep8(builder, blk, 192), ir.PointerType(_vec(_I8, 16))), align=1), _vec(_I16, 16))
+        isum = _q6_core(builder, blk, xp, sc)
+        bsp = builder.gep(xsp, [builder.mul(b, ir.Constant(_I64, 16))])
+        corr = builder.mul(builder.sext(sc, _vec(_I32, 16)), builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4))
+        corr = builder.add(_lanes(builder, corr, range(8)), _lanes(builder, corr, range(8, 16)))
+        isum = builder.sub(isum, builder.shl(corr, ir.Constant(_vec(_I32, 8), [5] * 8)))
+        return builder.fadd(acc, builder.fmul(_splat_f(builder, d), builder.sitofp(isum, v8f)))
+
+    return _row_loop(builder, args[1], body)
+
+
+def _row_q8_0(context, builder, signature, args):
+    """A whole q8_0 row times a q8_0 activation: sum_b d_b*dx_b*sum_l w_l x_l (xs unused)."""
+    v8f = _vec(ir.FloatType(), 8)
+    rowp, xqp, xdp, _ = _row_ptrs(context, builder, signature, args)
+
+    def body(b, acc):
+        blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 34)))
+        d = builder.fmul(_load_f16(builder, blk), builder.load(builder.gep(xdp, [b]), align=4))
+        w = builder.load(builder.bitcast(_gep8(builder, blk, 2), ir.PointerType(_vec(_I8, 32))), align=1)
+        x = builder.load(builder.bitcast(_gep8(builder, xqp, builder.mul(b, ir.Constant(_I64, 32))), ir.PointerType(_vec(_I8, 32))), align=1)
+        isum = _maddwd(builder, _q8_products(builder, w, x), _splat(_I16, 16, 1))
+        return builder.fadd(acc, builder.fmul(_splat_f(builder, d), builder.sitofp(isum, v8f)))
+
+    return _row_loop(builder, args[1], body)
+
+
+def _row_sig(row, nb, xq, xd, xs):
+    ok = (_is_arr(row, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xd, types.float32)
+          and _is_arr(xs, types.int32) and isinstance(nb, types.Integer))
+    return types.float32(row, nb, xq, xd, xs) if ok else None
+
+
+@intrinsic
+def row_dot_q4_k(typingctx, row, nb, xq, xd, xs):
+    """A q4_K row (nb super-blocks) times one q8_K activation (xq, xd, xs = 16-element sums) -> float32."""
+    sig = _row_sig(row, nb, xq, xd, xs)
+    return (sig, lambda c, b, sg, a: _row_kquant45(c, b, sg, a, "q4")) if sig else None
+
+
+@intrinsic
+def row_dot_q5_k(typingctx, row, nb, xq, xd, xs):
+    """As row_dot_q4_k for a q5_K row."""
+    sig = _row_sig(row, nb, xq, xd, xs)
+    return (sig, lambda c, b, sg, a: _row_kquant45(c, b, sg, a, "q5")) if sig else None
+
+
+@intrinsic
+def row_dot_q6_k(typingctx, row, nb, xq, xd, xs):
+    """A q6_K row (nb super-blocks) times one q8_K activation -> float32."""
+    sig = _row_sig(row, nb, xq, xd, xs)
+    return (sig, _row_q6_k) if sig else None
+
+
+@intrinsic
+def row_dot_q8_0(typingctx, row, nb, xq, xd, xs):
+    """A q8_0 row (nb blocks) times one q8_0 activation (xd per 32; xs unused) -> float32."""
+    sig = _row_sig(row, nb, xq, xd, xs)
+    return (sig, _row_q8_0) if sig else None

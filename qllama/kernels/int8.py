@@ -26,7 +26,7 @@ from numba import njit, prange
 
 from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0
 from ._fp16 import f16_at
-from ._x86 import dot_mins_q4_k, dot_q2_k, dot_q3_k, dot_q4_k, dot_q4_legacy, dot_q5_k, dot_q5_legacy, dot_q6_k, dot_q8_0
+from ._x86 import dot_q2_k, dot_q3_k, dot_q4_legacy, dot_q5_legacy, row_dot_q4_k, row_dot_q5_k, row_dot_q6_k, row_dot_q8_0
 from .kquants import scale_q3_k
 
 _NOPY = dict(cache=True, boundscheck=False)
@@ -121,17 +121,6 @@ def _u32(row, o):
     return np.int64(row[o]) | (np.int64(row[o + 1]) << 8) | (np.int64(row[o + 2]) << 16) | (np.int64(row[o + 3]) << 24)
 
 
-@njit(inline="always", **_NOPY)
-def _q4_k_scales(row, o):
-    """The 8 six-bit scales and 8 mins of the q4_K/q5_K block at row[o:], one per byte of two int64."""
-    u0 = _u32(row, o + 4)
-    u1 = _u32(row, o + 8)
-    u2 = _u32(row, o + 12)
-    sc = (u0 & 0x3F3F3F3F) | (((u2 & 0x0F0F0F0F) | (((u0 >> 6) & 0x03030303) << 4)) << 32)
-    mn = (u1 & 0x3F3F3F3F) | ((((u2 >> 4) & 0x0F0F0F0F) | (((u1 >> 6) & 0x03030303) << 4)) << 32)
-    return sc, mn
-
-
 @njit(**_NOPY)
 def _chunks(n_rows, n_threads):
     """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk).
@@ -142,106 +131,64 @@ def _chunks(n_rows, n_threads):
     return n, (n_rows + n - 1) // n
 
 
+# Row kernels (q4_K, q5_K, q6_K, q8_0): the whole row dot product is one intrinsic (`_x86.py`)
+# that loops over the blocks in IR with a vector accumulator. Per row chunk and tile of tokens,
+# a row is read from memory once and stays in L1 for the other tokens of the tile.
+
+
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
-    """out[t, r] = row r . x[t] with x in q8_K form. raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows);
-    n_threads: the current thread count (rows are split in that many chunks).
+    """out[t, r] = row r . x[t] with x in q8_K form (xq (n_tok, ne0), xd (n_tok, ne0/256), xs (n_tok, ne0/16)).
 
-    Per row and tile of tokens, the block headers (d, dmin, 6-bit scales and mins) are decoded
-    once into a scratch (nb,); the quants are expanded in registers by `dot_q4_k`.
+    raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows); n_threads: rows are split in that many chunks.
     """
-    n_rows = raw.shape[0]
-    n_tok = xq.shape[0]
-    nb = raw.shape[1] // 144
+    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 144
     n_chunks, per = _chunks(n_rows, n_threads)
     for c in prange(n_chunks):
-        dd = np.empty((nb, 2), np.float32)  # (nb, [d, dmin])
-        sm = np.empty((nb, 2), np.int64)  # (nb, [scales, mins]) one 6-bit value per byte
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for b in range(nb):
-                    o = b * 144
-                    dd[b, 0] = f16_at(row, o, tab)
-                    dd[b, 1] = f16_at(row, o + 2, tab)
-                    sm[b, 0], sm[b, 1] = _q4_k_scales(row, o)
                 for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
-                    xqt, xdt, xst = xq[t], xd[t], xs[t]
-                    acc = np.float32(0.0)
-                    for b in range(nb):
-                        isum = dot_q4_k(row, b * 144 + 16, xqt, b * QK_K, sm[b, 0])
-                        msum = dot_mins_q4_k(sm[b, 1], xst, b * 16)
-                        acc += (xdt[b] * dd[b, 0]) * np.float32(isum) - (xdt[b] * dd[b, 1]) * np.float32(msum)
-                    out[t, r] = acc
+                    out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q5_k(raw, xq, xd, xs, tab, out, n_threads):
-    """As matmul_q4_k for q5_K weights (176-byte blocks: d, dmin, scales[12], qh[32], qs[128])."""
-    n_rows = raw.shape[0]
-    n_tok = xq.shape[0]
-    nb = raw.shape[1] // 176
+    """As matmul_q4_k for q5_K rows (176-byte blocks)."""
+    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 176
     n_chunks, per = _chunks(n_rows, n_threads)
     for c in prange(n_chunks):
-        dd = np.empty((nb, 2), np.float32)  # (nb, [d, dmin])
-        sm = np.empty((nb, 2), np.int64)  # (nb, [scales, mins]) one 6-bit value per byte
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for b in range(nb):
-                    o = b * 176
-                    dd[b, 0] = f16_at(row, o, tab)
-                    dd[b, 1] = f16_at(row, o + 2, tab)
-                    sm[b, 0], sm[b, 1] = _q4_k_scales(row, o)
                 for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
-                    xqt, xdt, xst = xq[t], xd[t], xs[t]
-                    acc = np.float32(0.0)
-                    for b in range(nb):
-                        isum = dot_q5_k(row, b * 176 + 48, xqt, b * QK_K, sm[b, 0])
-                        msum = dot_mins_q4_k(sm[b, 1], xst, b * 16)
-                        acc += (xdt[b] * dd[b, 0]) * np.float32(isum) - (xdt[b] * dd[b, 1]) * np.float32(msum)
-                    out[t, r] = acc
+                    out[t, r] = row_dot_q5_k(row, nb, xq[t], xd[t], xs[t])
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q6_k(raw, xq, xd, xs, tab, out, n_threads):
-    """As matmul_q4_k for q6_K weights (210-byte blocks; the only header is d)."""
-    n_rows = raw.shape[0]
-    n_tok = xq.shape[0]
-    nb = raw.shape[1] // 210
+    """As matmul_q4_k for q6_K rows (210-byte blocks)."""
+    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 210
     n_chunks, per = _chunks(n_rows, n_threads)
     for c in prange(n_chunks):
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
                 for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
-                    xqt, xdt, xst = xq[t], xd[t], xs[t]
-                    acc = np.float32(0.0)
-                    for b in range(nb):
-                        o = b * 210
-                        isum = dot_q6_k(row, o, xqt, b * QK_K, xst, b * 16)
-                        acc += (xdt[b] * f16_at(row, o + 208, tab)) * np.float32(isum)
-                    out[t, r] = acc
+                    out[t, r] = row_dot_q6_k(row, nb, xq[t], xd[t], xs[t])
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matmul_q8_0(raw, xq, xd, tab, out, n_threads):
-    """out[t, r] = row r . x[t] with x in q8_0 form (xd: (n_tok, ne0/32)). raw: uint8 (n_rows, nb*34)."""
-    n_rows = raw.shape[0]
-    n_tok = xq.shape[0]
-    nb = raw.shape[1] // 34
+def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
+    """q8_0 rows (34-byte blocks) times x in q8_0 form (xd (n_tok, ne0/32); xs unused)."""
+    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 34
     n_chunks, per = _chunks(n_rows, n_threads)
     for c in prange(n_chunks):
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
                 for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
-                    xqt, xdt = xq[t], xd[t]
-                    acc = np.float32(0.0)
-                    for b in range(nb):
-                        o = b * 34
-                        acc += (xdt[b] * f16_at(row, o, tab)) * np.float32(dot_q8_0(row, o + 2, xqt, b * QK8_0))
-                    out[t, r] = acc
+                    out[t, r] = row_dot_q8_0(row, nb, xq[t], xd[t], xs[t])
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
@@ -341,3 +288,4 @@ def matmul_q2_q3_k(type_id, raw, xq, xd, xs, tab, out, n_threads):
                             isum = dot_q3_k(row, b * bb, xqt, b * QK_K, sc[b, 0], sc[b, 1])
                             acc += (xdt[b] * dd[b, 0]) * np.float32(isum - 4 * corr)
                     out[t, r] = acc
+
