@@ -73,16 +73,17 @@ def _is_arr(t, dtype):
     return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype
 
 
-def _nibbles_core(builder, qp, xp, sc, qh_off):
-    """<8 x i32> partial sums of sum_j sc[j] * nib . x over one q4_K/q5_K super-block.
+def _nibbles_core(builder, qp, xps, sc, qh_off):
+    """Per token, <8 x i32> partial sums of sum_j sc[j] * nib . x over one q4_K/q5_K super-block.
 
-    qp: <32 x i8>* to the 128 quant bytes, xp: <32 x i8>* to 256 int8 activations, sc: <8 x i16>.
+    qp: <32 x i8>* to the 128 quant bytes; xps: one <32 x i8>* per token to its 256 int8
+    activations (the weights are unpacked once for all of them); sc: <8 x i16>.
     """
     qh = None
     if qh_off is not None:
         base = builder.bitcast(qp, ir.PointerType(_I8))
         qh = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I64, qh_off)]), ir.PointerType(_vec(_I8, 32))), align=1)
-    acc = ir.Constant(_vec(_I32, 8), None)
+    accs = [ir.Constant(_vec(_I32, 8), None)] * len(xps)
     for j in range(4):
         v = _load32(builder, qp, j)
         lo = builder.and_(v, _splat(_I8, 32, 15))
@@ -95,22 +96,25 @@ def _nibbles_core(builder, qp, xp, sc, qh_off):
                     lo = builder.or_(lo, bit)
                 else:
                     hi = builder.or_(hi, bit)
-        plo = _maddubs(builder, lo, _load32(builder, xp, 2 * j))  # (16,) i16 pair sums
-        phi = _maddubs(builder, hi, _load32(builder, xp, 2 * j + 1))
-        acc = builder.add(acc, _maddwd(builder, plo, _lanes(builder, sc, [2 * j] * 16)))
-        acc = builder.add(acc, _maddwd(builder, phi, _lanes(builder, sc, [2 * j + 1] * 16)))
-    return acc
+        slo = _lanes(builder, sc, [2 * j] * 16)
+        shi = _lanes(builder, sc, [2 * j + 1] * 16)
+        for i, xp in enumerate(xps):
+            plo = _maddubs(builder, lo, _load32(builder, xp, 2 * j))  # (16,) i16 pair sums
+            phi = _maddubs(builder, hi, _load32(builder, xp, 2 * j + 1))
+            accs[i] = builder.add(accs[i], builder.add(_maddwd(builder, plo, slo), _maddwd(builder, phi, shi)))
+    return accs
 
 
-def _q6_core(builder, base, xp, sc):
-    """<8 x i32> partial sums of sum_k sc[k] * sum_l q * x over one q6_K block at i8* base, q unsigned 0..63.
+def _q6_core(builder, base, xps, sc):
+    """Per token, <8 x i32> partial sums of sum_k sc[k] * sum_l q * x over one q6_K block at i8* base.
 
-    xp: <32 x i8>* to its 256 activations; sc: <16 x i16> the block's scales.
+    q unsigned 0..63 (unpacked once for all tokens); xps: one <32 x i8>* per token to its 256
+    activations; sc: <16 x i16> the block's scales.
     """
     v32 = ir.PointerType(_vec(_I8, 32))
     m15 = _splat(_I8, 32, 15)
     m3 = _splat(_I8, 32, 3)
-    acc = ir.Constant(_vec(_I32, 8), None)
+    accs = [ir.Constant(_vec(_I32, 8), None)] * len(xps)
     for n in range(2):  # 128-element halves
         a = builder.load(builder.bitcast(_gep8(builder, base, 64 * n), v32), align=1)
         b = builder.load(builder.bitcast(_gep8(builder, base, 64 * n + 32), v32), align=1)
@@ -119,10 +123,12 @@ def _q6_core(builder, base, xp, sc):
         for s in range(4):  # 32-element groups: sub-blocks 8n+2s (lanes 0-7) and 8n+2s+1 (lanes 8-15)
             hs = builder.and_(builder.lshr(h, _splat(_I8, 32, 2 * s)) if s else h, m3)
             q = builder.or_(lows[s], builder.shl(hs, _splat(_I8, 32, 4)))
-            p = _maddubs(builder, q, _load32(builder, xp, 4 * n + s))
             k = 8 * n + 2 * s
-            acc = builder.add(acc, _maddwd(builder, p, _lanes(builder, sc, [k] * 8 + [k + 1] * 8)))
-    return acc
+            scl = _lanes(builder, sc, [k] * 8 + [k + 1] * 8)
+            for i, xp in enumerate(xps):
+                p = _maddubs(builder, q, _load32(builder, xp, 4 * n + s))
+                accs[i] = builder.add(accs[i], _maddwd(builder, p, scl))
+    return accs
 
 
 def _q8_products(builder, w, x):
@@ -236,10 +242,10 @@ def _splat_f(builder, v):
                                   ir.Constant(v8f, None), ir.Constant(_vec(_I32, 8), [0] * 8))
 
 
-def _row_loop(builder, nb, body):
-    """Emit `for b in range(nb): acc = body(b, acc)` over a <8 x float> accumulator; return its lane sum.
+def _row_loop(builder, nb, body, n_acc):
+    """Emit `for b in range(nb): accs = body(b, accs)` over n_acc <8 x float> accumulators; return their lane sums.
 
-    Keeping the partial sums in a vector register for the whole row (one horizontal sum per row,
+    Keeping the partial sums in vector registers for the whole row (one horizontal sum per row,
     not per block) is what makes these row kernels fast.
     """
     v8f = _vec(ir.FloatType(), 8)
@@ -250,49 +256,74 @@ def _row_loop(builder, nb, body):
     builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
     builder.position_at_end(loop)
     b = builder.phi(_I64)
-    acc = builder.phi(v8f)
-    acc2 = body(b, acc)
+    accs = [builder.phi(v8f) for _ in range(n_acc)]
+    accs2 = body(b, accs)
     b1 = builder.add(b, ir.Constant(_I64, 1))
-    b.add_incoming(ir.Constant(_I64, 0), entry)
-    b.add_incoming(b1, builder.block)
-    acc.add_incoming(zero, entry)
-    acc.add_incoming(acc2, builder.block)
     last = builder.block
+    b.add_incoming(ir.Constant(_I64, 0), entry)
+    b.add_incoming(b1, last)
+    for a, a2 in zip(accs, accs2):
+        a.add_incoming(zero, entry)
+        a.add_incoming(a2, last)
     builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
     builder.position_at_end(done)
-    v = builder.phi(v8f)
-    v.add_incoming(zero, entry)
-    v.add_incoming(acc2, last)
-    for n in (4, 2, 1):  # pairwise horizontal sum
-        v = builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
-    return builder.extract_element(v, ir.Constant(_I32, 0))
+    phis = []
+    for a2 in accs2:  # all phi nodes first
+        v = builder.phi(v8f)
+        v.add_incoming(zero, entry)
+        v.add_incoming(a2, last)
+        phis.append(v)
+    sums = []
+    for v in phis:
+        for n in (4, 2, 1):  # pairwise horizontal sum
+            v = builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
+        sums.append(builder.extract_element(v, ir.Constant(_I32, 0)))
+    return sums
 
 
 def _row_ptrs(context, builder, signature, args):
-    """Data pointers of (row u8, xq i8, xd f32, xs i32) from the row intrinsics' arguments."""
+    """(row u8*, [per token: (xq i8*, xd f32*, xs i32*)]) from a row intrinsic's arguments.
+
+    1-D activations: one token. 2-D (n_tok, .) activations plus a first token t0 (args[5]):
+    N_TILE tokens t0 .. t0+N_TILE-1.
+    """
     z = ir.Constant(_I64, 0)
-    return (_ptr(context, builder, signature.args[0], args[0], z, _I8), _ptr(context, builder, signature.args[2], args[2], z, _I8),
-            _ptr(context, builder, signature.args[3], args[3], z, ir.FloatType()),
-            _ptr(context, builder, signature.args[4], args[4], z, _I32))
+    rowp = _ptr(context, builder, signature.args[0], args[0], z, _I8)
+    if signature.args[2].ndim == 1:
+        return rowp, [tuple(_ptr(context, builder, signature.args[k], args[k], z, ty)
+                            for k, ty in ((2, _I8), (3, ir.FloatType()), (4, _I32)))]
+    toks = []
+    for i in range(N_TILE):
+        t = builder.add(args[5], ir.Constant(_I64, i))
+        ptrs = []
+        for k, ty in ((2, _I8), (3, ir.FloatType()), (4, _I32)):
+            ary = context.make_array(signature.args[k])(context, builder, args[k])
+            stride = builder.extract_value(ary.strides, 0)  # bytes between tokens
+            p = builder.gep(builder.bitcast(ary.data, ir.PointerType(_I8)), [builder.mul(t, stride)])
+            ptrs.append(builder.bitcast(p, ir.PointerType(ty)))
+        toks.append(tuple(ptrs))
+    return rowp, toks
+
+
+N_TILE = 4  # tokens per call of the multi-token row intrinsics (weights unpacked once for all)
 
 
 def _row_kquant45(context, builder, signature, args, kind):
-    """A whole q4_K / q5_K row times a q8_K activation: sum_b dx_b * (d_b*isum_b - dmin_b*msum_b).
+    """q4_K / q5_K row(s) times q8_K activation(s): sum_b dx_b * (d_b*isum_b - dmin_b*msum_b).
 
-    args: row (u8[]), nb, xq (i8[]), xd (f32[]), xs (i32[] of 16-element sums).
+    args: row (u8[]), nb, xq (i8), xd (f32), xs (i32 16-element sums) [, t0: see _row_ptrs].
     """
     bsz, qoff, qh_off = (144, 16, None) if kind == "q4" else (176, 48, -32)
     v8f = _vec(ir.FloatType(), 8)
-    rowp, xqp, xdp, xsp = _row_ptrs(context, builder, signature, args)
+    rowp, toks = _row_ptrs(context, builder, signature, args)
 
     def c(v):
         return ir.Constant(_I32, v)
 
-    def body(b, acc):
+    def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
-        xdb = builder.load(builder.gep(xdp, [b]), align=4)
-        d = builder.fmul(_load_f16(builder, blk), xdb)
-        dmin = builder.fmul(_load_f16(builder, _gep8(builder, blk, 2)), xdb)
+        d = _load_f16(builder, blk)
+        dmin = _load_f16(builder, _gep8(builder, blk, 2))
         u = [builder.load(builder.bitcast(_gep8(builder, blk, 4 + 4 * i), ir.PointerType(_I32)), align=1) for i in range(3)]
         # 6-bit scales and mins, one per byte (ggml's utmp unpacking)
         sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
@@ -308,57 +339,84 @@ def _row_kquant45(context, builder, signature, args, kind):
         sc = builder.zext(bytes8(sc_lo, sc_hi), _vec(_I16, 8))
         mn = builder.zext(bytes8(mn_lo, mn_hi), _vec(_I32, 8))
         qp = builder.bitcast(_gep8(builder, blk, qoff), ir.PointerType(_vec(_I8, 32)))
-        xp = builder.bitcast(_gep8(builder, xqp, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
-        isum = _nibbles_core(builder, qp, xp, sc, qh_off)
-        bsp = builder.gep(xsp, [builder.mul(b, ir.Constant(_I64, 16))])
-        bs = builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4)
-        msum = builder.mul(mn, builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))))
-        acc = builder.fadd(acc, builder.fmul(_splat_f(builder, d), builder.sitofp(isum, v8f)))
-        return builder.fsub(acc, builder.fmul(_splat_f(builder, dmin), builder.sitofp(msum, v8f)))
+        xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
+               for xq, _, _ in toks]
+        isums = _nibbles_core(builder, qp, xps, sc, qh_off)
+        out = []
+        for acc, isum, (_, xd, xs) in zip(accs, isums, toks):
+            xdb = builder.load(builder.gep(xd, [b]), align=4)
+            bsp = builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))])
+            bs = builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4)
+            msum = builder.mul(mn, builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))))
+            acc = builder.fadd(acc, builder.fmul(_splat_f(builder, builder.fmul(d, xdb)), builder.sitofp(isum, v8f)))
+            out.append(builder.fsub(acc, builder.fmul(_splat_f(builder, builder.fmul(dmin, xdb)), builder.sitofp(msum, v8f))))
+        return out
 
-    return _row_loop(builder, args[1], body)
+    return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
 
 
 def _row_q6_k(context, builder, signature, args):
-    """A whole q6_K row times a q8_K activation: sum_b d_b*dx_b*(sum_k sc_k*(sum q x - 32*bsum_k))."""
+    """q6_K row(s) times q8_K activation(s): sum_b d_b*dx_b*(sum_k sc_k*(sum q x - 32*bsum_k))."""
     v8f = _vec(ir.FloatType(), 8)
-    rowp, xqp, xdp, xsp = _row_ptrs(context, builder, signature, args)
+    rowp, toks = _row_ptrs(context, builder, signature, args)
 
-    def body(b, acc):
+    def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 210)))
-        d = builder.fmul(_load_f16(builder, _gep8(builder, blk, 208)), builder.load(builder.gep(xdp, [b]), align=4))
-        xp = builder.bitcast(_gep8(builder, xqp, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
+        d = _load_f16(builder, _gep8(builder, blk, 208))
         sc = builder.sext(builder.load(builder.bitcast(_gep8(builder, blk, 192), ir.PointerType(_vec(_I8, 16))), align=1), _vec(_I16, 16))
-        isum = _q6_core(builder, blk, xp, sc)
-        bsp = builder.gep(xsp, [builder.mul(b, ir.Constant(_I64, 16))])
-        corr = builder.mul(builder.sext(sc, _vec(_I32, 16)), builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4))
-        corr = builder.add(_lanes(builder, corr, range(8)), _lanes(builder, corr, range(8, 16)))
-        isum = builder.sub(isum, builder.shl(corr, ir.Constant(_vec(_I32, 8), [5] * 8)))
-        return builder.fadd(acc, builder.fmul(_splat_f(builder, d), builder.sitofp(isum, v8f)))
+        sc32 = builder.sext(sc, _vec(_I32, 16))
+        xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
+               for xq, _, _ in toks]
+        isums = _q6_core(builder, blk, xps, sc)
+        out = []
+        for acc, isum, (_, xd, xs) in zip(accs, isums, toks):
+            bsp = builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))])
+            corr = builder.mul(sc32, builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4))
+            corr = builder.add(_lanes(builder, corr, range(8)), _lanes(builder, corr, range(8, 16)))
+            isum = builder.sub(isum, builder.shl(corr, ir.Constant(_vec(_I32, 8), [5] * 8)))
+            db = builder.fmul(d, builder.load(builder.gep(xd, [b]), align=4))
+            out.append(builder.fadd(acc, builder.fmul(_splat_f(builder, db), builder.sitofp(isum, v8f))))
+        return out
 
-    return _row_loop(builder, args[1], body)
+    return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
 
 
 def _row_q8_0(context, builder, signature, args):
     """A whole q8_0 row times a q8_0 activation: sum_b d_b*dx_b*sum_l w_l x_l (xs unused)."""
     v8f = _vec(ir.FloatType(), 8)
-    rowp, xqp, xdp, _ = _row_ptrs(context, builder, signature, args)
+    rowp, toks = _row_ptrs(context, builder, signature, args)
+    xqp, xdp, _ = toks[0]
 
-    def body(b, acc):
+    def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 34)))
         d = builder.fmul(_load_f16(builder, blk), builder.load(builder.gep(xdp, [b]), align=4))
         w = builder.load(builder.bitcast(_gep8(builder, blk, 2), ir.PointerType(_vec(_I8, 32))), align=1)
         x = builder.load(builder.bitcast(_gep8(builder, xqp, builder.mul(b, ir.Constant(_I64, 32))), ir.PointerType(_vec(_I8, 32))), align=1)
         isum = _maddwd(builder, _q8_products(builder, w, x), _splat(_I16, 16, 1))
-        return builder.fadd(acc, builder.fmul(_splat_f(builder, d), builder.sitofp(isum, v8f)))
+        return [builder.fadd(accs[0], builder.fmul(_splat_f(builder, d), builder.sitofp(isum, v8f)))]
 
-    return _row_loop(builder, args[1], body)
+    return _pack(context, builder, signature, _row_loop(builder, args[1], body, 1))
 
 
-def _row_sig(row, nb, xq, xd, xs):
-    ok = (_is_arr(row, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xd, types.float32)
-          and _is_arr(xs, types.int32) and isinstance(nb, types.Integer))
-    return types.float32(row, nb, xq, xd, xs) if ok else None
+def _pack(context, builder, signature, sums):
+    """Return one float32, or a UniTuple of them for the multi-token variants."""
+    if len(sums) == 1 and not isinstance(signature.return_type, types.UniTuple):
+        return sums[0]
+    return context.make_tuple(builder, signature.return_type, sums)
+
+
+def _row_sig(row, nb, xq, xd, xs, t0=None):
+    """Signature of a row intrinsic: 1-D activations -> float32; 2-D plus t0 -> N_TILE float32s."""
+    if not (_is_arr(row, types.uint8) and isinstance(nb, types.Integer)):
+        return None
+    acts = (xq, xd, xs)
+    dtypes = (types.int8, types.float32, types.int32)
+    if t0 is None:
+        ok = all(_is_arr(a, dt) for a, dt in zip(acts, dtypes))
+        return types.float32(row, nb, xq, xd, xs) if ok else None
+    ok = isinstance(t0, types.Integer) and all(
+        isinstance(a, types.Array) and a.ndim == 2 and a.dtype == dt and a.layout == "C" for a, dt in zip(acts, dtypes))
+    return types.UniTuple(types.float32, N_TILE)(row, nb, xq, xd, xs, t0) if ok else None
 
 
 @intrinsic
@@ -387,3 +445,27 @@ def row_dot_q8_0(typingctx, row, nb, xq, xd, xs):
     """A q8_0 row (nb blocks) times one q8_0 activation (xd per 32; xs unused) -> float32."""
     sig = _row_sig(row, nb, xq, xd, xs)
     return (sig, _row_q8_0) if sig else None
+
+
+@intrinsic
+def row_dot4_q4_k(typingctx, row, nb, xq, xd, xs, t0):
+    """A q4_K row times tokens t0..t0+3 of 2-D q8_K activations -> 4 float32 (weights unpacked once).
+
+    Each token's arithmetic is exactly that of row_dot_q4_k (same results, bit for bit).
+    """
+    sig = _row_sig(row, nb, xq, xd, xs, t0)
+    return (sig, lambda c, b, sg, a: _row_kquant45(c, b, sg, a, "q4")) if sig else None
+
+
+@intrinsic
+def row_dot4_q5_k(typingctx, row, nb, xq, xd, xs, t0):
+    """As row_dot4_q4_k for q5_K."""
+    sig = _row_sig(row, nb, xq, xd, xs, t0)
+    return (sig, lambda c, b, sg, a: _row_kquant45(c, b, sg, a, "q5")) if sig else None
+
+
+@intrinsic
+def row_dot4_q6_k(typingctx, row, nb, xq, xd, xs, t0):
+    """As row_dot4_q4_k for q6_K."""
+    sig = _row_sig(row, nb, xq, xd, xs, t0)
+    return (sig, _row_q6_k) if sig else None

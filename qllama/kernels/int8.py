@@ -26,7 +26,19 @@ from numba import njit, prange
 
 from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0
 from ._fp16 import f16_at
-from ._x86 import dot_q2_k, dot_q3_k, dot_q4_legacy, dot_q5_legacy, row_dot_q4_k, row_dot_q5_k, row_dot_q6_k, row_dot_q8_0
+from ._x86 import (
+    dot_q2_k,
+    dot_q3_k,
+    dot_q4_legacy,
+    dot_q5_legacy,
+    row_dot4_q4_k,
+    row_dot4_q5_k,
+    row_dot4_q6_k,
+    row_dot_q4_k,
+    row_dot_q5_k,
+    row_dot_q6_k,
+    row_dot_q8_0,
+)
 from .kquants import scale_q3_k
 
 _NOPY = dict(cache=True, boundscheck=False)
@@ -148,8 +160,14 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                t1 = min(n_tok, t0 + TOKEN_TILE)
+                t = t0
+                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_k(row, nb, xq, xd, xs, t)
+                    t += 4
+                while t < t1:
                     out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
+                    t += 1
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
@@ -161,8 +179,14 @@ def matmul_q5_k(raw, xq, xd, xs, tab, out, n_threads):
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                t1 = min(n_tok, t0 + TOKEN_TILE)
+                t = t0
+                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_k(row, nb, xq, xd, xs, t)
+                    t += 4
+                while t < t1:
                     out[t, r] = row_dot_q5_k(row, nb, xq[t], xd[t], xs[t])
+                    t += 1
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
@@ -174,8 +198,14 @@ def matmul_q6_k(raw, xq, xd, xs, tab, out, n_threads):
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                t1 = min(n_tok, t0 + TOKEN_TILE)
+                t = t0
+                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q6_k(row, nb, xq, xd, xs, t)
+                    t += 4
+                while t < t1:
                     out[t, r] = row_dot_q6_k(row, nb, xq[t], xd[t], xs[t])
+                    t += 1
 
 
 @njit(parallel=True, fastmath=FASTMATH, **_NOPY)
