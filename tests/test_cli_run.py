@@ -150,3 +150,23 @@ def test_generated_text_keeps_the_leading_space_of_its_first_token():
 
     chunks = list(stream_generate(model.session, model.tokenizer, prompt, ForceThe(), max_tokens=2))
     assert "".join(c.text for c in chunks) == " the the"
+
+
+def test_ctrl_c_stops_generation_and_still_prints_timings(tmp_path):
+    """SIGINT (what Ctrl-C sends) mid-generation: clean stop, partial text kept, timings printed."""
+    import signal
+    import time
+
+    path = tmp_path / "long.gguf"
+    write_model(path, ModelSpec(n_ctx=4096, seed=3))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "qllama", "run", str(path), "the", "-n", "100000", "--temp", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(1)  # generation has started
+    assert first
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == 0, err
+    assert "stopped: interrupted" in err and "prompt eval time" in err and "Traceback" not in err
