@@ -170,3 +170,25 @@ def test_ctrl_c_stops_generation_and_still_prints_timings(tmp_path):
     err = err.decode()
     assert proc.returncode == 0, err
     assert "stopped: interrupted" in err and "prompt eval time" in err and "Traceback" not in err
+
+
+def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
+    """A tensor of a type we cannot execute (iq4_nl here) fails at load, naming tensor and type;
+    `inspect` still reads the file."""
+    import struct
+
+    path = tmp_path / "iq.gguf"
+    write_model(path, ModelSpec(weight_type="q4_0", seed=4))
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    assert struct.unpack_from("<I", data, type_at)[0] == 2  # q4_0: 18-byte blocks of 32, like iq4_nl
+    struct.pack_into("<I", data, type_at, 20)  # iq4_nl
+    path.write_bytes(bytes(data))
+    r = cli("run", str(path), "hi")
+    assert r.returncode == 1 and r.stderr.startswith("error:")
+    assert "blk.0.ffn_up.weight" in r.stderr and "iq4_nl" in r.stderr and "cannot run" in r.stderr
+    r = cli("inspect", str(path))
+    assert r.returncode == 0 and "iq4_nl" in r.stdout
