@@ -11,6 +11,7 @@ fresh cache without disturbing a generation in progress.
 from __future__ import annotations
 
 import math
+import mmap
 import time
 from dataclasses import dataclass, field
 
@@ -32,9 +33,8 @@ class KVCache:
     """
 
     def __init__(self, args: ModelArgs, n_ctx: int):
-        # np.zeros maps lazily: pages are committed only as positions are written.
-        self.k = np.zeros((args.n_layer, args.n_head_kv, n_ctx, args.head_dim), dtype=np.float32)  # (L, Hkv, n_ctx, D)
-        self.vt = np.zeros((args.n_layer, args.n_head_kv, args.head_dim, n_ctx), dtype=np.float32)  # (L, Hkv, D, n_ctx)
+        self.k = _lazy_zeros((args.n_layer, args.n_head_kv, n_ctx, args.head_dim))  # (L, Hkv, n_ctx, D)
+        self.vt = _lazy_zeros((args.n_layer, args.n_head_kv, args.head_dim, n_ctx))  # (L, Hkv, D, n_ctx)
         self.n_ctx = n_ctx
         self.n_past = 0  # positions [0, n_past) hold valid entries
 
@@ -46,6 +46,25 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.vt.nbytes
+
+
+def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 zero array whose memory is committed page by page as it is written.
+
+    np.zeros would do that too, but NumPy asks for transparent huge pages on large arrays: the
+    first token then commits a 2 MB page in every (layer, head) block, i.e. the whole cache
+    (268 MB for a 1B model at n_ctx 4096). An anonymous mmap without huge pages grows with
+    the positions actually used.
+    """
+    nbytes = int(np.prod(shape)) * 4
+    try:
+        flags = getattr(mmap, "MAP_PRIVATE", None)
+        buf = mmap.mmap(-1, nbytes) if flags is None else mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_ANONYMOUS)
+        if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
+            buf.madvise(mmap.MADV_NOHUGEPAGE)
+    except (OSError, ValueError, AttributeError):  # no anonymous mmap here: plain zeros
+        return np.zeros(shape, dtype=np.float32)
+    return np.frombuffer(buf, dtype=np.float32).reshape(shape)
 
 
 def rope_tables(args: ModelArgs, rope_freqs: np.ndarray | None, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
