@@ -2,7 +2,7 @@
 
 Usage:
     python tools/bench_memory.py MODEL [-t 2] [-c 4096] [-n 128] [--prompt-tokens 64] [--engine qllama|llama.cpp|both]
-                                 [--cold] [--json]
+                                 [-r REPS] [--cold] [--json]
 
 A child process starts, imports the engine, loads MODEL, evaluates a prompt of random token ids,
 takes the greedy first token, then decodes N-1 more. It reports:
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -138,22 +139,51 @@ def measure(engine: str, model: str | os.PathLike, *, n_ctx: int = 4096, threads
     return rep
 
 
-def measure_qllama_start(model, *, cold: bool, **kw) -> dict:
-    """qllama with an empty Numba cache (cold=True) or with one filled by an untimed run first (warm)."""
+def summarize(reports: list[dict]) -> dict:
+    """One row from repeated runs: medians of the times and speeds, the largest RSS figures."""
+    out = dict(reports[-1])
+    for key in ("ttft_s", "load_s", "startup_s", "tg_tps"):
+        out[key] = statistics.median(r[key] for r in reports)
+    for key in ("rss_load_mb", "rss_peak_load_mb", "rss_peak_mb", "rss_file_mb", "rss_anon_mb"):
+        out[key] = max(r[key] for r in reports)
+    out["within_budget"] = out["rss_peak_mb"] <= out["budget_mb"]
+    out["runs"] = len(reports)
+    out["ttft_all_s"] = [r["ttft_s"] for r in reports]
+    return out
+
+
+def measure_starts(model, *, reps: int = 3, cold: bool = True, llamacpp: bool = True, say=lambda m: None,
+                   **kw) -> list[dict]:
+    """TTFT / RSS rows: qllama cold (empty Numba cache, once), qllama warm and llama.cpp (reps each,
+    alternating, medians)."""
+    rows = []
     with tempfile.TemporaryDirectory(prefix="qllama-numba-") as cache_dir:
-        if not cold:
+        if cold:
+            say("qllama cold start (empty Numba cache)...")
+            rows.append({**summarize([measure("qllama", model, numba_cache_dir=cache_dir, **kw)]), "start": "cold"})
+        else:  # fill the cache, untimed
             measure("qllama", model, numba_cache_dir=cache_dir, **{**kw, "n_gen": 2})
-        return measure("qllama", model, numba_cache_dir=cache_dir, **kw)
+        warm, other = [], []
+        for r in range(reps):
+            say(f"warm start {r + 1}/{reps}...")
+            warm.append(measure("qllama", model, numba_cache_dir=cache_dir, **kw))
+            if llamacpp:
+                other.append(measure("llama.cpp", model, **kw))
+        rows.append({**summarize(warm), "start": "warm"})
+        if other:
+            rows.append({**summarize(other), "start": "warm"})
+    return rows
 
 
 def format_report(reps: list[dict]) -> str:
     lines = [
-        "| engine | start | TTFT s | load s | tg t/s | RSS after load MB | peak RSS MB (file + anon) | budget MB | ok |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| engine | start | runs | TTFT s (median) | import+load s | tg t/s | RSS after load MB | peak RSS MB (file + anon) "
+        "| budget MB | ok |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in reps:
         lines.append(
-            f"| {r['engine']} | {r.get('start', 'warm')} | {r['ttft_s']:.2f} | {r['load_s']:.2f} | {r['tg_tps']:.2f} | "
+            f"| {r['engine']} | {r.get('start', 'warm')} | {r.get('runs', 1)} | {r['ttft_s']:.2f} | {r['load_s']:.2f} | {r['tg_tps']:.2f} | "
             f"{r['rss_load_mb']:.0f} | {r['rss_peak_mb']:.0f} ({r['rss_file_mb']:.0f} + {r['rss_anon_mb']:.0f}) | "
             f"{r['budget_mb']:.0f} | {'yes' if r['within_budget'] else 'NO'} |"
         )
@@ -169,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-b", "--batch-size", type=int, default=512)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--engine", choices=["qllama", "llama.cpp", "both"], default="qllama")
+    ap.add_argument("-r", "--reps", type=int, default=1, help="warm runs per engine (medians are reported)")
     ap.add_argument("--cold", action="store_true", help="also measure qllama with an empty Numba cache")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", choices=["qllama", "llama.cpp"], help=argparse.SUPPRESS)
@@ -178,13 +209,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     kw = dict(n_ctx=args.ctx_size, threads=args.threads, n_gen=args.n_gen, prompt_tokens=args.prompt_tokens,
               batch=args.batch_size)
-    reports = []
-    if args.engine in ("qllama", "both"):
-        if args.cold:
-            reports.append({**measure_qllama_start(args.model, cold=True, **kw), "start": "cold"})
-        reports.append({**measure_qllama_start(args.model, cold=False, **kw), "start": "warm"})
-    if args.engine in ("llama.cpp", "both"):
-        reports.append({**measure("llama.cpp", args.model, **kw), "start": "warm"})
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.engine == "llama.cpp":
+        reports = [{**summarize([measure("llama.cpp", args.model, **kw) for _ in range(args.reps)]), "start": "warm"}]
+    else:
+        reports = measure_starts(args.model, reps=args.reps, cold=args.cold, llamacpp=args.engine == "both", say=say,
+                                 **kw)
     if args.json:
         print(json.dumps(reports))
     else:

@@ -2,7 +2,7 @@
 
 Usage:
     python tools/bench_vs_llamacpp.py MODEL [-t 1,2] [-r 3] [-p 512] [-n 128] [-d 1024] [-b 512]
-                                      [--no-start] [--no-cold] [--json OUT.json]
+                                      [--no-start] [--no-cold] [--start-reps 3] [--json OUT.json]
 
 For each thread count, one worker process per engine loads MODEL with the same n_threads,
 n_batch and n_ctx and warms up; the parent then alternates them, A B A B, test by test and
@@ -11,8 +11,8 @@ llama-bench): pp (N random prompt tokens from an empty cache), tg (N one-token d
 sampling), tg at a depth (the cache already holds DEPTH tokens).
 
 Then, each in a fresh process (tools/bench_memory.py): time to first token of a 64-token
-prompt from process start (qllama warm Numba cache and empty cache; llama.cpp), and peak RSS
-after generating 128 tokens.
+prompt from process start (qllama with an empty Numba cache once; qllama with a warm cache and
+llama.cpp alternating, --start-reps times each, medians), and peak RSS after generating 128 tokens.
 
 Prints a markdown table: mean ± sd tokens/s of each engine and the ratio qllama / llama.cpp
 (of the medians).
@@ -195,19 +195,11 @@ def compare_throughput(model: str, threads: list[int], reps: int, n_prompt: int,
     return rows
 
 
-def compare_start(model: str, threads: int, cold: bool, say) -> list[dict]:
-    from tools.bench_memory import measure, measure_qllama_start
+def compare_start(model: str, threads: int, cold: bool, reps: int, say) -> list[dict]:
+    from tools.bench_memory import measure_starts
 
-    out = []
-    kw = dict(n_ctx=4096, threads=threads, n_gen=128, prompt_tokens=64)
-    if cold:
-        say("qllama cold start (empty Numba cache)...")
-        out.append({**measure_qllama_start(model, cold=True, **kw), "start": "cold"})
-    say("qllama warm start...")
-    out.append({**measure_qllama_start(model, cold=False, **kw), "start": "warm"})
-    say("llama.cpp start...")
-    out.append({**measure("llama.cpp", model, **kw), "start": "warm"})
-    return out
+    return measure_starts(model, reps=reps, cold=cold, llamacpp=True, say=say, n_ctx=4096, threads=threads, n_gen=128,
+                          prompt_tokens=64)
 
 
 def format_throughput(rows: list[dict]) -> str:
@@ -230,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-b", "--batch-size", type=int, default=512)
     ap.add_argument("--no-start", action="store_true", help="skip the TTFT / RSS processes")
     ap.add_argument("--no-cold", action="store_true", help="skip the empty-Numba-cache start (slow)")
+    ap.add_argument("--start-reps", type=int, default=3, help="warm TTFT runs per engine, alternating (medians)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
@@ -248,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.time()
     rows = compare_throughput(args.model, threads, args.reps, args.n_prompt, args.n_gen, depths, args.batch_size, say)
-    start = [] if args.no_start else compare_start(args.model, max(threads), not args.no_cold, say)
+    start = [] if args.no_start else compare_start(args.model, max(threads), not args.no_cold, args.start_reps, say)
     from tools.bench_memory import format_report
 
     size = os.path.getsize(args.model)
