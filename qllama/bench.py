@@ -211,7 +211,8 @@ def run_bench(
         if used != n_thr:
             say(f"note: {n_thr} threads requested, Numba's pool allows {used}")
         for test in bench_tests(n_prompt, n_gen, depths):
-            runner.run(BenchTest(test.kind, min(test.n, 16), test.depth))  # untimed: warm caches at this shape
+            # untimed: first calls at this shape (64 prompt tokens reach the parallel attention kernel)
+            runner.run(BenchTest(test.kind, min(test.n, 64 if test.kind == "pp" else 4), test.depth))
             samples = []
             for r in range(reps):
                 samples.append(runner.run(test))

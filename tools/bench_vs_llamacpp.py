@@ -170,7 +170,7 @@ def compare_throughput(model: str, threads: list[int], reps: int, n_prompt: int,
             workers[eng] = Worker(eng, model, n_ctx, batch, n_thr)
             say(f"{eng} worker ready ({n_thr} threads), warm-up {workers[eng].hello['warmup_s']:.2f} s")
         try:
-            for test in bench_tests(min(n_prompt, 16), min(n_gen, 4), depths):  # untimed: first calls at each depth
+            for test in bench_tests(min(n_prompt, 64), min(n_gen, 4), depths):  # untimed: first calls at each shape
                 for eng in ENGINES:
                     workers[eng].run(test)
             for test in tests:
