@@ -70,9 +70,10 @@ def _attention_ref(q, k, v, start, n_rep):
 
 @pytest.mark.parametrize("kernel", ["attention", "attention_serial"])
 @pytest.mark.parametrize("T,start", [(1, 0), (1, 37), (4, 0), (3, 20)])
-def test_attention_matches_float64(kernel, T, start):
+@pytest.mark.parametrize("H,Hkv", [(8, 2), (6, 1), (3, 3)])  # n_rep 4, 6 (4 + a remainder of 2), 1
+def test_attention_matches_float64(kernel, T, start, H, Hkv):
     rng = np.random.default_rng(T * 100 + start)
-    H, Hkv, D, n_ctx = 8, 2, 16, 64
+    D, n_ctx = 16, 64
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     k = (3 * rng.standard_normal((Hkv, n_ctx, D))).astype(np.float32)  # peaked softmax
     v = rng.standard_normal((Hkv, n_ctx, D)).astype(np.float32)

@@ -162,31 +162,74 @@ def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, 
     """
     head_dim = q.shape[2]
     h0 = kvh * n_rep
-    for r in range(n_rep):
+    r = 0
+    while r + 4 <= n_rep:  # four heads per pass: each key row is loaded once for the four dots
+        q0, q1, q2, q3 = q[t, h0 + r], q[t, h0 + r + 1], q[t, h0 + r + 2], q[t, h0 + r + 3]
+        s0, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
+        for j in range(n_keys):
+            kj = k_cache[kvh, j]  # (D,)
+            a0 = _F0
+            a1 = _F0
+            a2 = _F0
+            a3 = _F0
+            for d in range(head_dim):
+                kd = kj[d]
+                a0 += q0[d] * kd
+                a1 += q1[d] * kd
+                a2 += q2[d] * kd
+                a3 += q3[d] * kd
+            s0[j] = a0 * scale
+            s1[j] = a1 * scale
+            s2[j] = a2 * scale
+            s3[j] = a3 * scale
+        r += 4
+    while r < n_rep:
         qh = q[t, h0 + r]  # (D,)
+        sr = scores[r]
+        for j in range(n_keys):
+            kj = k_cache[kvh, j]  # (D,)
+            a = _F0
+            for d in range(head_dim):
+                a += qh[d] * kj[d]
+            sr[j] = a * scale
+        r += 1
+    for r in range(n_rep):
         sr = scores[r]
         best = _NEG_INF
         for j in range(n_keys):
-            kj = k_cache[kvh, j]  # (D,)
-            s = _F0
-            for d in range(head_dim):
-                s += qh[d] * kj[d]
-            s *= scale
-            sr[j] = s
-            best = s if s > best else best
+            best = sr[j] if sr[j] > best else best
         _exp_shifted(sr, n_keys, best, bits, fbits)  # stable softmax: the largest term is exp(0)
         total = _F0
         for j in range(n_keys):
             total += sr[j]
         totals[r] = total
     for d in range(head_dim):
-        vd = vt_cache[kvh, d]  # (n_ctx,): component d of every value
-        for r in range(n_rep):
+        vd = vt_cache[kvh, d]  # (n_ctx,): component d of every value, read once for all heads
+        r = 0
+        while r + 4 <= n_rep:
+            s0, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
+            a0 = _F0
+            a1 = _F0
+            a2 = _F0
+            a3 = _F0
+            for j in range(n_keys):
+                x = vd[j]
+                a0 += s0[j] * x
+                a1 += s1[j] * x
+                a2 += s2[j] * x
+                a3 += s3[j] * x
+            out[t, h0 + r, d] = a0 / totals[r]
+            out[t, h0 + r + 1, d] = a1 / totals[r + 1]
+            out[t, h0 + r + 2, d] = a2 / totals[r + 2]
+            out[t, h0 + r + 3, d] = a3 / totals[r + 3]
+            r += 4
+        while r < n_rep:
             sr = scores[r]
             a = _F0
             for j in range(n_keys):
                 a += sr[j] * vd[j]
             out[t, h0 + r, d] = a / totals[r]
+            r += 1
 
 
 @njit(cache=True, fastmath=True)
