@@ -56,7 +56,7 @@ SUPPORTED_TYPES: frozenset[int] = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q
 INT8_TYPES: frozenset[int] = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1})
 _Q8K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # activations in q8_K form; the 32-blocks use q8_0 form
 
-_state = {"int8": True}
+_state = {"int8": True, "int8_types": None}  # int8_types: the answer of int8_activations(), cached
 FLOAT_MATMUL_TILE_BYTES = 1 << 20  # decoded rows per step of the float mat-mat of quantized types
 
 
@@ -100,13 +100,17 @@ def get_threads() -> int:
 def set_int8_activations(enabled: bool) -> None:
     """Enable (default) or disable the int8-activation kernels (disabled: float path everywhere)."""
     _state["int8"] = bool(enabled)
+    _state["int8_types"] = None
 
 
 def int8_activations() -> frozenset[int]:
     """The types that currently run with int8 activations (empty if disabled or no AVX2)."""
-    from .kernels._x86 import HAVE_AVX2
+    types = _state["int8_types"]
+    if types is None:  # cached: this is asked on every mat-vec
+        from .kernels._x86 import HAVE_AVX2
 
-    return INT8_TYPES if (_state["int8"] and HAVE_AVX2) else frozenset()
+        types = _state["int8_types"] = INT8_TYPES if (_state["int8"] and HAVE_AVX2) else frozenset()
+    return types
 
 
 # -- activations ----------------------------------------------------------------------------
