@@ -194,9 +194,9 @@ def run_bench(
         raise QllamaError("token counts and depths must be >= 0")
     if n_prompt == 0 and n_gen == 0:
         raise QllamaError("nothing to measure: both -p and -n are 0")
-    from .quants import _physical_cores
+    from .quants import physical_cores
 
-    threads = list(threads) or [_physical_cores()]
+    threads = list(threads) or [physical_cores()]
     if any(t < 1 for t in threads):
         raise QllamaError("thread counts must be >= 1")
     runner = BenchRunner(path, n_ctx=needed_ctx(n_prompt, n_gen, depths), batch_size=batch_size, n_threads=threads[0])

@@ -112,7 +112,3 @@ class ModelArgs:
 
     def default_n_ctx(self) -> int:
         return min(self.n_ctx_train, DEFAULT_N_CTX_CAP)
-
-    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
-        """KV cache bytes per position (K and V, all layers)."""
-        return 2 * self.n_layer * self.kv_dim * itemsize

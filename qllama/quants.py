@@ -47,6 +47,7 @@ __all__ = [
     "quantize_activation",
     "set_threads",
     "get_threads",
+    "physical_cores",
     "set_int8_activations",
     "int8_activations",
 ]
@@ -63,7 +64,7 @@ FLOAT_MATMUL_TILE_BYTES = 1 << 20  # decoded rows per step of the float mat-mat 
 # -- threads --------------------------------------------------------------------------------
 
 
-def _physical_cores() -> int:
+def physical_cores() -> int:
     """Physical cores available to this process (logical CPUs / SMT siblings), at least 1."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
@@ -84,7 +85,7 @@ def set_threads(n: int | None) -> None:
     import numba
 
     if n is None:
-        n = _physical_cores()
+        n = physical_cores()
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"thread count must be a positive integer, got {n!r}")
     numba.set_num_threads(int(min(n, numba.config.NUMBA_NUM_THREADS)))
