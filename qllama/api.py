@@ -13,7 +13,7 @@ from .errors import QllamaError
 from .generate import Chunk, Session, Timings, stream_generate
 from .gguf import GGUFFile
 from .model import LlamaModel
-from .quants import get_threads, set_threads
+from .qtensor import get_threads, set_threads
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 from .weights import LlamaWeights

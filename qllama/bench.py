@@ -99,7 +99,7 @@ class BenchRunner:
 
     def set_threads(self, n: int) -> int:
         """Use n threads; returns the count actually used (capped by Numba's pool size)."""
-        from .quants import get_threads, set_threads
+        from .qtensor import get_threads, set_threads
 
         set_threads(n)
         return get_threads()
@@ -194,7 +194,7 @@ def run_bench(
         raise QllamaError("token counts and depths must be >= 0")
     if n_prompt == 0 and n_gen == 0:
         raise QllamaError("nothing to measure: both -p and -n are 0")
-    from .quants import physical_cores
+    from .qtensor import physical_cores
 
     threads = list(threads) or [physical_cores()]
     if any(t < 1 for t in threads):

@@ -20,7 +20,7 @@ import numpy as np
 from .config import ModelArgs
 from .errors import QllamaError
 from .kernels import llama_ops as ops
-from .quants import get_threads, quantize_activation
+from .qtensor import get_threads, quantize_activation
 from .weights import LlamaWeights
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
-from numba import njit
+from .kernels.jit import kernel
 
 from .errors import GGUFError, QllamaError, UnsupportedError
 from .ggml_types import (
@@ -148,14 +148,14 @@ def _quantize_q5_1(b: np.ndarray) -> np.ndarray:
 # with _F32() first (numba would otherwise promote float32*int64 to float64 and the rounding,
 # hence the bytes, would differ from C).
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _nearest_int(fval):
     # ggml's nearest_int: adding 1.5*2^23 leaves the float32 rounded to an integer (half to even)
     val = fval + np.float32(12582912.0)
     return np.int64(val) - 12582912
 
 
-@njit(cache=True)
+@kernel
 def _fp16_round(f):
     """The float32 value of GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(f)): round to nearest even."""
     a = abs(np.float64(f))
@@ -171,7 +171,7 @@ def _fp16_round(f):
     return np.float32(math.copysign(r, np.float64(f)))
 
 
-@njit(cache=True)
+@kernel
 def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep):
     """ggml's make_qkx2_quants on x[off:off+n] (use_mad = false). Writes L[off:off+n].
 
@@ -246,7 +246,7 @@ def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep):
     return scale, -mn
 
 
-@njit(cache=True)
+@kernel
 def _make_qx_quants_rmse1(x, off, n, nmax, L):
     """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) on x[off:off+n].
 
@@ -301,7 +301,7 @@ def _make_qx_quants_rmse1(x, off, n, nmax, L):
     return scale
 
 
-@njit(cache=True)
+@kernel
 def _kx_block_scales(xb, nmax, rmin, rdelta, nstep, L, Laux, weights, ls, lm, dd, ib):
     """The shared first half of q4_K / q5_K for one super-block xb (256,).
 
@@ -348,7 +348,7 @@ def _kx_block_scales(xb, nmax, rmin, rdelta, nstep, L, Laux, weights, ls, lm, dd
             L[32 * j + ii] = max(0, min(nmax, l))
 
 
-@njit(cache=True, inline="always")
+@kernel(inline="always")
 def _pack_k4_scales(ls, lm, sc):
     """8 six-bit scales and mins -> the 12-byte k4 scale field (see get_scale_min_k4)."""
     for j in range(12):
@@ -363,7 +363,7 @@ def _pack_k4_scales(ls, lm, sc):
             sc[j] |= (lm[j] >> 4) << 6
 
 
-@njit(cache=True)
+@kernel
 def _q4_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
     """One q4_K super-block: xb (256,) float32 -> o (144,) uint8 (d, dmin left in dd[ib])."""
     _kx_block_scales(xb, 15, _F32(-1.0), _F32(0.1), 20, L, Laux, weights, ls, lm, dd, ib)
@@ -374,7 +374,7 @@ def _q4_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
             o[16 + 32 * g + l] = L[64 * g + l] | (L[64 * g + 32 + l] << 4)
 
 
-@njit(cache=True)
+@kernel
 def _q5_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
     """One q5_K super-block: xb (256,) float32 -> o (176,) uint8 (d, dmin left in dd[ib])."""
     _kx_block_scales(xb, 31, _F32(-0.5), _F32(0.1), 15, L, Laux, weights, ls, lm, dd, ib)
@@ -391,7 +391,7 @@ def _q5_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
             o[48 + 32 * g + l] = (l1 & 0xF) | ((l2 & 0xF) << 4)
 
 
-@njit(cache=True)
+@kernel
 def _q6_K_block(xb, o, dd, ib, L, scales, qsc):
     """One q6_K super-block: xb (256,) float32 -> o (210,) uint8 (the trailing d left in dd[ib])."""
     max_scale = _F32(0)
@@ -440,7 +440,7 @@ def _q6_K_block(xb, o, dd, ib, L, scales, qsc):
 # runs them on slices of blocks in threads (cheaper to compile than numba's parallel=True).
 # Blocks are independent, so the split cannot change the bytes.
 
-@njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def _quantize_q4_K_kernel(x, out, dd):
     L = np.empty(256, np.int64)
     Laux = np.empty(32, np.int64)
@@ -451,7 +451,7 @@ def _quantize_q4_K_kernel(x, out, dd):
         _q4_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
 
 
-@njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def _quantize_q5_K_kernel(x, out, dd):
     L = np.empty(256, np.int64)
     Laux = np.empty(32, np.int64)
@@ -462,7 +462,7 @@ def _quantize_q5_K_kernel(x, out, dd):
         _q5_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
 
 
-@njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def _quantize_q6_K_kernel(x, out, dd):
     L = np.empty(256, np.int64)
     scales = np.empty(16, np.float32)

@@ -14,7 +14,7 @@ import numpy as np
 from .config import ModelArgs
 from .errors import QllamaError, UnsupportedError
 from .gguf import GGUFFile
-from .quants import QTensor
+from .qtensor import QTensor
 
 
 @dataclass

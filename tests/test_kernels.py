@@ -22,7 +22,7 @@ from gguf import quants as gq
 
 from qllama import ggml_types as gt
 from qllama.errors import QllamaError, UnsupportedError
-from qllama.quants import (
+from qllama.qtensor import (
     INT8_TYPES,
     SUPPORTED_TYPES,
     QTensor,

@@ -15,7 +15,7 @@ from qllama.config import ModelArgs
 from qllama.errors import QllamaError, UnsupportedError
 from qllama.gguf import GGUFFile
 from qllama.model import LlamaModel
-from qllama.quants import int8_activations, set_int8_activations
+from qllama.qtensor import int8_activations, set_int8_activations
 from qllama.weights import LlamaWeights
 from tools.make_model import ModelSpec, write_model
 

@@ -59,7 +59,7 @@ def make_matrix(tname: str, ne0: int, ne1: int, rng: np.random.Generator):
     from gguf import quants as gq
 
     from qllama.ggml_types import GGML_TYPES_BY_NAME
-    from qllama.quants import QTensor
+    from qllama.qtensor import QTensor
 
     t = GGML_TYPES_BY_NAME[tname]
     if tname == "f16":
@@ -75,7 +75,7 @@ def make_matrix(tname: str, ne0: int, ne1: int, rng: np.random.Generator):
 
 
 def bench(args) -> None:
-    from qllama.quants import QTensor, int8_activations, set_int8_activations, set_threads
+    from qllama.qtensor import QTensor, int8_activations, set_int8_activations, set_threads
 
     from qllama.ggml_types import type_name
 
@@ -172,9 +172,9 @@ COLD = r"""
 import time, numpy as np
 t0 = time.perf_counter()
 from qllama import ggml_types as gt
-from qllama.quants import QTensor, set_int8_activations, Activation
+from qllama.qtensor import QTensor, set_int8_activations, Activation
 rng = np.random.default_rng(0)
-for tid in sorted(__import__('qllama.quants', fromlist=['x']).SUPPORTED_TYPES):
+for tid in sorted(__import__('qllama.qtensor', fromlist=['x']).SUPPORTED_TYPES):
     t = gt.GGML_TYPES[tid]
     q = QTensor.from_bytes(tid, np.zeros(t.row_bytes(256) * 2, np.uint8), (256, 2))
     for int8 in (True, False):

@@ -9,6 +9,6 @@
                (which serve mat-vec too), for every quantized type
 - `_x86.py`    the AVX2 intrinsics (pmaddubsw / pmaddwd) used by `int8.py`
 
-Kernels take validated input (shapes, dtypes, sizes are checked in `qllama.quants`) and run
+Kernels take validated input (shapes, dtypes, sizes are checked in `qllama.qtensor`) and run
 with `boundscheck=False`. Importing this package compiles nothing (Numba compiles lazily).
 """

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
+
+from .jit import kernel
 from numba.extending import intrinsic
 
 # (65536,) float32: FP16_TO_F32[bits] is the value of the fp16 with those bits
@@ -18,7 +20,7 @@ FP16_TO_F32: np.ndarray = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).
 FP16_TO_F32.flags.writeable = False
 
 
-@njit(cache=True, boundscheck=False, inline="always")
+@kernel(boundscheck=False, inline="always")
 def f16_at(row, off, tab):
     """The fp16 stored little-endian at row[off:off+2], as float32 (via the table `tab`)."""
     return tab[np.int64(row[off]) | (np.int64(row[off + 1]) << 8)]

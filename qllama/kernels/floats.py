@@ -3,24 +3,26 @@
 Mat-vec kernels convert on the fly (no scratch); mat-mat kernels convert each row once into a
 per-thread scratch and apply it to every token. fp16 is converted with branch-free bit
 arithmetic (vectorisable), not the table. (Dequantization of these types is plain NumPy, in
-`qllama.quants`.)
+`qllama.qtensor`.)
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from .jit import kernel
 
 from ._fp16 import f32_as_u32 as _f32_as_u32
 from ._fp16 import u32_as_f32 as _u32_as_f32
 
-_NOPY = dict(cache=True, boundscheck=False)
+_NOPY = dict(boundscheck=False)
 # float reductions may be reassociated (vectorised), but NaN/Inf must still propagate
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 TOKEN_TILE = 64  # tokens per pass over a chunk of rows (their activations stay in L2)
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matvec_f32(w, x, out):
     """out[r] = w[r] . x. w: float32 (n_rows, ne0); x: float32 (ne0,); out: float32 (n_rows,)."""
     for r in prange(w.shape[0]):
@@ -31,7 +33,7 @@ def matvec_f32(w, x, out):
         out[r] = acc
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matvec_bf16(w, x, out):
     """w: uint16 bf16 bits (n_rows, ne0)."""
     for r in prange(w.shape[0]):
@@ -42,7 +44,7 @@ def matvec_bf16(w, x, out):
         out[r] = acc
 
 
-@njit(inline="always", **_NOPY)
+@kernel(inline="always", **_NOPY)
 def f16_value(h):
     """The float32 value of fp16 bits h (int32 0..65535), branch-free so loops vectorise.
 
@@ -57,7 +59,7 @@ def f16_value(h):
     return _u32_as_f32(bits | sign)
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matvec_f16(w, x, out):
     """w: uint16 fp16 bits (n_rows, ne0)."""
     for r in prange(w.shape[0]):
@@ -68,7 +70,7 @@ def matvec_f16(w, x, out):
         out[r] = acc
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_f32(w, x, out, n_threads):
     """out[t, r] = w[r] . x[t]. w: float32 (n_rows, ne0); x: float32 (n_tok, ne0); out: (n_tok, n_rows)."""
     n_rows = w.shape[0]
@@ -87,7 +89,7 @@ def matmul_f32(w, x, out, n_threads):
                     out[t, r] = acc
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_half(w, is_bf16, x, out, n_threads):
     """As matmul_f32 for w: uint16 (n_rows, ne0) fp16 or bf16 bits; each row is converted once
     into a per-thread scratch (ne0,) and applied to every token."""

@@ -1,7 +1,7 @@
 """The int8-activation path (as llama.cpp runs quantized mat-vecs), for every quantized type.
 
 Activations are quantized once per call (or once for several matrices, see
-`qllama.quants.quantize_activation`) in ggml's formats:
+`qllama.qtensor.quantize_activation`) in ggml's formats:
 
 - q8_K (for the k-quants): per 256 elements a float32 scale d = max/-127 of the signed value
   of largest magnitude, int8 quants round(x/d) (ties to even), and int32 sums of every 16
@@ -25,7 +25,9 @@ the weights once for 4 tokens); the others call a per-block intrinsic.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from .jit import kernel
 
 from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0
 from ._fp16 import f16_at
@@ -44,7 +46,7 @@ from ._x86 import (
 )
 from .kquants import scale_q3_k
 
-_NOPY = dict(cache=True, boundscheck=False)
+_NOPY = dict(boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 QK_K = 256
 QK8_0 = 32
@@ -54,7 +56,7 @@ TOKEN_TILE = 64  # 64 tokens x ne0 int8 activations stay in L2
 _FLT_MAX = np.float32(3.4028234663852886e38)
 
 
-@njit(inline="always", **_NOPY)
+@kernel(inline="always", **_NOPY)
 def _to_int8(v):
     """A rounded float to an int in [-127, 127]; NaN (from a 0 * inf scale) gives 0.
 
@@ -66,7 +68,7 @@ def _to_int8(v):
     return int(min(np.float32(127.0), max(np.float32(-127.0), v)))
 
 
-@njit(parallel=True, **_NOPY)
+@kernel(parallel=True, **_NOPY)
 def quantize_q8_k(x, xq, xd, xs):
     """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/256), xs int32 (n_tok, n/16).
 
@@ -105,7 +107,7 @@ def quantize_q8_k(x, xq, xd, xs):
             xd[t, b] = np.float32(1.0) / iscale
 
 
-@njit(parallel=True, **_NOPY)
+@kernel(parallel=True, **_NOPY)
 def quantize_q8_0(x, xq, xd, xs):
     """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/32), xs int32 (n_tok, n/32) sums of xq."""
     n_tok, n = x.shape
@@ -131,12 +133,12 @@ def quantize_q8_0(x, xq, xd, xs):
             xs[t, b] = s
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def _u32(row, o):
     return np.int64(row[o]) | (np.int64(row[o + 1]) << 8) | (np.int64(row[o + 2]) << 16) | (np.int64(row[o + 3]) << 24)
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def _chunks(n_rows, n_threads):
     """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk).
 
@@ -151,7 +153,7 @@ def _chunks(n_rows, n_threads):
 # a row is read from memory once and stays in L1 for the other tokens of the tile.
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
     """out[t, r] = row r . x[t] with x in q8_K form (xq (n_tok, ne0), xd (n_tok, ne0/256), xs (n_tok, ne0/16)).
 
@@ -173,7 +175,7 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
                     t += 1
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q5_k(raw, xq, xd, xs, tab, out, n_threads):
     """As matmul_q4_k for q5_K rows (176-byte blocks)."""
     n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 176
@@ -192,7 +194,7 @@ def matmul_q5_k(raw, xq, xd, xs, tab, out, n_threads):
                     t += 1
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q6_k(raw, xq, xd, xs, tab, out, n_threads):
     """As matmul_q4_k for q6_K rows (210-byte blocks)."""
     n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 210
@@ -211,7 +213,7 @@ def matmul_q6_k(raw, xq, xd, xs, tab, out, n_threads):
                     t += 1
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
     """q8_0 rows (34-byte blocks) times x in q8_0 form (xd (n_tok, ne0/32); xs unused)."""
     n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 34
@@ -224,7 +226,7 @@ def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
                     out[t, r] = row_dot_q8_0(row, nb, xq[t], xd[t], xs[t])
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
     """q4_0, q4_1, q5_0, q5_1 rows times q8_0-form activations (xs: int32 (n_tok, ne0/32) sums of xq).
 
@@ -262,7 +264,7 @@ def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
                     out[t, r] = acc
 
 
-@njit(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_q2_q3_k(type_id, raw, xq, xd, xs, tab, out, n_threads):
     """q2_K (84-byte blocks) or q3_K (110-byte blocks) rows times q8_K activations.
 

@@ -23,15 +23,17 @@ of operations (bit-exact). Layouts (ggml-common.h), fields in file order:
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from .jit import kernel
 
 from ._fp16 import f16_at
 
 QK_K = 256
-_NOPY = dict(cache=True, boundscheck=False)
+_NOPY = dict(boundscheck=False)
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def scale_min_k4(row, so, j):
     """The 6-bit (scale, min) pair of sub-block j (0..7) from the 12 bytes at row[so:so+12] (q4_K, q5_K)."""
     if j < 4:
@@ -43,7 +45,7 @@ def scale_min_k4(row, so, j):
     return sc, m
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def scale_q3_k(row, so, i):
     """The signed scale (-32..31) of sub-block i (0..15) from the 12 bytes at row[so:so+12] (q3_K)."""
     lo = (np.int32(row[so + i]) & 15) if i < 8 else (np.int32(row[so + i - 8]) >> 4)
@@ -51,7 +53,7 @@ def scale_q3_k(row, so, i):
     return (lo | (hi << 4)) - 32
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q2_k(row, bo, tab, out, oo):
     d = f16_at(row, bo + 80, tab)
     dmin = f16_at(row, bo + 82, tab)
@@ -67,7 +69,7 @@ def decode_q2_k(row, bo, tab, out, oo):
             out[oo + 16 * k + l] = dl * np.float32(q) - ml
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q3_k(row, bo, tab, out, oo):
     d = f16_at(row, bo + 108, tab)
     for k in range(16):
@@ -82,7 +84,7 @@ def decode_q3_k(row, bo, tab, out, oo):
             out[oo + 16 * k + l] = dl * np.float32(q - ((h ^ 1) << 2))
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q4_k(row, bo, tab, out, oo):
     d = f16_at(row, bo, tab)
     dmin = f16_at(row, bo + 2, tab)
@@ -99,7 +101,7 @@ def decode_q4_k(row, bo, tab, out, oo):
             out[oo + 64 * j + 32 + l] = d1 * np.float32(b >> 4) - dm1
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q5_k(row, bo, tab, out, oo):
     d = f16_at(row, bo, tab)
     dmin = f16_at(row, bo + 2, tab)
@@ -119,7 +121,7 @@ def decode_q5_k(row, bo, tab, out, oo):
             out[oo + 64 * j + 32 + l] = d1 * np.float32(q1) - dm1
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q6_k(row, bo, tab, out, oo):
     d = f16_at(row, bo + 208, tab)
     for k in range(16):
@@ -141,11 +143,11 @@ def decode_q6_k(row, bo, tab, out, oo):
 # scaled by d*sc; min terms use xs, the float32 sums of x over 16 elements (ne0/16,).
 
 _FM = {"reassoc", "contract", "nsz", "arcp"}  # no nnan/ninf: NaN and Inf must propagate
-_PAR = dict(parallel=True, fastmath=_FM, cache=True, boundscheck=False)
+_PAR = dict(parallel=True, fastmath=_FM, boundscheck=False)
 ROWS_PER_TASK = 8
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q2_k(raw, x, xs, tab, out):
     """out[r] = row r . x for q2_K rows. raw: uint8 (n_rows, nb*84); x: float32 (nb*256,)."""
     n_rows, nb = raw.shape[0], raw.shape[1] // 84
@@ -176,7 +178,7 @@ def matvec_q2_k(raw, x, xs, tab, out):
             out[r] = acc
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q3_k(raw, x, xs, tab, out):
     """q = low2 - 4 + 4*hbit: sum q x = sum low2 x - 4 sum x + 4 sum_{hbit} x (exact in float)."""
     n_rows, nb = raw.shape[0], raw.shape[1] // 110
@@ -215,7 +217,7 @@ def matvec_q3_k(raw, x, xs, tab, out):
             out[r] = acc
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q4_k(raw, x, xs, tab, out):
     n_rows, nb = raw.shape[0], raw.shape[1] // 144
     for t in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
@@ -243,7 +245,7 @@ def matvec_q4_k(raw, x, xs, tab, out):
             out[r] = acc
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q5_k(raw, x, xs, tab, out):
     """The 5th bit enters as 16 * (h & m) / m (exact in float), avoiding variable shifts."""
     n_rows, nb = raw.shape[0], raw.shape[1] // 176
@@ -276,7 +278,7 @@ def matvec_q5_k(raw, x, xs, tab, out):
             out[r] = acc
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q6_k(raw, x, xs, tab, out):
     n_rows, nb = raw.shape[0], raw.shape[1] // 210
     for t in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
@@ -323,7 +325,7 @@ def matvec_q6_k(raw, x, xs, tab, out):
 # -- per-type row dequantization (embedding lookup); one small kernel per type, compiled lazily --
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q2_k(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*84); rows: int64 (n,); out: float32 (n, nb*256)."""
     for i in prange(rows.shape[0]):
@@ -333,7 +335,7 @@ def dequantize_q2_k(raw, rows, tab, out):
             decode_q2_k(row, b * 84, tab, o, b * QK_K)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q3_k(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*110); rows: int64 (n,); out: float32 (n, nb*256)."""
     for i in prange(rows.shape[0]):
@@ -343,7 +345,7 @@ def dequantize_q3_k(raw, rows, tab, out):
             decode_q3_k(row, b * 110, tab, o, b * QK_K)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q4_k(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*144); rows: int64 (n,); out: float32 (n, nb*256)."""
     for i in prange(rows.shape[0]):
@@ -353,7 +355,7 @@ def dequantize_q4_k(raw, rows, tab, out):
             decode_q4_k(row, b * 144, tab, o, b * QK_K)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q5_k(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*176); rows: int64 (n,); out: float32 (n, nb*256)."""
     for i in prange(rows.shape[0]):
@@ -363,7 +365,7 @@ def dequantize_q5_k(raw, rows, tab, out):
             decode_q5_k(row, b * 176, tab, o, b * QK_K)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q6_k(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*210); rows: int64 (n,); out: float32 (n, nb*256)."""
     for i in prange(rows.shape[0]):

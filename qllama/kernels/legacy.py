@@ -16,15 +16,17 @@ Layouts (ggml-common.h); d, m are fp16:
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from .jit import kernel
 
 from ._fp16 import f16_at
 
 QK = 32  # elements per legacy block
-_NOPY = dict(cache=True, boundscheck=False)
+_NOPY = dict(boundscheck=False)
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q4_0(row, bo, tab, out, oo):
     d = f16_at(row, bo, tab)
     for l in range(16):
@@ -33,7 +35,7 @@ def decode_q4_0(row, bo, tab, out, oo):
         out[oo + 16 + l] = d * np.float32(np.int32(b >> 4) - 8)
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q4_1(row, bo, tab, out, oo):
     d = f16_at(row, bo, tab)
     m = f16_at(row, bo + 2, tab)
@@ -43,13 +45,13 @@ def decode_q4_1(row, bo, tab, out, oo):
         out[oo + 16 + l] = d * np.float32(b >> 4) + m
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def _qh32(row, o):
     """The little-endian uint32 of high bits at row[o:o+4]."""
     return np.int64(row[o]) | (np.int64(row[o + 1]) << 8) | (np.int64(row[o + 2]) << 16) | (np.int64(row[o + 3]) << 24)
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q5_0(row, bo, tab, out, oo):
     d = f16_at(row, bo, tab)
     qh = _qh32(row, bo + 2)
@@ -61,7 +63,7 @@ def decode_q5_0(row, bo, tab, out, oo):
         out[oo + 16 + l] = d * np.float32(q1 - 16)
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q5_1(row, bo, tab, out, oo):
     d = f16_at(row, bo, tab)
     m = f16_at(row, bo + 2, tab)
@@ -74,7 +76,7 @@ def decode_q5_1(row, bo, tab, out, oo):
         out[oo + 16 + l] = d * np.float32(q1) + m
 
 
-@njit(**_NOPY)
+@kernel(**_NOPY)
 def decode_q8_0(row, bo, tab, out, oo):
     d = f16_at(row, bo, tab)
     for l in range(32):
@@ -88,14 +90,14 @@ def decode_q8_0(row, bo, tab, out, oo):
 # xs: float32 (ne0/16,) sums of x over 16 elements (for the min terms).
 
 _FM = {"reassoc", "contract", "nsz", "arcp"}  # no nnan/ninf: NaN and Inf must propagate
-_PAR = dict(parallel=True, fastmath=_FM, cache=True, boundscheck=False)
+_PAR = dict(parallel=True, fastmath=_FM, boundscheck=False)
 ROWS_PER_TASK = 8
 # The inner loops run over `qk` = bytes of quants per block, computed from the row size at run
 # time: with a constant trip count LLVM unrolls them and vectorises across blocks instead
 # (gathers), which is 3-5x slower.
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q4_0(raw, x, xs, tab, out):
     """out[r] = row r . x for q4_0 rows. raw: uint8 (n_rows, nb*18); x: float32 (nb*32,)."""
     n_rows, nb = raw.shape[0], raw.shape[1] // 18
@@ -114,7 +116,7 @@ def matvec_q4_0(raw, x, xs, tab, out):
             out[r] = acc
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q4_1(raw, x, xs, tab, out):
     n_rows, nb = raw.shape[0], raw.shape[1] // 20
     qk = raw.shape[1] // max(nb, 1) - 4  # 16, unknown to the compiler
@@ -132,7 +134,7 @@ def matvec_q4_1(raw, x, xs, tab, out):
             out[r] = acc
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q5_0(raw, x, xs, tab, out):
     n_rows, nb = raw.shape[0], raw.shape[1] // 22
     qk = raw.shape[1] // max(nb, 1) - 6  # 16, unknown to the compiler
@@ -154,7 +156,7 @@ def matvec_q5_0(raw, x, xs, tab, out):
             out[r] = acc
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q5_1(raw, x, xs, tab, out):
     n_rows, nb = raw.shape[0], raw.shape[1] // 24
     qk = raw.shape[1] // max(nb, 1) - 8  # 16, unknown to the compiler
@@ -176,7 +178,7 @@ def matvec_q5_1(raw, x, xs, tab, out):
             out[r] = acc
 
 
-@njit(**_PAR)
+@kernel(**_PAR)
 def matvec_q8_0(raw, x, xs, tab, out):
     n_rows, nb = raw.shape[0], raw.shape[1] // 34
     qk = raw.shape[1] // max(nb, 1) - 2  # 32, unknown to the compiler
@@ -196,7 +198,7 @@ def matvec_q8_0(raw, x, xs, tab, out):
 # -- per-type row dequantization (embedding lookup); one small kernel per type, compiled lazily --
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q4_0(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*18); rows: int64 (n,); out: float32 (n, nb*32)."""
     for i in prange(rows.shape[0]):
@@ -206,7 +208,7 @@ def dequantize_q4_0(raw, rows, tab, out):
             decode_q4_0(row, b * 18, tab, o, b * QK)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q4_1(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*20); rows: int64 (n,); out: float32 (n, nb*32)."""
     for i in prange(rows.shape[0]):
@@ -216,7 +218,7 @@ def dequantize_q4_1(raw, rows, tab, out):
             decode_q4_1(row, b * 20, tab, o, b * QK)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q5_0(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*22); rows: int64 (n,); out: float32 (n, nb*32)."""
     for i in prange(rows.shape[0]):
@@ -226,7 +228,7 @@ def dequantize_q5_0(raw, rows, tab, out):
             decode_q5_0(row, b * 22, tab, o, b * QK)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q5_1(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*24); rows: int64 (n,); out: float32 (n, nb*32)."""
     for i in prange(rows.shape[0]):
@@ -236,7 +238,7 @@ def dequantize_q5_1(raw, rows, tab, out):
             decode_q5_1(row, b * 24, tab, o, b * QK)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@kernel(parallel=True, boundscheck=False)
 def dequantize_q8_0(raw, rows, tab, out):
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, nb*34); rows: int64 (n,); out: float32 (n, nb*32)."""
     for i in prange(rows.shape[0]):

@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from .jit import kernel
 
 # float32 constants (module globals are frozen into the kernels with their float32 type)
 _F0 = np.float32(0.0)
@@ -51,7 +53,7 @@ _EXP_FLAGS = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
 EXP_BLOCK = 256  # elements per scratch block of the vectorised exp
 
 
-@njit(cache=True, fastmath=_EXP_FLAGS)
+@kernel(fastmath=_EXP_FLAGS)
 def _exp_shifted(x, n, shift, bits, fbits):
     """x[:n] = exp(x[:n] - shift) in place. bits: int32 scratch (>= n); fbits: its float32 view."""
     for i in range(n):
@@ -67,7 +69,7 @@ def _exp_shifted(x, n, shift, bits, fbits):
         x[i] *= fbits[i]
 
 
-@njit(cache=True, fastmath=True)
+@kernel(fastmath=True)
 def exp_f32(x, out):
     """out = exp(x) for 1-D float32 arrays, with the vectorised approximation (for tests and reuse)."""
     n = x.shape[0]
@@ -81,7 +83,7 @@ def exp_f32(x, out):
         _exp_shifted(blk, m, _F0, bits, fbits)
 
 
-@njit(cache=True, fastmath=True)
+@kernel(fastmath=True)
 def rmsnorm(x, weight, eps, out):
     """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight.   x, out: (T, d) float32; weight: (d,)."""
     n_tok, dim = x.shape
@@ -95,7 +97,7 @@ def rmsnorm(x, weight, eps, out):
             out[t, i] = (x[t, i] * scale) * weight[i]
 
 
-@njit(cache=True, fastmath=True)
+@kernel(fastmath=True)
 def rope_interleaved(x, positions, cos_table, sin_table):
     """Rotate pairs (x[2i], x[2i+1]) of the first n_rot dims of every head, in place.
 
@@ -115,7 +117,7 @@ def rope_interleaved(x, positions, cos_table, sin_table):
                 x[t, h, 2 * i + 1] = x0 * s + x1 * c
 
 
-@njit(cache=True, fastmath=True)
+@kernel(fastmath=True)
 def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache):
     """RoPE on q and k (in place) for positions start.., then k and v into the cache, in one call.
 
@@ -149,7 +151,7 @@ def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache):
                 vt_cache[h, d, p] = v[t, h, d]
 
 
-@njit(cache=True, fastmath=True)
+@kernel(fastmath=True)
 def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, bits, fbits, out):
     """Attention of the n_rep query heads of KV head kvh, for token t, over keys [0, n_keys).
 
@@ -232,7 +234,7 @@ def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, 
             r += 1
 
 
-@njit(cache=True, fastmath=True)
+@kernel(fastmath=True)
 def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, out):
     """Causal grouped-query attention over the cache, on the calling thread (decode-sized work).
 
@@ -252,7 +254,7 @@ def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, out):
             _attend(q, t, kvh, k_cache, vt_cache, start_pos + t + 1, n_rep, scale, scores, totals, bits, fbits, out)
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@kernel(parallel=True, fastmath=True)
 def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, out):
     """`attention_serial` with the (token, KV head) jobs spread over the threads (one parallel region)."""
     n_tok = q.shape[0]
@@ -278,7 +280,7 @@ def attention_parallel_pays(n_tok: int, start_pos: int, n_head: int, n_threads: 
     return n_threads > 1 and n_dots >= ATTENTION_PARALLEL_MIN
 
 
-@njit(cache=True, fastmath=True)
+@kernel(fastmath=True)
 def _swiglu_row(gate, up, out, t, tmp, bits, fbits):
     """out[t] = silu(gate[t]) * up[t] in blocks of EXP_BLOCK (out may be gate)."""
     n_ff = gate.shape[1]
@@ -292,7 +294,7 @@ def _swiglu_row(gate, up, out, t, tmp, bits, fbits):
             out[t, b0 + i] = g / (_F1 + tmp[i]) * up[t, b0 + i]
 
 
-@njit(cache=True, fastmath=True)
+@kernel(fastmath=True)
 def swiglu_serial(gate, up, out):
     """out = silu(gate) * up, all (T, n_ff) float32, on the calling thread (out may be gate)."""
     tmp = np.empty(EXP_BLOCK, np.float32)
@@ -302,7 +304,7 @@ def swiglu_serial(gate, up, out):
         _swiglu_row(gate, up, out, t, tmp, bits, fbits)
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@kernel(parallel=True, fastmath=True)
 def swiglu(gate, up, out):
     """out = silu(gate) * up, all (T, n_ff) float32, rows spread over the threads (out may be gate)."""
     for t in prange(gate.shape[0]):
