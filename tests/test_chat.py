@@ -16,15 +16,16 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from qllama.chat import (
+    BUILTIN_ALIASES,
     BUILTIN_TEMPLATES,
     ChatTemplate,
     RenderLimits,
     TemplateError,
-    _check_jinja2_version,
     alternative_template_names,
     builtin_template_name,
     strip_leading_bos,
 )
+from qllama.chat.sandbox import _check_jinja2_version
 from qllama.errors import QllamaError
 
 SHARED = Path(__file__).parents[2] / "shared"
@@ -245,6 +246,40 @@ def test_unknown_builtin():
         ChatTemplate.builtin("vicuna")
 
 
+@pytest.mark.parametrize("alias, family", sorted(BUILTIN_ALIASES.items()))
+def test_llama_cpp_names_are_aliases(alias, family):
+    assert ChatTemplate.builtin(alias).name == f"builtin:{family}"
+    assert ChatTemplate.from_spec(alias).source == BUILTIN_TEMPLATES[family]
+
+
+def test_from_spec_takes_a_builtin_name_or_a_file(tmp_path, monkeypatch):
+    for family in BUILTIN_TEMPLATES:
+        assert ChatTemplate.from_spec(family).name == f"builtin:{family}"
+    f = tmp_path / "t.jinja"
+    f.write_text("FILE {{ messages[0].content }}", encoding="utf-8")
+    for spec in (str(f), f):
+        t = ChatTemplate.from_spec(spec)
+        assert (t.name, t.render([{"role": "user", "content": "x"}])) == (f"file:{f}", "FILE x")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chatml").write_text("a file named like a built-in")
+    assert ChatTemplate.from_spec("chatml").name == "builtin:chatml"  # the name wins
+    assert ChatTemplate.from_spec("./chatml").name == "file:chatml"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("vicuna", "unknown chat template 'vicuna': neither a built-in name nor a file"),
+    ("missing.jinja", "no such chat template file: missing.jinja"),
+    ("dir/missing", "no such chat template file: dir/missing"),
+])
+def test_from_spec_errors_list_the_builtin_names(spec, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TemplateError) as e:
+        ChatTemplate.from_spec(spec)
+    text = str(e.value)
+    assert text.startswith(message) and "\n" not in text
+    assert text.endswith("(built-in names: llama-2, llama-3, chatml, mistral, phi-3, gemma, zephyr, llama2, llama3, phi3)")
+
+
 # ----------------------------------------------------------------------------------------------
 # Choosing a template from metadata
 # ----------------------------------------------------------------------------------------------
@@ -265,8 +300,8 @@ SPM_VOCAB = ["<unk>", "<s>", "</s>", "▁the", "▁a"]
 def test_builtin_from_vocab_tokens(extra_tokens, family):
     md = {"general.architecture": "llama", "tokenizer.ggml.tokens": SPM_VOCAB + extra_tokens}
     assert builtin_template_name(md) == family
-    t = ChatTemplate.from_metadata(md)
-    assert t is not None and t.name == f"builtin:{family}"
+    # issue 12.6: only a hint; the prompt format follows the file, which has no template
+    assert ChatTemplate.from_metadata(md) is None
 
 
 @pytest.mark.parametrize(
@@ -303,14 +338,16 @@ def test_base_model_from_shared_gguf_has_no_template():
     assert ChatTemplate.from_metadata(md) is None
 
 
-def test_llama3_vocab_from_shared_gguf_gets_llama3_builtin():
+def test_llama3_vocab_from_shared_gguf_has_no_template_but_a_llama3_hint():
+    """Every Llama 3 base model's vocabulary has the chat tokens: they do not make it a chat model."""
     from qllama.gguf import GGUFFile
 
     p = SHARED / "vocab" / "ggml-vocab-llama-bpe.gguf"
     if not p.exists():
         pytest.skip(f"{p} is absent")
-    t = ChatTemplate.from_metadata(GGUFFile(p).metadata)
-    assert t is not None and t.name == "builtin:llama-3"
+    md = GGUFFile(p).metadata
+    assert ChatTemplate.from_metadata(md) is None
+    assert builtin_template_name(md) == "llama-3"
 
 
 def test_from_metadata_precedence(tmp_path):
@@ -332,9 +369,9 @@ def test_from_metadata_precedence(tmp_path):
     f.write_text("FILE {{ messages[0].content }}", encoding="utf-8")
     t = ChatTemplate.from_metadata(md, override_path=str(f), name="tool_use")
     assert (t.name, t.render(msgs)) == (f"file:{f}", "FILE x")
-    # without the GGUF template the vocabulary picks a built-in
+    # without the GGUF template there is none, whatever the vocabulary (issue 12.6)
     del md["tokenizer.chat_template"]
-    assert ChatTemplate.from_metadata(md).name == "builtin:chatml"
+    assert ChatTemplate.from_metadata(md) is None
     assert alternative_template_names(md) == ["rag", "tool_use"]
 
 

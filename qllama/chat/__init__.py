@@ -1,4 +1,34 @@
-"""Chat templates (step 1 of the split: the old module, moved as is)."""
+"""Chat: render a conversation into the prompt an instruct model expects, and keep its history.
 
-from .sandbox import *  # noqa: F401,F403
-from .sandbox import __all__, _check_jinja2_version  # noqa: F401
+| module | job |
+|---|---|
+| `limits.py` | `TemplateError`, `RenderLimits`, the per-render budget, size pre-checks (`_check_*`) |
+| `sandbox.py` | the sandboxed Jinja2 environment: guards (`_guard_*`), HF's globals and filters |
+| `builtin_templates.py` | built-in templates by family name (used only when asked for), a family hint |
+| `template.py` | `ChatTemplate`: compile, render, where a model's template comes from |
+| `conversation.py` | `Conversation` (history), `fit` (drop old turns), `prompt_ids` (KV-cache reuse) |
+"""
+
+from .builtin_templates import BUILTIN_ALIASES, BUILTIN_TEMPLATES, builtin_family, builtin_template_name
+from .conversation import Conversation, ConversationTooLongError, aligned_prefix, answer_room, fit, prompt_ids
+from .limits import RenderLimits, TemplateError
+from .template import ChatTemplate, NoChatTemplateError, alternative_template_names, strip_leading_bos
+
+__all__ = [
+    "TemplateError",
+    "NoChatTemplateError",
+    "RenderLimits",
+    "ChatTemplate",
+    "BUILTIN_TEMPLATES",
+    "BUILTIN_ALIASES",
+    "builtin_family",
+    "builtin_template_name",
+    "alternative_template_names",
+    "strip_leading_bos",
+    "Conversation",
+    "ConversationTooLongError",
+    "fit",
+    "prompt_ids",
+    "aligned_prefix",
+    "answer_room",
+]
