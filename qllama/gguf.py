@@ -17,6 +17,13 @@ a `GGUFError` with a one-line message, never a hang, a crash or a huge allocatio
 tensor names must be valid UTF-8; string *values* keep invalid UTF-8 reversibly
 (`surrogateescape`: `s.encode("utf-8", "surrogateescape")` gives the file's bytes back).
 Nothing here imports numba, so `qllama inspect` starts fast.
+
+A model may be split over several files (llama.cpp's gguf-split, `<prefix>-00001-of-00003.gguf`
+...): each shard is a complete GGUF file holding some of the tensors, with `split.no` (0-based,
+u16), `split.count` (u16) and, in the first, `split.tensors.count` (i32) and all the other
+metadata. Opening the first shard opens the others by name and presents them as one file;
+every shard gets the same validation as a single file, and the shards must agree on their
+numbering, hold disjoint tensor names, and add up to `split.tensors.count`.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import os
 import stat
 import struct
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any
 
@@ -56,6 +63,9 @@ _VECTOR_MIN_STRINGS = 64
 _SCAN_BYTES_PER_STRING = 24
 _SCAN_MAX_BYTES_PER_STRING = 384
 _SCAN_MAX_WINDOW = 1 << 28  # bytes; bounds the scan's temporaries (2 bools per byte)
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
+MAX_SPLITS = 99999  # the file names have 5 digits
 
 
 class ValueType(IntEnum):
@@ -127,6 +137,7 @@ class TensorInfo:
     offset: int  # relative to the data section
     n_elements: int
     n_bytes: int | None  # None when the type id is unknown to us
+    shard: int = 0  # which file of a split model holds it (0 = the first, or the only one)
 
     @property
     def type_name(self) -> str:
@@ -189,17 +200,20 @@ class GGUFFile:
     """A GGUF file opened read-only through mmap.
 
     Attributes:
-        path, version, alignment, file_size, data_offset (absolute start of the data section),
+        path, version, alignment, data_offset (absolute start of the data section),
+        file_size (bytes; summed over all shards of a split model),
+        paths: the files read, in shard order (one for a model that is not split),
         metadata: dict key -> value (numeric arrays are read-only numpy views, string arrays
             are lists of str, nested arrays are lists),
         metadata_types: dict key -> MetadataType,
         tensors: dict name -> TensorInfo, in file order.
 
     Raises `GGUFError` (one line, starting with the path) for anything that is not a valid
-    GGUF v2/v3 file.
+    GGUF v2/v3 file. Given the first shard of a split model, opens all its shards (the
+    attributes then describe the whole model; `data_offset` stays the first shard's).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, _shard: bool = False):
         self.path = os.fspath(path)
         self._mm: Any = None
         try:
@@ -227,6 +241,12 @@ class GGUFFile:
         finally:
             os.close(fd)
         self._init_parsed(size)
+        if not _shard:
+            try:
+                self._open_splits()
+            except GGUFError:
+                self.close()
+                raise
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str = "<bytes>") -> "GGUFFile":
@@ -241,6 +261,8 @@ class GGUFFile:
 
     def _init_parsed(self, size: int) -> None:
         self.file_size = size
+        self.paths = [self.path]
+        self._files: list[GGUFFile] = [self]  # shard i of a split model is self._files[i]
         try:
             self._parse()
         except GGUFError as e:
@@ -388,6 +410,58 @@ class GGUFFile:
         cur.pos += fmt.size
         return value, MetadataType(ValueType(vtype))
 
+    # -- split models ------------------------------------------------------------------------
+
+    def _split_int(self, key: str) -> int | None:
+        if key not in self.metadata:
+            return None
+        mtype = self.metadata_types[key]
+        if mtype.type not in _INT_TYPES:
+            raise GGUFError(f"{self.path}: {key} must be an integer, not {mtype}")
+        return int(self.metadata[key])
+
+    def _open_splits(self) -> None:
+        """If this is the first shard of a split model, open the others and merge their tensors."""
+        n = self._split_int(SPLIT_COUNT)
+        if n is None or n == 1:
+            return
+        if not 1 <= n <= MAX_SPLITS:
+            raise GGUFError(f"{self.path}: {SPLIT_COUNT} {n} is out of range (1..{MAX_SPLITS})")
+        no = self._split_int(SPLIT_NO)
+        if no is None:
+            raise GGUFError(f"{self.path}: {SPLIT_COUNT} is {n} but {SPLIT_NO} is missing")
+        if no != 0:
+            first = split_path(split_prefix(self.path, no, n) or "<prefix>", 0, n) if 0 <= no < n else "the first shard"
+            raise GGUFError(f"{self.path}: shard {no + 1} of {n} of a split model; open the first shard ({first})")
+        prefix = split_prefix(self.path, 0, n)
+        if prefix is None:
+            raise GGUFError(
+                f"{self.path}: shard 1 of a model split in {n}, but the file name does not end in "
+                f"-00001-of-{n:05d}.gguf, so the other shards cannot be found"
+            )
+        tensors = dict(self.tensors)
+        for i in range(1, n):
+            shard = GGUFFile(split_path(prefix, i, n), _shard=True)
+            self._files.append(shard)  # closed with self, also on an error below
+            got = (shard._split_int(SPLIT_NO), shard._split_int(SPLIT_COUNT))
+            if got != (i, n):
+                raise GGUFError(
+                    f"{shard.path}: {SPLIT_NO} {got[0]} and {SPLIT_COUNT} {got[1]}, expected {i} and {n}"
+                )
+            for name, t in shard.tensors.items():
+                if name in tensors:
+                    raise GGUFError(f"{shard.path}: tensor {_q(name)} is also in an earlier shard")
+                tensors[name] = replace(t, shard=i)
+        expected = self._split_int(SPLIT_TENSORS_COUNT)
+        if expected is not None and expected != len(tensors):
+            raise GGUFError(
+                f"{self.path}: corrupt split model: {SPLIT_TENSORS_COUNT} is {expected} but the {n} shards "
+                f"hold {len(tensors)} tensors"
+            )
+        self.tensors = tensors
+        self.paths = [f.path for f in self._files]
+        self.file_size = sum(f.file_size for f in self._files)
+
     # -- access ----------------------------------------------------------------------------
 
     def tensor_bytes(self, name: str) -> np.ndarray:
@@ -395,7 +469,8 @@ class GGUFFile:
         t = self._info(name)
         if t.n_bytes is None:
             raise GGUFError(f"tensor {_q(name)} has type {t.type_name}, whose size qllama does not know")
-        return np.frombuffer(self._mm, dtype=np.uint8, count=t.n_bytes, offset=self.data_offset + t.offset)
+        f = self._files[t.shard]
+        return np.frombuffer(f._mm, dtype=np.uint8, count=t.n_bytes, offset=f.data_offset + t.offset)
 
     def tensor_array(self, name: str) -> np.ndarray:
         """A typed, read-only view of a f32/f16/bf16/f64/int tensor, numpy shape = reversed GGUF shape.
@@ -406,7 +481,8 @@ class GGUFFile:
         dtype = _TENSOR_DTYPES.get(t.type_name)
         if dtype is None:
             raise GGUFError(f"tensor {_q(name)} has block type {t.type_name}: use tensor_bytes()")
-        arr = np.frombuffer(self._mm, dtype=dtype, count=t.n_elements, offset=self.data_offset + t.offset)
+        f = self._files[t.shard]
+        arr = np.frombuffer(f._mm, dtype=dtype, count=t.n_elements, offset=f.data_offset + t.offset)
         return arr.reshape(tuple(reversed(t.shape)) if t.shape else ())
 
     def _info(self, name: str) -> TensorInfo:
@@ -422,7 +498,9 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
     def close(self) -> None:
-        """Release the mmap (views still alive keep it mapped until they go)."""
+        """Release the mmap, of every shard (views still alive keep it mapped until they go)."""
+        for shard in getattr(self, "_files", [])[1:]:
+            shard.close()
         mm = getattr(self, "_mm", None)
         if isinstance(mm, mmap.mmap):
             try:
@@ -438,7 +516,23 @@ class GGUFFile:
         self.close()
 
     def __repr__(self) -> str:
-        return f"GGUFFile({self.path!r}, v{self.version}, {len(self.metadata)} keys, {len(self.tensors)} tensors)"
+        shards = f", {len(self._files)} shards" if len(self._files) > 1 else ""
+        return f"GGUFFile({self.path!r}, v{self.version}, {len(self.metadata)} keys, {len(self.tensors)} tensors{shards})"
+
+
+def split_path(prefix: str, index: int, count: int) -> str:
+    """The file name of shard `index` (0-based) of `count`, as llama.cpp's gguf-split names it."""
+    return f"{prefix}-{index + 1:05d}-of-{count:05d}.gguf"
+
+
+def split_prefix(path: str, index: int, count: int) -> str | None:
+    """The common prefix of a split model's file names, given shard `index`'s path; None if it does not match."""
+    suffix = f"-{index + 1:05d}-of-{count:05d}.gguf"
+    return path[: -len(suffix)] if len(path) > len(suffix) and path.endswith(suffix) else None
+
+
+_INT_TYPES = frozenset({ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16, ValueType.UINT32,
+                        ValueType.INT32, ValueType.UINT64, ValueType.INT64})
 
 
 def _q(name: str, limit: int = 80) -> str:

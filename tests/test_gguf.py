@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 import struct
 import tracemalloc
 from pathlib import Path
@@ -576,3 +577,140 @@ def test_closed_file_gives_an_error() -> None:
 def test_error_messages_stay_short() -> None:
     msg = _error(make_gguf([("k" * 100_000, VT.UINT8, 1), ("k" * 100_000, VT.UINT8, 1)]))
     assert "duplicate metadata key" in msg and len(msg) < 200
+
+
+# ---------------------------------------------------------------------------------------
+# split models (gguf-split's <prefix>-0000i-of-0000n.gguf shards)
+# ---------------------------------------------------------------------------------------
+
+
+def split_gguf(src: Path, dst_dir: Path, stem: str, max_tensors: int) -> list[Path]:
+    """Re-write `src` as shards of at most `max_tensors` tensors with gguf-py's own splitting writer."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    arch = str(r.fields["general.architecture"].contents())
+    w = GGUFWriter(str(dst_dir / f"{stem}.gguf"), arch, split_max_tensors=max_tensors)
+    for key, fld in r.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+            continue
+        vt = fld.types[0]
+        if vt == GGUFValueType.ARRAY:
+            items = fld.contents()
+            if not items:
+                continue
+            w.add_key_value(key, items, vt, sub_type=fld.types[-1])
+        else:
+            w.add_key_value(key, fld.contents(), vt)
+    for t in r.tensors:
+        qt = GGMLQuantizationType(int(t.tensor_type))
+        data = np.asarray(t.data)
+        if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(t.name, data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, data.view(np.uint8), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sorted(dst_dir.glob(f"{stem}-*-of-*.gguf"))
+
+
+def _shard(no: int, count: int, tensors: list, n_total: int | None = None, extra: list = ()) -> bytes:
+    kvs = [("split.no", VT.UINT16, no), ("split.count", VT.UINT16, count)]
+    if n_total is not None:
+        kvs.append(("split.tensors.count", VT.INT32, n_total))
+    return make_gguf(list(extra) + kvs, tensors)
+
+
+def _write_shards(tmp_path: Path, blobs: list[bytes], stem: str = "m") -> Path:
+    for i, b in enumerate(blobs):
+        (tmp_path / f"{stem}-{i + 1:05d}-of-{len(blobs):05d}.gguf").write_bytes(b)
+    return tmp_path / f"{stem}-00001-of-{len(blobs):05d}.gguf"
+
+
+def test_split_model_opens_as_one_file(tmp_path: Path) -> None:
+    """Three hand-built shards: tensors map into the right shard, bytes equal each shard's own view."""
+    first = _write_shards(tmp_path, [
+        _shard(0, 3, [("a", (8, 3), F32, None)], 4, extra=[("general.architecture", VT.STRING, "llama")]),
+        _shard(1, 3, [("b", (64, 2), Q8_0, None), ("c", (4,), F16, None)]),
+        _shard(2, 3, [("d", (256,), Q4_K, None)]),
+    ])
+    with GGUFFile(first) as f:
+        assert list(f.tensors) == ["a", "b", "c", "d"]
+        assert [f.tensors[n].shard for n in "abcd"] == [0, 1, 1, 2]
+        assert f.metadata["general.architecture"] == "llama"
+        assert len(f.paths) == 3 and f.paths[0] == str(first)
+        assert f.file_size == sum(os.path.getsize(p) for p in f.paths)
+        for name, shard_path in [("a", f.paths[0]), ("b", f.paths[1]), ("c", f.paths[1]), ("d", f.paths[2])]:
+            with GGUFFile(shard_path, _shard=True) as one:
+                assert f.tensor_bytes(name).tobytes() == one.tensor_bytes(name).tobytes()
+                assert f.tensor_bytes(name).tobytes() != bytes(f.tensors[name].n_bytes)  # not all zero
+        np.testing.assert_array_equal(f.tensor_array("c"), GGUFFile(f.paths[1], _shard=True).tensor_array("c"))
+        assert "3 shards" in repr(f)
+
+
+def test_split_model_from_gguf_writer_matches_the_unsplit_model(tmp_path: Path) -> None:
+    """gguf-py's splitting writer (what gguf-split and convert_hf_to_gguf produce) reads back tensor for tensor."""
+    make_model = pytest.importorskip("tools.make_model")
+    src = tmp_path / "whole.gguf"
+    make_model.write_model(src, make_model.ModelSpec(weight_type="q4_K", n_embd=256, n_ff=256))
+    shards = split_gguf(src, tmp_path, "m", max_tensors=4)
+    assert len(shards) >= 3
+    whole, split = GGUFFile(src), GGUFFile(shards[0])
+    assert list(split.tensors) == list(whole.tensors)
+    assert max(t.shard for t in split.tensors.values()) == len(shards) - 1
+    for name in whole.tensors:
+        assert split.tensor_bytes(name).tobytes() == whole.tensor_bytes(name).tobytes(), name
+    assert {k: v for k, v in split.metadata.items() if not k.startswith("split.")}.keys() == whole.metadata.keys()
+
+
+def test_split_shard_errors(tmp_path: Path) -> None:
+    t = [("a", (4,), F32, None)]
+    # opening a later shard points at the first one
+    (tmp_path / "x").mkdir()
+    later = _write_shards(tmp_path / "x", [_shard(0, 2, t, 2), _shard(1, 2, [("b", (4,), F32, None)])])
+    with pytest.raises(GGUFError, match=r"shard 2 of 2 of a split model; open the first shard \(.*m-00001-of-00002.gguf\)"):
+        GGUFFile(str(later).replace("00001-of", "00002-of"))
+    # a missing shard
+    (tmp_path / "y").mkdir()
+    first = _write_shards(tmp_path / "y", [_shard(0, 2, t, 2), _shard(1, 2, [("b", (4,), F32, None)])])
+    os.remove(str(first).replace("00001-of", "00002-of"))
+    with pytest.raises(GGUFError, match="m-00002-of-00002.gguf: no such file"):
+        GGUFFile(first)
+    # a shard with the wrong number, a duplicated tensor, a wrong total
+    cases = [
+        ([_shard(0, 2, t, 2), _shard(0, 2, [("b", (4,), F32, None)])], "split.no 0 and split.count 2, expected 1 and 2"),
+        ([_shard(0, 2, t, 2), _shard(1, 3, [("b", (4,), F32, None)])], "expected 1 and 2"),
+        ([_shard(0, 2, t, 2), _shard(1, 2, t)], "tensor 'a' is also in an earlier shard"),
+        ([_shard(0, 2, t, 5), _shard(1, 2, [("b", (4,), F32, None)])], "split.tensors.count is 5 but the 2 shards hold 2"),
+        ([_shard(0, 2, t, 2), make_gguf([("split.no", VT.UINT16, 1), ("split.count", VT.UINT16, 2)],
+                                         [("b", (4,), F32, 64)], data=bytes(32))],
+         "extends past the end of the file"),  # each shard gets the single-file validation
+        ([_shard(0, 2, t, 2), b"GGUF\x01\x00\x00\x00"], "version 1 is obsolete"),
+    ]
+    for i, (blobs, msg) in enumerate(cases):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        with pytest.raises(GGUFError, match=re.escape(msg)):
+            GGUFFile(_write_shards(d, blobs))
+    # a first shard whose name does not follow the pattern; split.count of the wrong type
+    p = write(tmp_path, _shard(0, 2, t, 2), "model.gguf")
+    with pytest.raises(GGUFError, match="does not end in -00001-of-00002.gguf"):
+        GGUFFile(p)
+    p = write(tmp_path, make_gguf([("split.count", VT.STRING, "2")], t), "s.gguf")
+    with pytest.raises(GGUFError, match="split.count must be an integer, not string"):
+        GGUFFile(p)
+    # split.count 1 (what gguf-split writes for a model it did not split) is a plain file
+    p = write(tmp_path, _shard(0, 1, t, 1), "one.gguf")
+    assert list(GGUFFile(p).tensors) == ["a"]
+
+
+def test_split_model_closes_every_shard(tmp_path: Path) -> None:
+    first = _write_shards(tmp_path, [_shard(0, 2, [("a", (4,), F32, None)], 2), _shard(1, 2, [("b", (4,), F32, None)])])
+    f = GGUFFile(first)
+    shard = f._files[1]
+    f.close()
+    assert shard._mm is None
+    with pytest.raises(GGUFError, match="closed"):
+        f.tensor_bytes("b")
