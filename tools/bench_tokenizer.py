@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import glob
+import hashlib
 import os
 import site
 import statistics
@@ -64,11 +65,9 @@ def median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def clear_caches(tok: Tokenizer) -> None:
-    if tok._spm is not None:
-        tok._spm.cache.clear()
-    if tok._bpe is not None and tok._bpe._exact is not None:
-        tok._bpe._exact.cache.clear()
+def ids_digest(ids: list[int]) -> str:
+    """A short fingerprint of a token sequence (compare runs before and after a change)."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 def bench_build(path: Path, reps: int) -> None:
@@ -97,10 +96,11 @@ def bench_encode(path: Path, text: str, reps: int) -> None:
     n_bytes = len(text.encode())
 
     def ours():
-        clear_caches(tok)
+        tok.clear_caches()
         return tok.encode(text)
 
     ids = ours()
+    digest = ids_digest(ids)
     try:
         import llama_cpp
     except ImportError:
@@ -108,7 +108,7 @@ def bench_encode(path: Path, text: str, reps: int) -> None:
     if llama_cpp is None:
         t = median_time(ours, reps)
         print(f"encode {path.name}: {n_bytes / MIB:.2f} MiB -> {len(ids)} tokens in {t:.3f} s "
-              f"({n_bytes / MIB / t:.2f} MiB/s); llama-cpp-python not installed, no ratio")
+              f"({n_bytes / MIB / t:.2f} MiB/s), ids sha256 {digest}; llama-cpp-python not installed, no ratio")
         return
     ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     data = text.encode()
@@ -127,7 +127,7 @@ def bench_encode(path: Path, text: str, reps: int) -> None:
         b.append(median_time(theirs, 1))
     ta, tb = statistics.median(a), statistics.median(b)
     print(f"encode {path.name}: {n_bytes / MIB:.2f} MiB -> {len(ids)} tokens: qllama {ta:.3f} s, "
-          f"llama.cpp {tb:.3f} s, ratio {ta / tb:.2f}x (ids identical: {same})")
+          f"llama.cpp {tb:.3f} s, ratio {ta / tb:.2f}x (ids identical: {same}; ids sha256 {digest})")
 
 
 def main() -> None:

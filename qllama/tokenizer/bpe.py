@@ -10,7 +10,8 @@ so "Ġthe" is b" the". Encoding a word (one pre-tokenizer piece) as llama.cpp do
    is dropped).
 
 Two engines give those ids:
-- `_ExactBPE`: the algorithm above in Python, with a per-word cache. Used for every family.
+- `_ExactBPE`: the algorithm above in Python (merge.py's loop, shared with SPM), with a per-word
+  cache. Used for every family, e.g. Qwen 2/2.5/3 (`qwen2` pre-tokenizer), GPT-2, StarCoder.
 - tiktoken, for families whose pre-tokenizer is one regex fancy-regex runs identically and
   whose words are looked up whole (`ignore_merges`: Llama 3, Tekken). tiktoken merges the pair
   whose *result* has the lowest rank and also emits a whole-word token directly; with a token's
@@ -20,13 +21,12 @@ Two engines give those ids:
 
 from __future__ import annotations
 
-import heapq
-from itertools import accumulate, chain, compress
+from itertools import accumulate, compress
 from operator import ne
 
 import numpy as np
 
-from .errors import QllamaError
+from .merge import encode_words, merge_symbols
 from .pretokenizers import PreTokenizer
 
 
@@ -47,7 +47,6 @@ UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_UNICODE.items()}
 # str.translate tables: latin-1 text (one char per byte) <-> GPT-2 code points
 _ENCODE_TABLE = {b: ord(c) for b, c in BYTE_TO_UNICODE.items()}
 _DECODE_TABLE = {ord(c): b for b, c in BYTE_TO_UNICODE.items()}
-_WORD_CACHE_MAX = 1 << 17  # words; the cache is cleared when it grows past this
 
 
 def gpt2_encode(text: str) -> str:
@@ -80,7 +79,7 @@ def _split_merge(merge: str) -> tuple[str, str]:
 
 
 class _ExactBPE:
-    """llama.cpp's BPE merge loop over one GPT-2-form word, with a word cache."""
+    """llama.cpp's BPE merge loop over one GPT-2-form word (the cache is filled by `BPEModel`)."""
 
     def __init__(self, token_to_id: dict[str, int], merges: list[str], ignore_merges: bool):
         self.token_to_id = token_to_id
@@ -93,14 +92,8 @@ class _ExactBPE:
         self.cache: dict[str, list[int]] = {}
 
     def encode_word(self, word: str) -> list[int]:
-        """Token ids of one pre-tokenizer word (raw text; cached)."""
-        ids = self.cache.get(word)
-        if ids is None:
-            ids = self._encode(gpt2_encode(word))
-            if len(self.cache) >= _WORD_CACHE_MAX:
-                self.cache.clear()
-            self.cache[word] = ids
-        return ids
+        """Token ids of one pre-tokenizer word (raw text, not cached)."""
+        return self._encode(gpt2_encode(word))
 
     def _encode(self, word: str) -> list[int]:
         t2i = self.token_to_id
@@ -108,9 +101,8 @@ class _ExactBPE:
             tid = t2i.get(word)
             if tid is not None:
                 return [tid]
-        syms = self._merge(list(word)) if len(word) > 1 else [word]
         out: list[int] = []
-        for s in syms:
+        for s in merge_symbols(list(word), self.ranks, by_pair=True):
             tid = t2i.get(s)
             if tid is not None:
                 out.append(tid)
@@ -121,53 +113,6 @@ class _ExactBPE:
                     if bid is not None and bid >= 0:
                         out.append(bid)
         return out
-
-    def _merge(self, syms: list[str]) -> list[str]:
-        ranks = self.ranks
-        n = len(syms)
-        if n <= 12:  # short words: rescan all pairs (same order as the priority queue)
-            while len(syms) > 1:
-                best, best_i = None, -1
-                for i in range(len(syms) - 1):
-                    r = ranks.get((syms[i], syms[i + 1]))
-                    if r is not None and (best is None or r < best):
-                        best, best_i = r, i
-                if best is None:
-                    break
-                syms[best_i : best_i + 2] = [syms[best_i] + syms[best_i + 1]]
-            return syms
-        # long words: linked list + heap of (rank, left index, text), stale entries skipped
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap: list[tuple[int, int, str]] = []
-
-        def push(left: int, right: int) -> None:
-            if left < 0 or right < 0:
-                return
-            r = ranks.get((syms[left], syms[right]))
-            if r is not None:
-                heap.append((r, left, syms[left] + syms[right]))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-        heapq.heapify(heap)
-        while heap:
-            r, left, text = heapq.heappop(heap)
-            right = nxt[left]
-            if not syms[left] or right < 0 or syms[left] + syms[right] != text:
-                continue  # outdated
-            syms[left] = text
-            syms[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            for a, b in ((prv[left], left), (left, nxt[left])):
-                if a >= 0 and b >= 0:
-                    rr = ranks.get((syms[a], syms[b]))
-                    if rr is not None:
-                        heapq.heappush(heap, (rr, a, syms[a] + syms[b]))
-        return [s for s in syms if s]
 
 
 class BPEModel:
@@ -245,6 +190,10 @@ class BPEModel:
         self._rank_to_id = rank_to_id
 
     # -- encoding ------------------------------------------------------------------------
+    def encode_fragment(self, text: str, after_special: bool) -> list[int]:
+        """Token ids of raw text between special tokens (BPE adds no prefix after specials)."""
+        return self.encode(text)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of one raw-text fragment (llama.cpp's llm_tokenizer_bpe_session::tokenize)."""
         if not text:
@@ -258,32 +207,17 @@ class BPEModel:
                     ids = [i for i in ids if i >= 0]
             return ids
         exact = self.exact
-        words = self.pre.split(text)
-        lists = list(map(exact.cache.get, words))  # cached ids per word, None if new
-        if None in lists:
-            for i, ids in enumerate(lists):
-                if ids is None:
-                    lists[i] = exact.encode_word(words[i])
-        return list(chain.from_iterable(lists))
+        return encode_words(self.pre.split(text), exact.cache, exact.encode_word)
 
     def encode_exact(self, text: str) -> list[int]:
         """The Python reference engine on `text`, whatever the fast path (for tests)."""
         exact = self.exact
-        out: list[int] = []
-        for word in self.pre.split(text):
-            out.extend(exact._encode(gpt2_encode(word)))
-        return out
+        return [i for word in self.pre.split(text) for i in exact.encode_word(word)]
 
-
-def check_merges(merges: object) -> list[str]:
-    """Validate `tokenizer.ggml.merges` (an array of strings)."""
-    if not isinstance(merges, list):
-        raise QllamaError("tokenizer.ggml.merges must be an array of strings")
-    try:
-        "".join(merges)  # C-speed element type check
-    except TypeError:
-        raise QllamaError("tokenizer.ggml.merges must be an array of strings") from None
-    return merges
+    def clear_cache(self) -> None:
+        """Forget the encoded words (benchmarks start each run from an empty cache)."""
+        if self._exact is not None:
+            self._exact.cache.clear()
 
 
 def _gpt2_decode_many(tokens: list[str]) -> list[bytes]:
