@@ -22,6 +22,7 @@ COMMANDS = {
     "bench": "bench_cmd",
     "quantize": "quantize_cmd",
     "chat": "chat_cmd",
+    "serve": "serve_cmd",
 }
 
 

@@ -1,0 +1,393 @@
+"""Continuous batching: up to n_parallel requests share each forward step over the weights.
+
+    asyncio side (app.py)                      worker thread (the only user of the model)
+    submit(job) ──► waiting queue (bounded) ──► free slot (its own KV cache + the ids it holds)
+                                                  │ every step: one segment per busy slot
+                                                  │   prefilling: the next chunk of its prompt
+                                                  │   decoding:   its last sampled token
+                                                  ▼ forward(segments) ─► logits per segment
+    job.emit(Event) ◄── text / done / error ◄── sample, detokenize, stop strings
+
+New requests join between steps; a prompt is evaluated `chunk` tokens per step, so streams
+that are already decoding keep flowing. A cancelled job (its client went away) leaves its slot
+at the next step. A slot keeps the ids its cache holds after its job ends, and a new prompt
+goes to the free slot sharing the longest prefix with it: only the rest is evaluated.
+Each request has its own Sampler (and RNG), and each segment is evaluated at its own cache
+positions, so a request's output does not depend on what else runs beside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..sampling import Sampler
+from .schemas import GenParams
+
+FINISH_STOP = "stop"  # an end-of-generation token or a stop string
+FINISH_LENGTH = "length"  # max_tokens reached or the context is full
+
+
+class QueueFull(Exception):
+    """More requests wait than the queue holds."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler no longer accepts requests."""
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token with its log-probability and the top alternatives (from the raw logits)."""
+
+    id: int
+    text: str
+    bytes: bytes
+    logprob: float
+    top: list[tuple[int, str, bytes, float]] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prompt_ms: float = 0.0  # from the job's start in a slot to its first sampled token
+    predicted_ms: float = 0.0  # from the first to the last sampled token
+
+
+@dataclass
+class Event:
+    """What the worker tells a job's client: new text, the end (with usage), or an error."""
+
+    kind: str  # "text" | "done" | "error"
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    message: str = ""
+    status: int = 500  # of an error: 503 when the server is shutting down
+
+
+class Job:
+    """One request: prompt ids, what to generate, and where its events go.
+
+    `emit` is called from the worker thread; the app wraps it to hand events to its event loop.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], params: GenParams, emit: Callable[[Event], None]):
+        self.prompt = [int(t) for t in prompt_ids]
+        self.params = params
+        self.emit = emit
+        self.cancelled = False
+        self.t_submit = time.perf_counter()
+
+    def cancel(self) -> None:
+        """Stop this job at the next step (safe from any thread: a plain flag)."""
+        self.cancelled = True
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
+
+
+class TextOutput:
+    """Token ids -> text chunks: multi-byte characters are never split, and text that may be
+    the start of a stop string waits until it is known not to be one."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.decoder = tokenizer.stream_decoder(continuation=True)  # ids continue the prompt
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.pending_lp: list[TokenLogprob] = []
+
+    def feed(self, token: int, lp: TokenLogprob | None) -> tuple[str, list[TokenLogprob], bool]:
+        """Add one token: (text that can be sent now, its logprobs, whether a stop string appeared)."""
+        self.pending += self.decoder.feed(token)
+        if lp is not None:
+            self.pending_lp.append(lp)
+        if self.stops:
+            hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+            if hits:  # the text before the stop string, and the end
+                text, self.pending = self.pending[: min(hits)], ""
+                lps, self.pending_lp = self.pending_lp, []
+                return text, lps, True
+        return self.take(len(self.pending) - held_back(self.pending, self.stops)) + (False,)
+
+    def take(self, n: int) -> tuple[str, list[TokenLogprob]]:
+        """The first n pending characters, with the logprobs of every token fed so far (when n > 0)."""
+        text, self.pending = self.pending[:n], self.pending[n:]
+        lps: list[TokenLogprob] = []
+        if n > 0:
+            lps, self.pending_lp = self.pending_lp, []
+        return text, lps
+
+    def finish(self) -> tuple[str, list[TokenLogprob]]:
+        """The rest of the text (at an end of generation or the length limit)."""
+        self.pending += self.decoder.flush()
+        text, lps = self.pending, self.pending_lp
+        self.pending, self.pending_lp = "", []
+        return text, lps
+
+
+class _Run:
+    """A job while it occupies a slot."""
+
+    def __init__(self, job: Job, cached: int, tokenizer):
+        self.job = job
+        self.pos = cached  # next prompt index to evaluate
+        self.cached = cached
+        self.sampler = Sampler(job.params.sampling)
+        for t in job.prompt:
+            self.sampler.accept(t)
+        self.output = TextOutput(tokenizer, job.params.stop)
+        self.next_token: int | None = None  # sampled, not yet in the cache
+        self.n_gen = 0
+        self.t_start = time.perf_counter()
+        self.t_first: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.job.prompt)
+
+
+class Slot:
+    """A KV cache and the token ids it holds; busy while `run` is set."""
+
+    def __init__(self, index: int, cache):
+        self.index = index
+        self.cache = cache
+        self.tokens: list[int] = []  # ids at cache positions [0, cache.n_past)
+        self.run: _Run | None = None
+        self.last_used = 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Scheduler:
+    """The batching loop over one model. `start()` runs it in a worker thread; `submit` queues.
+
+    `forward(segments)` takes [(token ids, cache)] and returns, per segment, the logits
+    (n_vocab,) of its last token; see forward.py for how it reaches the model.
+    """
+
+    def __init__(self, forward, new_cache, tokenizer, n_ctx: int, *, n_parallel: int = 4,
+                 max_queue: int = 64, chunk: int = 128, n_threads: int | None = None):
+        if n_parallel < 1 or chunk < 1 or max_queue < 0:
+            raise ValueError("n_parallel and chunk must be >= 1, max_queue >= 0")
+        self.forward = forward
+        self.tokenizer = tokenizer
+        self.eog = tokenizer.eog_ids
+        self.n_ctx = n_ctx
+        self.chunk = chunk
+        self.max_queue = max_queue
+        self.n_threads = n_threads
+        self.slots = [Slot(i, new_cache()) for i in range(n_parallel)]
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._closing_message = "the server is shutting down"
+        self._thread: threading.Thread | None = None
+        self._clock = 0  # step counter (least recently used slot choice)
+        self.steps = 0
+
+    # -- the asyncio side ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="qllama-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises QueueFull or ShuttingDown."""
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown(self._closing_message)
+            if len(self._queue) >= self.max_queue:
+                self._queue = deque(j for j in self._queue if not j.cancelled)
+                if len(self._queue) >= self.max_queue:
+                    raise QueueFull(f"{len(self._queue)} requests are already waiting for a slot")
+            self._queue.append(job)
+            self._cond.notify()
+
+    def close(self, message: str | None = None) -> None:
+        """Stop taking requests; running and waiting jobs get an error event.
+
+        Only sets flags (no lock), so it may be called from a signal handler; the worker
+        notices within its wait timeout.
+        """
+        if message:
+            self._closing_message = message
+        self._closing = True
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def n_busy(self) -> int:
+        return sum(s.run is not None for s in self.slots)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._queue)
+
+    # -- the worker ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self.n_threads is not None:
+            from ..qtensor import set_threads
+
+            set_threads(self.n_threads)  # Numba's thread count is per calling thread
+        while True:
+            with self._cond:
+                while not self._closing and not self._queue and not self.n_busy:
+                    self._cond.wait(timeout=0.1)
+            if self._closing:
+                break
+            self.step()
+        self._fail_all(self._closing_message)
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            waiting, self._queue = list(self._queue), deque()
+        for job in waiting:
+            _send(job, Event("error", message=message, status=503))
+        for slot in self.slots:
+            if slot.run is not None:
+                _send(slot.run.job, Event("error", message=message, status=503))
+                slot.run = None
+
+    def _admit(self) -> None:
+        """Move waiting jobs into free slots, each to the slot sharing the longest prefix."""
+        with self._cond:
+            while self._queue:
+                free = [s for s in self.slots if s.run is None]
+                if not free:
+                    return
+                job = self._queue.popleft()
+                if job.cancelled:
+                    continue
+                slot = max(free, key=lambda s: (common_prefix(s.tokens, job.prompt), -s.last_used))
+                # keep the common prefix; evaluate at least the last prompt token (for its logits)
+                keep = min(common_prefix(slot.tokens, job.prompt), len(job.prompt) - 1)
+                slot.cache.n_past = keep
+                del slot.tokens[keep:]
+                slot.run = _Run(job, keep, self.tokenizer)
+
+    def step(self) -> bool:
+        """One forward pass over every busy slot; False when there was nothing to do."""
+        self._admit()
+        busy = []
+        for slot in self.slots:
+            if slot.run is not None and slot.run.job.cancelled:
+                slot.run = None  # the cache still holds slot.tokens: reusable
+            elif slot.run is not None:
+                busy.append(slot)
+        if not busy:
+            return False
+        self._clock += 1
+        segments = []
+        for slot in busy:
+            run = slot.run
+            ids = run.job.prompt[run.pos : run.pos + self.chunk] if run.prefilling else [run.next_token]
+            segments.append((ids, slot.cache))
+        try:
+            logits = self.forward(segments)
+        except Exception as e:  # noqa: BLE001 - reported to the clients of this step, the loop goes on
+            for slot in busy:
+                _send(slot.run.job, Event("error", message=f"evaluation failed: {e}"))
+                slot.run, slot.tokens, slot.cache.n_past = None, [], 0
+            return True
+        self.steps += 1
+        for slot, (ids, _), row in zip(busy, segments, logits):
+            run = slot.run
+            slot.tokens.extend(ids)
+            slot.last_used = self._clock
+            if run.prefilling:
+                run.pos += len(ids)
+                if run.prefilling:
+                    continue
+            self._advance(slot, row)
+        return True
+
+    def _advance(self, slot: Slot, logits: np.ndarray) -> None:
+        """Sample the next token of a slot from its logits (n_vocab,) and tell the client."""
+        run = slot.run
+        job = run.job
+        prm = job.params
+        if prm.max_tokens is not None and run.n_gen >= prm.max_tokens:
+            return self._finish(slot, FINISH_LENGTH, *run.output.finish())
+        token = run.sampler.sample(logits)
+        run.sampler.accept(token)
+        run.n_gen += 1
+        if run.t_first is None:
+            run.t_first = time.perf_counter()
+        if token in self.eog:  # not part of the text, nor of the logprobs
+            return self._finish(slot, FINISH_STOP, *run.output.finish())
+        lp = token_logprob(self.tokenizer, logits, token, prm.logprobs) if prm.logprobs is not None else None
+        text, lps, stopped = run.output.feed(token, lp)
+        if stopped:
+            return self._finish(slot, FINISH_STOP, text, lps)
+        if text and not _send(job, Event("text", text=text, logprobs=lps)):
+            job.cancel()
+        if slot.cache.n_past >= self.n_ctx:  # no room to evaluate the token just sampled
+            return self._finish(slot, FINISH_LENGTH, *run.output.finish())
+        run.next_token = token
+
+    def _finish(self, slot: Slot, reason: str, text: str, lps: list[TokenLogprob]) -> None:
+        """The last event of a job (with the text not sent yet) and a free slot."""
+        run = slot.run
+        now = time.perf_counter()
+        t_first = run.t_first or now
+        usage = Usage(len(run.job.prompt), run.n_gen, run.cached,
+                      prompt_ms=1000.0 * (t_first - run.t_start), predicted_ms=1000.0 * (now - t_first))
+        _send(run.job, Event("done", text=text, logprobs=lps, finish_reason=reason, usage=usage))
+        slot.run = None
+
+
+def _send(job: Job, event: Event) -> bool:
+    """Hand an event to the job's client; False if it cannot take it any more."""
+    try:
+        job.emit(event)
+        return True
+    except Exception:  # noqa: BLE001 - the client's event loop is gone
+        return False
+
+
+def token_logprob(tokenizer, logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
+    """log softmax of the raw logits (n_vocab,) at `token`, with the n_top most likely tokens.
+
+    As llama.cpp's server does (post_sampling_probs off): the model's distribution before
+    penalties, top-k/p and temperature.
+    """
+    x = logits.astype(np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    top = []
+    if n_top > 0:
+        ids = np.argpartition(-x, min(n_top, x.size - 1))[:n_top]
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        for i in ids:
+            b = tokenizer.token_bytes(int(i), special=True)
+            top.append((int(i), b.decode("utf-8", "replace"), b, float(x[i] - lse)))
+    b = tokenizer.token_bytes(int(token), special=True)
+    return TokenLogprob(int(token), b.decode("utf-8", "replace"), b, float(x[token] - lse), top)
