@@ -615,7 +615,7 @@ def test_limits_stop_hostile_templates(name):
         ChatTemplate(src, "gguf", limits=FAST).render([{"role": "user", "content": "x"}])
     elapsed = time.perf_counter() - t0
     assert "\n" not in str(e.value)
-    assert elapsed < 5.0, f"{name} took {elapsed:.1f} s to stop"
+    assert elapsed < 60.0, f"{name} took {elapsed:.1f} s to stop"  # a hang, not speed: loaded 2-core CI
 
 
 def test_limits_are_configurable():

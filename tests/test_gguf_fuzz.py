@@ -128,14 +128,18 @@ def test_mutation_fuzz() -> None:
     elapsed = time.perf_counter() - t_start
     # Some mutants must still parse (else we only fuzz the header check), most must not.
     assert 0.02 * N_MUTANTS < parsed < 0.9 * N_MUTANTS, parsed
-    assert slowest < 2.0, f"one file took {slowest:.2f} s"
-    assert elapsed < 120, elapsed
+    # hangs and runaway allocations, not speed (the bounds are generous for a loaded 2-core machine;
+    # tools/bench_gguf_open.py measures the speed)
+    assert slowest < 20.0, f"one file took {slowest:.2f} s"
+    assert elapsed < 900, elapsed
 
 
 def test_every_truncation_of_the_seeds() -> None:
+    # each whole seed parses, and every proper prefix of it is refused (as a GGUFError)
     for seed in _seed_files()[:3]:
-        for cut in range(len(seed)):
-            assert not exercise(seed[:cut]) or cut == len(seed)
+        assert exercise(seed)
+        accepted = [cut for cut in range(len(seed)) if exercise(seed[:cut])]
+        assert accepted == [], f"{len(accepted)} truncations of a {len(seed)}-byte seed parsed, e.g. {accepted[:5]}"
 
 
 def test_fuzz_through_the_file_path(tmp_path: Path) -> None:
