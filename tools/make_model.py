@@ -295,10 +295,11 @@ def family_spec(arch: str, **kw) -> ModelSpec:
                        tied=True, sliding_window=512),
         "phi3": dict(n_head_kv=4, tied=False, sliding_window=0, rope_orig_ctx=4096, n_ctx=131072, longrope=True),
     }[arch]
-    if arch in ("gemma2", "gemma3"):
-        n_embd = kw.get("n_embd", ModelSpec.n_embd)
-        defaults["embd_std"] = 2.0 / np.sqrt(n_embd)  # scaled by sqrt(n_embd) in the graph; tied output
-    return ModelSpec(arch=arch, **{**defaults, **kw})
+    merged = {**defaults, **kw}
+    if merged.get("tied") and "embd_std" not in merged:
+        # the embedding is also the output: keep the logits at a trained model's scale (std ~2)
+        merged["embd_std"] = 2.0 / np.sqrt(merged.get("n_embd", ModelSpec.n_embd))
+    return ModelSpec(arch=arch, **merged)
 
 
 def _spm_with_extra(vocab: dict, extra: list[str], pad_to: int | None = None) -> dict:
