@@ -72,6 +72,11 @@ class Model:
     def n_vocab(self) -> int:
         return self.args.n_vocab
 
+    @property
+    def forward_model(self):
+        """The forward-pass object (`forward(ids, cache)`, `new_cache()`), e.g. for benchmarks."""
+        return self._model
+
     # -- tokens ------------------------------------------------------------------------------
 
     def tokenize(self, text: str, add_bos: bool = True, parse_special: bool = False) -> list[int]:

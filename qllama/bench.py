@@ -88,7 +88,7 @@ class BenchRunner:
         from .api import load
 
         self.llm = load(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size)
-        self.model = self.llm._model  # LlamaModel
+        self.model = self.llm.forward_model
         self.cache = self.model.new_cache()
         self.batch_size = batch_size
         self.n_vocab = self.llm.n_vocab
