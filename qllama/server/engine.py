@@ -15,7 +15,7 @@ import numpy as np
 
 def model_forward(llm) -> tuple[Callable[[Sequence[tuple]], list[np.ndarray]], Callable[[], object], bool]:
     """(forward, new_cache, batched) for a qllama.Model; forward returns each segment's last logits (n_vocab,)."""
-    net = llm._model  # the forward pass over a KV cache (qllama.Model keeps it private)
+    net = getattr(llm, "forward_model", None) or llm._model  # forward(ids, cache), new_cache()
     many = getattr(net, "forward_many", None)
     if many is not None:
         def forward(segments):

@@ -208,7 +208,8 @@ class Scheduler:
         self._closing_message = "the server is shutting down"
         self._thread: threading.Thread | None = None
         self._clock = 0  # step counter (least recently used slot choice)
-        self.steps = 0
+        self.steps = 0  # forward passes done
+        self.max_busy = 0  # most slots that shared one step
 
     # -- the asyncio side ------------------------------------------------------------------------
 
@@ -305,6 +306,7 @@ class Scheduler:
         if not busy:
             return False
         self._clock += 1
+        self.max_busy = max(self.max_busy, len(busy))
         segments = []
         for slot in busy:
             run = slot.run
