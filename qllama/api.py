@@ -54,11 +54,15 @@ class Model:
             raise QllamaError(f"context size must be >= 1, got {n_ctx}")
         if n_threads is not None and n_threads < 1:
             raise QllamaError(f"thread count must be >= 1, got {n_threads}")
+        from .memory import check_context
+
+        check_context(self.args, n_ctx)  # before the KV cache or anything n_ctx-sized is allocated
         set_threads(n_threads)  # None: the physical cores
         self.n_threads = get_threads()
         self._model = LlamaModel(self.args, self.weights, n_ctx)
         self.session = Session(self._model, batch_size=batch_size)
         self.load_s = time.perf_counter() - t0
+        self.compile_s = 0.0  # seconds of the latest warmup()
         self.last_timings: Timings | None = None
 
     # -- properties --------------------------------------------------------------------------
@@ -76,6 +80,31 @@ class Model:
     def forward_model(self):
         """The forward-pass object (`forward(ids, cache)`, `new_cache()`), e.g. for benchmarks."""
         return self._model
+
+    # -- kernels ---------------------------------------------------------------------------
+
+    def kernel_types(self) -> list[str]:
+        """Type names of the model's matrices, e.g. ["q4_K", "q6_K"]: what its kernels are compiled for."""
+        from .warmup import kernel_types
+
+        return kernel_types(self.gguf)
+
+    def kernels_cached(self) -> bool:
+        """Whether Numba's disk cache already holds this model's kernels (then warmup() only loads them)."""
+        from .warmup import is_warm
+
+        return is_warm(self.kernel_types(), self.n_threads)
+
+    def warmup(self) -> float:
+        """Call every kernel of the forward pass once on a scratch cache: Numba compiles them (first
+        run) or loads them from its disk cache. Returns the seconds it took; later timings then
+        measure the model alone, and this is reported apart (`Timings.compile_s`)."""
+        from .warmup import mark_warm, warm_up
+
+        set_threads(self.n_threads)
+        self.compile_s = warm_up(self._model)
+        mark_warm(self.kernel_types(), self.n_threads)
+        return self.compile_s
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -136,7 +165,7 @@ class Model:
             stop = [stop]
         params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
         sampler = Sampler(params)
-        timings = Timings(load_s=self.load_s)
+        timings = Timings(load_s=self.load_s, compile_s=self.compile_s)
         self.last_timings = timings
         set_threads(self.n_threads)
         return stream_generate(self.session, self.tokenizer, ids, sampler, max_tokens, stop, timings)

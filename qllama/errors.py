@@ -11,3 +11,11 @@ class GGUFError(QllamaError):
 
 class UnsupportedError(QllamaError):
     """Valid input that qllama cannot run (an architecture, a tensor type, a tokenizer...)."""
+
+
+class ContextSizeError(QllamaError):
+    """A context size that cannot be used: its KV cache would not fit in memory."""
+
+
+class QllamaWarning(UserWarning):
+    """Something works but is probably not what the user wants (e.g. a context beyond training)."""

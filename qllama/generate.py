@@ -31,6 +31,7 @@ class Timings:
     """Wall times of one generation (seconds) and token counts, like llama.cpp's perf report."""
 
     load_s: float = 0.0
+    compile_s: float = 0.0  # kernel warm-up before generating (Numba compile, or its cache load)
     prompt_tokens: int = 0  # tokens evaluated for the prompt (cached prefix excluded)
     prompt_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens reused from the KV cache
@@ -53,6 +54,8 @@ class Timings:
             return f"{label} {1000.0 * s:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
 
         lines = [f"load time        = {1000.0 * self.load_s:10.2f} ms"]
+        if self.compile_s:
+            lines.append(f"warm-up time     = {1000.0 * self.compile_s:10.2f} ms (kernel compile or cache load)")
         lines.append(line("prompt eval time =", self.prompt_s, self.prompt_tokens, "tokens"))
         lines.append(line("       eval time =", self.gen_s, self.gen_tokens, "runs  "))
         if self.cached_tokens:

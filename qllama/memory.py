@@ -1,0 +1,60 @@
+"""Memory checks done before a model allocates anything large (the KV cache above all).
+
+A context size comes from the user; a huge one must be one clear error, not NumPy's
+"Unable to allocate 238. GiB" or the kernel's OOM killer halfway through a prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .errors import ContextSizeError, QllamaWarning
+
+KV_BYTES_PER_ELEMENT = 4  # the KV cache holds float32 keys and values
+
+
+def kv_cache_bytes(n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
+                   bytes_per_element: int = KV_BYTES_PER_ELEMENT) -> int:
+    """Bytes of a KV cache: keys and values (2) for every layer, KV head, position and head dimension."""
+    return 2 * n_layer * n_ctx * n_head_kv * head_dim * bytes_per_element
+
+
+def available_memory() -> int | None:
+    """Bytes the system can give this process now: MemAvailable (Linux), else total RAM; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def check_context(args, n_ctx: int, *, available: int | None = None) -> None:
+    """Refuse a context whose KV cache cannot fit in memory; warn when it exceeds the training length.
+
+    `args` is the model's ModelArgs (n_layer, n_head_kv, head_dim, n_ctx_train). Raises
+    ContextSizeError naming both sizes; warns (QllamaWarning) when n_ctx > n_ctx_train.
+    """
+    need = kv_cache_bytes(args.n_layer, args.n_head_kv, args.head_dim, n_ctx)
+    have = available_memory() if available is None else available
+    if have is not None and need > have:
+        raise ContextSizeError(
+            f"a context of {n_ctx} tokens needs {_gib(need)} for its KV cache, "
+            f"but only {_gib(have)} of memory is available"
+        )
+    if args.n_ctx_train and n_ctx > args.n_ctx_train:
+        warnings.warn(
+            QllamaWarning(f"a context of {n_ctx} tokens is beyond the {args.n_ctx_train} the model was trained on: "
+                          "expect its output to degrade past that"),
+            stacklevel=3,
+        )

@@ -1,0 +1,114 @@
+"""Kernel warm-up: call every kernel of a model's forward pass once, before anything is timed.
+
+The first call of a Numba kernel in a process either compiles it (seconds to tens of seconds:
+the first run after install, or after a source change) or loads it from Numba's disk cache (a
+fraction of a second). Either way that time is not the model's speed, so `warm_up` pays it on a
+scratch KV cache before a generation (llama.cpp also runs a warm-up decode at load), and the
+caller reports it on its own line.
+
+Whether a warm-up will compile (so that a front end can say "compiling kernels..." before it
+starts) is known from a marker file written next to Numba's cache after a warm-up succeeded.
+Its name is a hash of what decides which compiled code is needed: the Numba version, the
+kernel sources in qllama/kernels/ (paths, sizes and modification times), the
+model's tensor types, the int8-activation path and whether kernels run on several threads.
+An empty or deleted Numba cache holds no marker, so it reads as cold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import time
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+PREFILL_TOKENS = 5  # >= 4: the int8 prefill kernels work on groups of 4 tokens, plus a remainder
+
+
+def kernel_types(gguf) -> list[str]:
+    """Type names of a model's matrices (tensors of 2 or more dimensions), sorted: ["q4_K", "q6_K"]."""
+    return sorted({t.type_name for t in gguf.tensors.values() if len(t.shape) >= 2})
+
+
+def warm_up(model, tokens: int = PREFILL_TOKENS) -> float:
+    """Run the forward pass of `model` (a LlamaModel-like object with `new_cache()` and
+    `forward(ids, cache)`) on a scratch cache so that every kernel it uses is compiled or
+    loaded: a prompt batch, one decode step, and a batch near the end of the context (where
+    attention is long enough to run in parallel). Returns the seconds it took."""
+    t0 = time.perf_counter()
+    cache = model.new_cache()  # (positions are zero-filled: their values do not matter here)
+    n_ctx = cache.n_ctx
+    first = min(tokens, max(n_ctx - 1, 1))
+    model.forward([0] * first, cache)  # token 0 exists in every vocabulary
+    if cache.n_past < n_ctx:
+        model.forward([0], cache)
+    far = n_ctx - tokens
+    if far > cache.n_past:
+        cache.n_past = far
+        model.forward([0] * tokens, cache)
+    return time.perf_counter() - t0
+
+
+# -- is Numba's cache warm for this model? -----------------------------------------------------
+
+
+def numba_cache_dir() -> Path | None:
+    """The directory where Numba caches the kernels of qllama.kernels (None: caching is impossible)."""
+    try:
+        from numba.core import caching
+
+        from .kernels import jit
+
+        impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # (renamed in Numba 0.61)
+        func = jit.kernel  # any function of a file in qllama/kernels/ locates that package's cache
+        source = inspect.getfile(func)
+        for cls in impl._locator_classes:  # Numba's own choice of directory, in its order
+            locator = cls.from_function(func, source)
+            if locator is not None:
+                return Path(locator.get_cache_path())
+    except (ImportError, AttributeError, OSError):
+        pass
+    return None
+
+
+def _source_stamp() -> list[tuple[str, int, int]]:
+    """(path, mtime, size) of the kernel sources: editing one of them makes Numba recompile it."""
+    stamp = []
+    for p in sorted((_PACKAGE / "kernels").rglob("*.py")):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        stamp.append((str(p.relative_to(_PACKAGE)), st.st_mtime_ns, st.st_size))
+    return stamp
+
+
+def _marker(types: list[str], n_threads: int) -> Path | None:
+    import numba
+
+    from .qtensor import int8_activations
+
+    d = numba_cache_dir()
+    if d is None:
+        return None
+    key = repr((numba.__version__, _source_stamp(), sorted(types), sorted(int8_activations()), n_threads > 1))
+    return d / f"qllama-warm-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+
+
+def is_warm(types: list[str], n_threads: int) -> bool:
+    """Whether a warm-up for these tensor types and thread count succeeded with the current sources
+    and Numba cache (then warming up only loads compiled code)."""
+    m = _marker(types, n_threads)
+    return m is not None and m.exists()
+
+
+def mark_warm(types: list[str], n_threads: int) -> None:
+    """Record that the Numba cache now holds every kernel these types and threads need."""
+    m = _marker(types, n_threads)
+    if m is None:
+        return
+    try:
+        m.write_text("qllama kernels compiled for " + ", ".join(types) + "\n")
+    except OSError:  # a read-only cache: we will just say "compiling" again next time
+        pass
