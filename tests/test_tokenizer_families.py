@@ -266,4 +266,3 @@ def test_against_llama_cpp(files, family):
         ids += [int(rng.choice(ours))] if rng.random() < 0.5 else []
         for special in (False, True):
             assert t.decode(ids, special=special) == _llama_cpp_detokenize(llama_cpp, ref, ids, special), ids
-
