@@ -17,6 +17,9 @@ class GGMLType(NamedTuple):
     name: str
     block_size: int  # elements per block
     type_size: int  # bytes per block
+    # byte offsets, within a block, of its fp16 scale fields (d, dmin/m): the only fields of a
+    # quantized block that can hold a non-finite number (`qllama inspect --check` reads them)
+    scale_fields: tuple[int, ...] = ()
 
     def row_bytes(self, n_elements: int) -> int:
         """Bytes of a row of `n_elements` (which must be a multiple of block_size)."""
@@ -29,19 +32,19 @@ _H = 2  # one fp16 / bf16 field
 _TYPES = [
     GGMLType(0, "f32", 1, 4),
     GGMLType(1, "f16", 1, 2),
-    GGMLType(2, "q4_0", 32, _H + 16),  # d, qs[16] (nibbles)
-    GGMLType(3, "q4_1", 32, _H + _H + 16),  # d, m, qs[16]
+    GGMLType(2, "q4_0", 32, _H + 16, (0,)),  # d, qs[16] (nibbles)
+    GGMLType(3, "q4_1", 32, _H + _H + 16, (0, 2)),  # d, m, qs[16]
     GGMLType(4, "q4_2", 16, _H + 8),  # removed from ggml in 2023
     GGMLType(5, "q4_3", 16, _H + _H + 8),  # removed from ggml in 2023
-    GGMLType(6, "q5_0", 32, _H + 4 + 16),  # d, qh[4], qs[16]
-    GGMLType(7, "q5_1", 32, _H + _H + 4 + 16),  # d, m, qh[4], qs[16]
-    GGMLType(8, "q8_0", 32, _H + 32),  # d, qs[32]
+    GGMLType(6, "q5_0", 32, _H + 4 + 16, (0,)),  # d, qh[4], qs[16]
+    GGMLType(7, "q5_1", 32, _H + _H + 4 + 16, (0, 2)),  # d, m, qh[4], qs[16]
+    GGMLType(8, "q8_0", 32, _H + 32, (0,)),  # d, qs[32]
     GGMLType(9, "q8_1", 32, _H + _H + 32),  # d, s, qs[32] (gguf-py still says 40: the old float layout)
-    GGMLType(10, "q2_K", QK_K, 16 + 64 + _H + _H),  # scales[16], qs[64], d, dmin
-    GGMLType(11, "q3_K", QK_K, 32 + 64 + 12 + _H),  # hmask[32], qs[64], scales[12], d
-    GGMLType(12, "q4_K", QK_K, _H + _H + 12 + 128),  # d, dmin, scales[12], qs[128]
-    GGMLType(13, "q5_K", QK_K, _H + _H + 12 + 32 + 128),  # d, dmin, scales[12], qh[32], qs[128]
-    GGMLType(14, "q6_K", QK_K, 128 + 64 + 16 + _H),  # ql[128], qh[64], scales[16], d
+    GGMLType(10, "q2_K", QK_K, 16 + 64 + _H + _H, (80, 82)),  # scales[16], qs[64], d, dmin
+    GGMLType(11, "q3_K", QK_K, 32 + 64 + 12 + _H, (108,)),  # hmask[32], qs[64], scales[12], d
+    GGMLType(12, "q4_K", QK_K, _H + _H + 12 + 128, (0, 2)),  # d, dmin, scales[12], qs[128]
+    GGMLType(13, "q5_K", QK_K, _H + _H + 12 + 32 + 128, (0, 2)),  # d, dmin, scales[12], qh[32], qs[128]
+    GGMLType(14, "q6_K", QK_K, 128 + 64 + 16 + _H, (208,)),  # ql[128], qh[64], scales[16], d
     GGMLType(15, "q8_K", QK_K, 4 + 256 + 32),  # float d, qs[256], bsums[16] (int16)
     GGMLType(16, "iq2_xxs", QK_K, _H + 64),
     GGMLType(17, "iq2_xs", QK_K, _H + 64 + 8),

@@ -1,0 +1,101 @@
+"""Numerically hostile files: NaN/Inf in weights, out-of-range hyper-parameters, bad special ids.
+
+The corpus is written by tools/make_hostile.py from the trained Shakespeare model; each case
+declares the behaviour qllama promises for it (see that module's docstring).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qllama.check import check_tensors
+from qllama.gguf import GGUFFile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import make_hostile  # noqa: E402
+
+SOURCE = make_hostile.DEFAULT_SOURCE
+needs_source = pytest.mark.skipif(not SOURCE.exists(), reason=f"{SOURCE} not found (../shared is absent)")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict[str, Path]:
+    if not SOURCE.exists():
+        pytest.skip(f"{SOURCE} not found (../shared is absent)")
+    return make_hostile.make_corpus(tmp_path_factory.mktemp("hostile"))
+
+
+# -- the scan kernel on hand-built data -----------------------------------------------------
+
+
+def test_scan_kernel_counts_and_first_on_hand_built_words():
+    from qllama.kernels.scan import count_nonfinite, count_nonfinite_parallel
+
+    words = np.zeros(10 * 4, np.uint16)  # 10 blocks of 4 words, fields at words 0 and 3
+    offsets = np.array([0, 3], np.int64)
+    words[2 * 4 + 3] = 0x7C00  # block 2: +Inf in its second field
+    words[7 * 4 + 0] = 0xFE00  # block 7: a negative NaN in its first field
+    words[5 * 4 + 1] = 0x7C00  # block 5: Inf in a word that is not a scale field: ignored
+    words[8 * 4 + 0] = 0x7BFF  # the largest finite fp16: fine
+    mask = np.uint16(0x7C00)
+    assert count_nonfinite(words, 4, offsets, mask, 0, 10) == (2, 2)
+    assert count_nonfinite(words, 4, offsets, mask, 3, 10) == (1, 7)
+    assert count_nonfinite_parallel(words, 4, offsets, mask, 10) == (2, 2)
+    assert count_nonfinite(words, 4, offsets, mask, 0, 2) == (0, -1)
+
+
+def test_scan_float_tensors_value_by_value():
+    from qllama.kernels.scan import count_nonfinite, count_nonfinite_parallel
+
+    x = np.linspace(-3e38, 3e38, 200_001).astype(np.float32)
+    x[[17, 99_000]] = [np.inf, np.nan]
+    words = x.view(np.uint32)
+    mask = np.uint32(0x7F800000)
+    one = np.zeros(1, np.int64)
+    assert count_nonfinite(words, 1, one, mask, 0, x.size) == (2, 17)
+    # chunked over threads (SCAN_CHUNK = 65536 items): the first bad item is in chunk 0
+    assert count_nonfinite_parallel(words, 1, one, mask, x.size) == (2, 17)
+    x[17] = 1.0
+    assert count_nonfinite_parallel(words, 1, one, mask, x.size) == (1, 99_000)
+
+
+def test_large_tensors_take_the_parallel_scan(monkeypatch, tmp_path):
+    """check_tensors must give the same answer whichever kernel a tensor's size selects."""
+    import qllama.check as check
+
+    if not SOURCE.exists():
+        pytest.skip("needs ../shared")
+    path = make_hostile.make_corpus(tmp_path, only=["f16-nan"])["f16-nan"]
+    serial = check_tensors(GGUFFile(path)).findings
+    monkeypatch.setattr(check, "PARALLEL_SCAN_BYTES", 0)
+    assert check_tensors(GGUFFile(path)).findings == serial
+
+
+# -- the corpus ----------------------------------------------------------------------------
+
+
+@needs_source
+def test_clean_trained_models_pass_the_check():
+    for name in ("shakespeare-spm-Q4_K_M.gguf", "shakespeare-spm-f32.gguf"):
+        report = check_tensors(GGUFFile(SOURCE.parent / name))
+        assert report.ok and not report.unchecked
+        assert report.n_bytes > 10_000_000
+
+
+@pytest.mark.parametrize("name", sorted(make_hostile.CASES))
+def test_check_names_exactly_the_broken_tensor(corpus, name):
+    case = make_hostile.CASES[name]
+    report = check_tensors(GGUFFile(corpus[name]))
+    assert not report.unchecked
+    assert [f.name for f in report.findings] == ([case.tensor] if case.tensor else [])
+    for f in report.findings:
+        if f.unit == "block":  # the first block's scale field was poked
+            expected_first = 0
+        else:  # the element poked, as an index into the tensor's values
+            expected_first = case.poke_f32[1] if case.poke_f32 else case.poke[1] // 2
+        assert (f.count, f.first) == (1, expected_first)
