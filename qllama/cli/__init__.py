@@ -3,13 +3,20 @@
 Commands are imported lazily, so that `qllama inspect` or `qllama tokenize` never pay for
 importing numba. Every command module exposes a click command named `command`.
 Errors that are the user's (QllamaError, a missing file...) become one `error:` line on
-stderr and exit status 1; `--debug` shows the traceback instead.
+stderr and exit status 1; `--debug` shows the traceback instead. Ctrl-C exits with status
+130 and no traceback, whenever it comes (see `main`).
+
+Before click parses, `rewrite_argv` accepts llama.cpp's habits that click cannot express:
+`-m/--model MODEL` in place of the positional MODEL, and GPU or memory-locking flags that mean
+nothing here (`-ngl N`, `--n-gpu-layers N`, `--mlock`, `--no-mmap`: click would read `-ngl 99`
+as `-n gl`), which are dropped with a one-line notice.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import click
 
@@ -23,12 +30,80 @@ COMMANDS = {
     "quantize": "quantize_cmd",
     "chat": "chat_cmd",
     "serve": "serve_cmd",
+    "pull": "pull_cmd",
+    "list": "list_cmd",
+    "rm": "rm_cmd",
+    "version": "version_cmd",
+    "pull": "pull_cmd",
+    "list": "list_cmd",
+    "rm": "rm_cmd",
 }
+
+# llama.cpp flags with no meaning on a CPU-only runtime: flag -> (takes a value, why it is ignored)
+IGNORED_FLAGS = {
+    "-ngl": (True, "qllama runs on the CPU; there are no GPU layers"),
+    "--n-gpu-layers": (True, "qllama runs on the CPU; there are no GPU layers"),
+    "--gpu-layers": (True, "qllama runs on the CPU; there are no GPU layers"),
+    "--mlock": (False, "the model stays memory-mapped; it is not locked in RAM"),
+    "--no-mmap": (False, "qllama always memory-maps the model"),
+}
+# commands whose first argument is MODEL, so that `-m MODEL` may stand for it
+MODEL_FIRST = {"run", "chat", "perplexity", "bench", "inspect", "tokenize"}
+# llama.cpp spellings of options a command spells differently (where click cannot simply alias)
+OPTION_ALIASES = {"chat": {"--n-predict": "--max-tokens"}}
+
+
+def rewrite_argv(args: list[str]) -> tuple[list[str], list[str]]:
+    """llama.cpp habits -> our arguments. Returns (new args, notices to print).
+
+    - `-ngl N`, `--n-gpu-layers N`, `--mlock`, `--no-mmap` (also `--flag=value`) are removed;
+    - `-m MODEL`, `--model MODEL`, `--model=MODEL` become the positional MODEL of the commands
+      in MODEL_FIRST (moved right after the command name);
+    - OPTION_ALIASES are renamed. Nothing after `--` is touched.
+    """
+    out: list[str] = []
+    notices: list[str] = []
+    command = None
+    command_at = -1
+    model = None
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            out.extend(args[i:])
+            break
+        name, eq, _ = a.partition("=")
+        if name in IGNORED_FLAGS:
+            takes_value, why = IGNORED_FLAGS[name]
+            if takes_value and not eq:
+                i += 1  # its value
+            notices.append(f"note: {name} is ignored ({why})")
+            i += 1
+            continue
+        if command is None and not a.startswith("-"):
+            command, command_at = a, len(out)
+        elif command in MODEL_FIRST and model is None and name in ("-m", "--model"):
+            if eq:
+                model = a.partition("=")[2]
+            elif i + 1 < len(args):
+                model = args[i + 1]
+                i += 1
+            else:
+                out.append(a)  # let click report the missing value
+            i += 1
+            continue
+        elif command in OPTION_ALIASES and name in OPTION_ALIASES[command]:
+            a = OPTION_ALIASES[command][name] + (eq + a.partition("=")[2] if eq else "")
+        out.append(a)
+        i += 1
+    if model is not None:
+        out.insert(command_at + 1, model)
+    return out, notices
 
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
+        return sorted(name for name in COMMANDS if self.get_command(ctx, name) is not None)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         module = COMMANDS.get(name)
@@ -42,39 +117,121 @@ class LazyGroup(click.Group):
             raise
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from .version_cmd import version_text
+
+    click.echo(version_text())
+    ctx.exit(0)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="llama.cpp spellings work too: -m MODEL for the MODEL argument; -ngl, --mlock and "
+                    "--no-mmap are accepted and ignored (CPU only).")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
-@click.version_option(package_name="qllama")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print the versions of qllama, Numba and NumPy and the SIMD path, then exit.")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
     """qllama: run quantized GGUF language models on the CPU."""
     ctx.obj = {"debug": debug}
 
 
+# -- Ctrl-C ------------------------------------------------------------------------------------
+#
+# A Ctrl-C normally raises KeyboardInterrupt wherever Python is. During a Numba compile it may
+# land inside a ctypes callback (LLVM calling back into llvmlite when the object code is ready):
+# ctypes cannot propagate it, so it reports it to sys.unraisablehook and the callback returns
+# as if nothing happened. Numba then finds no object code for the library it just compiled and
+# raises `RuntimeError: no compiled object yet for <Library ...>` while saving it to its cache.
+# The hook below records such a swallowed interrupt (silently), and main turns the error that
+# follows (or the next check, `reraise_lost_interrupt`) back into a clean exit 130.
+
+_lost = {"interrupt": False}
+_saved = {"showwarning": warnings.showwarning}
+
+
+def _unraisable_hook(unraisable) -> None:
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _lost["interrupt"] = True
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def reraise_lost_interrupt() -> None:
+    """Raise KeyboardInterrupt if a Ctrl-C was swallowed by a C callback (e.g. during a compile)."""
+    if _lost["interrupt"]:
+        raise KeyboardInterrupt
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    from ..errors import QllamaWarning
+
+    if issubclass(category, QllamaWarning):
+        click.echo(f"warning: {message}", err=True)
+    else:
+        _saved["showwarning"](message, category, filename, lineno, file, line)
+
+
+def _error_message(e: BaseException) -> str:
+    from ..errors import ContextSizeError
+
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, FileNotFoundError) and e.filename:
+        msg = f"{e.filename}: no such file"
+    elif isinstance(e, OSError) and e.filename and e.strerror:
+        msg = f"{e.filename}: {e.strerror.lower()}"
+    if isinstance(e, ContextSizeError):
+        msg += " (lower -c/--ctx-size)"
+    return msg
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     from ..errors import QllamaError
 
-    args = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in args
+    args, notices = rewrite_argv(args)
+    for note in notices:
+        click.echo(note, err=True)
+    old_hook, old_show = sys.unraisablehook, warnings.showwarning
+    _saved["showwarning"] = old_show
+    sys.unraisablehook, warnings.showwarning = _unraisable_hook, _show_warning
+    _lost["interrupt"] = False
     try:
+        if not args:  # like git and ollama: the help, on stdout, and success
+            with click.Context(cli, info_name="qllama") as ctx:
+                click.echo(cli.get_help(ctx))
+            return
         rv = cli.main(args=args, prog_name="qllama", standalone_mode=False)
         if isinstance(rv, int) and rv:
             sys.exit(rv)
-    except click.exceptions.Abort:
-        click.echo("error: aborted", err=True)
-        sys.exit(130)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        _interrupted()
     except click.ClickException as e:  # usage errors: exit 2 (click's own convention)
+        if _lost["interrupt"]:
+            _interrupted()
         if debug:
             raise
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except (QllamaError, OSError, MemoryError) as e:
+        if _lost["interrupt"]:
+            _interrupted()
         if debug:
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        click.echo(f"error: {msg}", err=True)
+        click.echo(f"error: {_error_message(e)}", err=True)
         sys.exit(1)
-    except KeyboardInterrupt:
-        click.echo("", err=True)
-        sys.exit(130)
+    except Exception:
+        if _lost["interrupt"]:  # e.g. Numba's RuntimeError after a swallowed Ctrl-C (see above)
+            _interrupted()
+        raise
+    finally:
+        sys.unraisablehook, warnings.showwarning = old_hook, old_show
+
+
+def _interrupted() -> None:
+    click.echo("\ninterrupted", err=True)
+    sys.exit(130)

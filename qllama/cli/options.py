@@ -8,9 +8,20 @@ import click
 
 from ..errors import QllamaError
 
+RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF, i.e. -1): draw a random seed
+
+
+def _seed(ctx, param, value: int | None) -> int | None:
+    """--seed -1 means a random seed, as in llama.cpp; other negative seeds are errors."""
+    if value is None or value == RANDOM_SEED:
+        return None
+    if value < 0:
+        raise click.BadParameter(f"{value} is not a seed: use a number >= 0, or -1 for a random one")
+    return value
+
 
 def sampling_options(f):
-    """--temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --seed (llama.cpp's defaults)."""
+    """--temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, -s/--seed (llama.cpp's defaults)."""
     opts = [
         click.option("--temp", default=0.8, show_default=True, type=float, help="Temperature; 0 = greedy."),
         click.option("--top-k", default=40, show_default=True, type=int, help="Top-k (<= 0: off)."),
@@ -20,11 +31,27 @@ def sampling_options(f):
                      help="Penalty for recently seen tokens (1.0: off)."),
         click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(min=-1),
                      help="Window of the repeat penalty (0: off, -1: whole context)."),
-        click.option("--seed", type=int, default=None, help="Random seed (default: random)."),
+        click.option("-s", "--seed", type=int, default=None, callback=_seed,
+                     help="Random seed (default or -1: a random one)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def read_text_file(path: str) -> str:
+    """The UTF-8 text of `path`, or a one-line QllamaError ("nope.txt: no such file")."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise QllamaError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise QllamaError(f"{path}: is a directory") from None
+    except PermissionError:
+        raise QllamaError(f"{path}: permission denied") from None
+    except UnicodeDecodeError:
+        raise QllamaError(f"{path}: not UTF-8 text") from None
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
@@ -34,11 +61,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if prompt is not None:
         return prompt
     if prompt_file is not None and prompt_file != "-":
-        try:
-            with open(prompt_file, encoding="utf-8") as f:
-                return f.read()
-        except UnicodeDecodeError:
-            raise QllamaError(f"{prompt_file}: not UTF-8 text") from None
+        return read_text_file(prompt_file)
     if prompt_file is None and sys.stdin.isatty():
         raise click.UsageError("no prompt: give PROMPT, -f FILE, or pipe text on stdin")
     return sys.stdin.read()
