@@ -445,3 +445,31 @@ def test_concurrent_greedy_output_equals_each_request_alone(paths):
         alone = [s.llm.complete(s.llm.tokenize(p, parse_special=True), max_tokens=n, temperature=0)
                  for p, n in zip(prompts, max_tokens)]
     assert got == alone
+
+
+# -- the command ---------------------------------------------------------------------------------------
+
+def run_cli(args, capsys):
+    from qllama.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_serve_without_the_extra_is_one_error_line(paths, capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # import uvicorn -> ImportError
+    code, err = run_cli(["serve", str(paths["hi"])], capsys)
+    assert code == 1 and err == "error: qllama serve needs the server extra: pip install 'qllama[server]'\n"
+
+
+def test_serve_warns_when_listening_beyond_loopback_without_a_key(tmp_path, capsys):
+    from qllama.cli.serve_cmd import security_warning
+
+    assert security_warning("127.0.0.1", None) is None and security_warning("::1", None) is None
+    assert security_warning("0.0.0.0", "k") is None and "--api-key" in security_warning("0.0.0.0", None)
+    # the warning comes first, before the model is loaded (a missing file here: nothing is bound)
+    code, err = run_cli(["serve", str(tmp_path / "missing.gguf"), "--host", "0.0.0.0"], capsys)
+    lines = err.splitlines()
+    assert code == 1 and lines[0].startswith("warning: listening on 0.0.0.0 without --api-key")
+    assert lines[1].startswith("error:") and len(lines) == 2

@@ -174,6 +174,15 @@ class Slot:
         self.last_used = 0
 
 
+def rewind(cache, n: int) -> int:
+    """Keep cache positions [0, n); returns how many were kept (a sliding-window cache may
+    have overwritten what they need, then 0)."""
+    if hasattr(cache, "rewind"):
+        return cache.rewind(n)
+    cache.n_past = n
+    return n
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -289,8 +298,7 @@ class Scheduler:
                     continue
                 slot = max(free, key=lambda s: (common_prefix(s.tokens, job.prompt), -s.last_used))
                 # keep the common prefix; evaluate at least the last prompt token (for its logits)
-                keep = min(common_prefix(slot.tokens, job.prompt), len(job.prompt) - 1)
-                slot.cache.n_past = keep
+                keep = rewind(slot.cache, min(common_prefix(slot.tokens, job.prompt), len(job.prompt) - 1))
                 del slot.tokens[keep:]
                 slot.run = _Run(job, keep, self.tokenizer)
 
@@ -317,7 +325,8 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - reported to the clients of this step, the loop goes on
             for slot in busy:
                 _send(slot.run.job, Event("error", message=f"evaluation failed: {e}"))
-                slot.run, slot.tokens, slot.cache.n_past = None, [], 0
+                slot.run, slot.tokens = None, []
+                rewind(slot.cache, 0)
             return True
         self.steps += 1
         for slot, (ids, _), row in zip(busy, segments, logits):
