@@ -29,8 +29,12 @@ def load(
     """Open a GGUF model: maps the file, checks every tensor, builds the tokenizer and KV cache.
 
     n_ctx defaults to min(the model's context length, 4096); n_threads to the physical cores.
+    `path` may also be a model reference (`demo`, `org/repo[:QUANT]`, `org/repo/file.gguf`,
+    `hf://...`): see `qllama.hub`; it is downloaded into the Hugging Face cache if needed.
     """
-    return Model(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size)
+    from .hub import resolve
+
+    return Model(resolve(path), n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size)
 
 
 class Model:

@@ -6,6 +6,8 @@ import json
 
 import click
 
+from .model_ref import ModelRef
+
 
 def _int_list(ctx, param, values) -> list[int]:
     """Repeatable options that also take comma lists: `-t 1 -t 2` or `-t 1,2`."""
@@ -26,7 +28,7 @@ def _int_list(ctx, param, values) -> list[int]:
 
 
 @click.command("bench")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=ModelRef(dir_okay=False))
 @click.option("-p", "--n-prompt", default=512, show_default=True, type=click.IntRange(min=0),
               help="Prompt tokens for the pp test (0: skip).")
 @click.option("-n", "--n-gen", default=128, show_default=True, type=click.IntRange(min=0),

@@ -27,6 +27,7 @@ from typing import Any, Iterator, TextIO
 import click
 
 from ..errors import QllamaError
+from .model_ref import ModelRef
 from .options import sampling_options
 
 HELP = """commands:
@@ -399,7 +400,7 @@ def stream_lines(stream: TextIO) -> Iterator[str]:
 
 
 @click.command("chat")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=ModelRef(dir_okay=False))
 @click.option("-n", "--max-tokens", default=-1, show_default=True, type=click.IntRange(min=-1),
               help="Tokens per answer at most (-1: until the end of the turn or a full context).")
 @sampling_options

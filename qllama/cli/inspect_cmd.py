@@ -17,6 +17,7 @@ import numpy as np
 
 from ..gguf import GGUFFile, MetadataType, ValueType
 from ..summary import KV_CACHE_TOKENS, ModelSummary, summarize
+from .model_ref import ModelRef
 
 JSON_ARRAY_LIMIT = 64  # --json: arrays longer than this are summarised
 JSON_HEAD = 8  # ... as their type, count and this many first items
@@ -284,7 +285,7 @@ def _echo(text: str) -> None:
 
 
 @click.command()
-@click.argument("model", type=click.Path())
+@click.argument("model", type=ModelRef())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (version, metadata, tensors, summary).")
 @click.option("--metadata", "with_metadata", is_flag=True, help="Also print every metadata key (long arrays summarised).")
 def command(model: str, as_json: bool, with_metadata: bool) -> None:

@@ -7,9 +7,11 @@ import sys
 
 import click
 
+from .model_ref import ModelRef
+
 
 @click.command("perplexity")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=ModelRef(dir_okay=False))
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Tokens per chunk.")
 @click.option("--chunks", default=0, type=click.IntRange(min=0), help="Score only the first K chunks (0 = all).")

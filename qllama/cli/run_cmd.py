@@ -14,11 +14,12 @@ import sys
 
 import click
 
+from .model_ref import ModelRef
 from .options import read_prompt, sampling_options
 
 
 @click.command("run")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=ModelRef(dir_okay=False))
 @click.argument("prompt", required=False)
 @click.option("-p", "--prompt", "prompt_opt", metavar="TEXT", help="The prompt (llama.cpp's spelling of PROMPT).")
 @click.option("-f", "--file", "prompt_file", type=click.Path(dir_okay=False), help="Read the prompt from a file ('-' = stdin).")

@@ -11,6 +11,7 @@ import socket
 import click
 
 from ..errors import QllamaError
+from .model_ref import ModelRef
 
 EXTRA_HINT = "pip install 'qllama[server]'"
 
@@ -44,7 +45,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 @click.command("serve")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=ModelRef(dir_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free port).")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0,

@@ -13,10 +13,11 @@ import sys
 import click
 
 from ..tokenizer import load_tokenizer
+from .model_ref import ModelRef
 
 
 @click.command("tokenize")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=ModelRef(dir_okay=False))
 @click.argument("text", required=False)
 @click.option("--ids", "ids_only", is_flag=True, help="Print only the list of token ids.")
 @click.option("--no-bos", is_flag=True, help="Never add the BOS token.")

@@ -1,0 +1,518 @@
+"""Model references -> local GGUF files, through huggingface_hub and its standard cache.
+
+A reference names a model wherever a path does (`qllama run REF`, `qllama.load(REF)`):
+
+    path/to/model.gguf        a local file (anything that exists on disk is taken as a path)
+    demo                      the small Shakespeare model shipped inside the package
+    org/repo                  the repo's Q4_K_M file, else the first of PREFERENCE it has,
+                              else its first GGUF model file
+    org/repo:Q8_0             the file of that quant tag (case-insensitive, as llama.cpp's -hf)
+    org/repo/dir/file.gguf    that file
+    hf://org/repo[...]        the same forms, never taken as a local path
+    org/repo@rev...           any of the hub forms at a branch, tag or commit (default main)
+
+Files land in huggingface_hub's cache (HF_HOME / HF_HUB_CACHE: blobs named by their sha256,
+snapshots/<commit>/<file> links to them, refs/<branch> -> commit), so `huggingface-cli` and
+llama.cpp see them too. HF_TOKEN (gated and private repos), HF_ENDPOINT and HF_HUB_OFFLINE
+are honoured by huggingface_hub itself.
+
+The cache is consulted first: a reference whose files are cached resolves with no network
+request at all (so with the network down or HF_HUB_OFFLINE=1 it runs at once). `org/repo`
+without a tag is chosen from the repo listing cached with the download (huggingface_hub's
+`trees/<commit>.json`), so it picks the same file online and offline. `fetch(..., refresh=True)`
+(`qllama pull`) asks the hub again.
+
+A download goes to `blobs/<sha256>.incomplete` and is resumed from there (HTTP range) by the
+next attempt; it becomes the blob only after its size and sha256 match what the hub announced
+(X-Linked-Etag), so an interrupted, cut or corrupt download never sits where a model is found.
+A split model (`*-00001-of-0000N.gguf`) is fetched shard by shard and resolves to its first
+shard, which `qllama.gguf.GGUFFile` opens together with the others.
+
+huggingface_hub is imported only when a hub reference is used: local paths stay fast.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import QllamaError
+
+DEMO = "demo"
+DEMO_FILE = "shakespeare-spm-Q4_K_M.gguf"
+
+# `org/repo` without a tag: the first of these the repo has (qllama runs them all; most compact
+# first among those whose quality loss is small, then the exact ones), else its first GGUF file.
+PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+              "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "F16", "BF16", "F32")
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"  # one part of a repo id (the hub also forbids '--' and '..')
+_REPO_RE = re.compile(rf"({_NAME})/({_NAME})(?:@([A-Za-z0-9._/-]+?))?(?::([A-Za-z0-9_.-]+))?")
+_FILE_RE = re.compile(rf"({_NAME})/({_NAME})(?:@([A-Za-z0-9._-]+))?/(.+\.gguf)", re.IGNORECASE)
+_SPLIT_RE = re.compile(r"^(.+)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_TAG_RE = re.compile(r"[-.]([A-Za-z0-9_]+)$")
+_NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")  # GGUF side files (llama.cpp's list)
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_SHA1_RE = re.compile(r"[0-9a-f]{40}")
+
+
+class HubError(QllamaError):
+    """A reference that cannot be resolved or downloaded (one line; the hub's reason included)."""
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A model on the hub: repo id, and a quant tag or a file path (or neither), at a revision."""
+
+    repo: str
+    tag: str | None = None
+    filename: str | None = None
+    revision: str = "main"
+
+    def __str__(self) -> str:
+        rev = "" if self.revision == "main" else f"@{self.revision}"
+        if self.filename:
+            return f"{self.repo}{rev}/{self.filename}"
+        return f"{self.repo}{rev}" + (f":{self.tag}" if self.tag else "")
+
+
+@dataclass
+class CachedModel:
+    """A model file in the cache: `path` (first shard) and every shard's path."""
+
+    ref: HubRef  # with the exact filename
+    commit: str
+    paths: list[str] = field(default_factory=list)
+    downloaded: bool = False  # something was fetched by this call
+
+    @property
+    def path(self) -> str:
+        return self.paths[0]
+
+    @property
+    def size(self) -> int:
+        return sum(os.path.getsize(p) for p in self.paths)
+
+
+# -- references ------------------------------------------------------------------------------
+
+
+def parse(text: str) -> tuple[str, Any]:
+    """Classify a reference: ("local", path) | ("demo", path) | ("hub", HubRef).
+
+    Anything that exists on disk is a local path; so is anything that does not look like a
+    hub reference (a missing `model.gguf` keeps its "no such file" error).
+    """
+    if text.startswith("hf://"):
+        ref = _hub_ref(text[5:])
+        if ref is None:
+            raise HubError(f"{text}: not a hub reference (expected hf://org/repo[:QUANT] or hf://org/repo/file.gguf)")
+        return "hub", ref
+    if os.path.lexists(text):
+        return "local", text
+    if text == DEMO:
+        return "demo", demo_path()
+    if text.startswith((".", "/", "~")) or "\\" in text:
+        return "local", text
+    ref = _hub_ref(text)
+    if ref is None or (ref.filename is None and ref.repo.lower().endswith(".gguf")):
+        return "local", text  # e.g. dir/model.gguf that does not exist
+    return "hub", ref
+
+
+def _hub_ref(text: str) -> HubRef | None:
+    m = _FILE_RE.fullmatch(text)
+    if m:
+        return HubRef(f"{m[1]}/{m[2]}", filename=m[4], revision=m[3] or "main")
+    m = _REPO_RE.fullmatch(text)
+    if m:
+        return HubRef(f"{m[1]}/{m[2]}", tag=m[4].upper() if m[4] else None, revision=m[3] or "main")
+    return None
+
+
+def demo_path() -> str:
+    """The bundled demo model (package data)."""
+    from importlib.resources import files
+
+    path = files("qllama") / "data" / DEMO_FILE
+    if not path.is_file():
+        raise HubError(f"the demo model is missing from this installation ({path})")
+    return os.fspath(path)
+
+
+def resolve(model: str | os.PathLike, **kwargs: Any) -> str:
+    """The local path of a model reference, downloading it first if needed (see `fetch`).
+
+    Local paths come back unchanged (not even checked: the reader gives the error).
+    """
+    if not isinstance(model, str):
+        return os.fspath(model)
+    kind, value = parse(model)
+    if kind != "hub":
+        return value
+    return fetch(value, **kwargs).path
+
+
+# -- choosing a file in a repo ------------------------------------------------------------------
+
+
+def quant_tag(filename: str) -> str | None:
+    """The quant tag a GGUF file name carries (`...-Q4_K_M.gguf`, `x.q8_0-00001-of-00002.gguf`), upper-case."""
+    stem = os.path.basename(filename)
+    m = _SPLIT_RE.match(stem)
+    stem = m[1] if m else stem[:-5] if stem.lower().endswith(".gguf") else stem
+    m = _TAG_RE.search(stem)
+    tag = m[1].upper() if m else None
+    return tag if tag and any(c.isdigit() for c in tag) else None
+
+
+def _is_model(path: str) -> bool:
+    name = os.path.basename(path).lower()
+    return name.endswith(".gguf") and not any(s in name for s in _NOT_MODELS)
+
+
+def _shard_info(path: str) -> tuple[str, int, int]:
+    """(prefix, 1-based index, count) of a file name; (path, 1, 1) when it is not split."""
+    m = _SPLIT_RE.match(path)
+    return (m[1], int(m[2]), int(m[3])) if m else (path, 1, 1)
+
+
+def _has_tag(path: str, tag: str) -> bool:
+    if quant_tag(path) == tag:
+        return True
+    return re.search(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?=[./-])", path, re.IGNORECASE) is not None
+
+
+def choose(ref: HubRef, files: list[str]) -> list[str]:
+    """The files (all shards, first first) that `ref` names among a repo's file paths."""
+    models = sorted(p for p in files if _is_model(p) and _shard_info(p)[1] == 1)
+    if ref.filename:
+        if ref.filename not in files:
+            listed = ", ".join(sorted(p for p in files if p.lower().endswith(".gguf"))[:12]) or "none"
+            raise HubError(f"{ref.repo} has no file {ref.filename} (its GGUF files: {listed})")
+        prefix, _, n = _shard_info(ref.filename)
+        primary = ref.filename if n == 1 else f"{prefix}-00001-of-{n:05d}.gguf"
+    elif ref.tag:
+        primary = next((p for p in models if _has_tag(p, ref.tag)), None)
+        if primary is None:
+            tags = sorted({t for p in models if (t := quant_tag(p))}) or ["none"]
+            raise HubError(f"{ref.repo} has no {ref.tag} file; quant tags available: {', '.join(tags)}")
+    else:
+        primary = next((p for t in PREFERENCE for p in models if _has_tag(p, t)), models[0] if models else None)
+        if primary is None:
+            raise HubError(f"{ref.repo} has no GGUF model files")
+    prefix, _, n = _shard_info(primary)
+    if n == 1:
+        return [primary]
+    shards = [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    missing = [s for s in shards if s not in files]
+    if missing:
+        raise HubError(f"{ref.repo}: split model {primary} lacks shard {missing[0]}")
+    return shards
+
+
+# -- the cache ----------------------------------------------------------------------------------
+
+
+def _hf():
+    import huggingface_hub  # lazily: ~0.3 s, and only hub references need it
+    import huggingface_hub.constants
+    import huggingface_hub.errors
+    import huggingface_hub.utils
+
+    return huggingface_hub
+
+
+def cache_dir() -> str:
+    """huggingface_hub's cache folder (HF_HUB_CACHE, else HF_HOME/hub)."""
+    return _hf().constants.HF_HUB_CACHE
+
+
+def repo_folder(repo: str, cache: str | None = None) -> str:
+    return os.path.join(cache or cache_dir(), "models--" + repo.replace("/", "--"))
+
+
+def _read_ref(storage: str, revision: str) -> str | None:
+    if _SHA1_RE.fullmatch(revision):
+        return revision
+    try:
+        with open(os.path.join(storage, "refs", revision)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _listing_path(storage: str, commit: str) -> str:
+    return os.path.join(storage, "trees", f"{commit}.json")  # huggingface_hub's own tree cache
+
+
+def _read_listing(storage: str, commit: str) -> list[str] | None:
+    try:
+        with open(_listing_path(storage, commit), encoding="utf-8") as f:
+            return list(json.load(f)["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_listing(storage: str, commit: str, siblings: list[Any]) -> None:
+    """Keep the repo listing (huggingface_hub's trees/<commit>.json format) for offline choices."""
+    files = {}
+    for s in siblings:
+        info: dict[str, Any] = {"size": s.size or 0, "blob_id": s.blob_id or ""}
+        if s.lfs is not None:
+            info.update(lfs_sha256=s.lfs.sha256, lfs_size=s.lfs.size)
+        files[s.rfilename] = info
+    path = _listing_path(storage, commit)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"format_version": 1, "files": dict(sorted(files.items()))}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # only an optimisation for later offline use
+
+
+def _snapshot_files(snap: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(snap):
+        out += [os.path.relpath(os.path.join(root, n), snap).replace(os.sep, "/") for n in names]
+    return out
+
+
+def cached(ref: HubRef, cache: str | None = None) -> CachedModel | None:
+    """The cached files of `ref`, or None (no network, no error)."""
+    storage = repo_folder(ref.repo, cache)
+    commit = _read_ref(storage, ref.revision)
+    if commit is None:
+        return None
+    snap = os.path.join(storage, "snapshots", commit)
+    listing = _read_listing(storage, commit) or _snapshot_files(snap)
+    try:
+        names = choose(ref, listing)
+    except HubError:
+        return None
+    paths = [os.path.join(snap, *n.split("/")) for n in names]
+    if not all(os.path.isfile(p) for p in paths):
+        return None
+    return CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), commit, paths)
+
+
+# -- download -----------------------------------------------------------------------------------
+
+
+def fetch(
+    ref: HubRef,
+    *,
+    refresh: bool = False,
+    cache: str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    progress: bool = True,
+) -> CachedModel:
+    """The files of `ref` in the cache, downloaded (and verified) if they are not there.
+
+    refresh: ask the hub even when a cached copy exists (a newer commit is fetched; identical
+    blobs are not downloaded again). Offline (HF_HUB_OFFLINE=1) only the cache is used.
+    """
+    hf = _hf()
+    endpoint = (endpoint or hf.constants.ENDPOINT).rstrip("/")
+    offline = hf.constants.is_offline_mode()
+    if not refresh or offline:
+        hit = cached(ref, cache)
+        if hit is not None:
+            return hit
+        if offline:
+            raise HubError(f"{ref} is not in the local cache ({cache or cache_dir()}) and HF_HUB_OFFLINE is set")
+    with _hub_errors(ref, endpoint):
+        api = hf.HfApi(endpoint=endpoint, token=token)
+        info = api.model_info(ref.repo, revision=ref.revision, files_metadata=True)
+        siblings = info.siblings or []
+        names = choose(ref, [s.rfilename for s in siblings])
+        storage = repo_folder(ref.repo, cache)
+        _write_listing(storage, info.sha, siblings)
+        sizes = {s.rfilename: (s.lfs.size if s.lfs else s.size) for s in siblings}
+        model = CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), info.sha)
+        for name in names:
+            path, got = _download(hf, ref, name, info.sha, storage, sizes.get(name), endpoint, token, progress)
+            model.paths.append(path)
+            model.downloaded |= got
+        _write_ref(storage, ref.revision, info.sha)
+    return model
+
+
+def _write_ref(storage: str, revision: str, commit: str) -> None:
+    if revision == commit:
+        return
+    path = os.path.join(storage, "refs", *revision.split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(commit)
+
+
+def _download(hf, ref: HubRef, name: str, commit: str, storage: str, size_hint: int | None,
+              endpoint: str | None, token: str | None, progress: bool) -> tuple[str, bool]:
+    """One file into the cache: (snapshot path, whether bytes were fetched)."""
+    from urllib.parse import urlsplit
+
+    pointer = os.path.join(storage, "snapshots", commit, *name.split("/"))
+    if os.path.isfile(pointer):
+        return pointer, False
+    url = hf.hf_hub_url(ref.repo, name, revision=commit, endpoint=endpoint)
+    meta = hf.get_hf_file_metadata(url, token=token, endpoint=endpoint)  # HEAD: sha256, size, where
+    etag, size = meta.etag, meta.size if meta.size is not None else size_hint
+    if not etag or "/" in etag or etag.startswith("."):
+        raise HubError(f"{ref.repo}/{name}: the hub gave no usable checksum (ETag {etag!r})")
+    blob = os.path.join(storage, "blobs", etag)
+    os.makedirs(os.path.dirname(blob), exist_ok=True)
+    os.makedirs(os.path.dirname(pointer), exist_ok=True)
+    fetched = False
+    lock = os.path.join(os.path.dirname(storage), ".locks", os.path.basename(storage), f"{etag}.lock")
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    with hf.utils.WeakFileLock(lock):
+        if not os.path.isfile(blob):
+            headers = hf.utils.build_hf_headers(token=token)
+            if urlsplit(meta.location).netloc != urlsplit(url).netloc:
+                headers.pop("authorization", None)  # a signed CDN URL: the token stays on the hub
+            _fetch_blob(hf, meta.location, blob, etag, size, headers, os.path.basename(name), progress)
+            fetched = True
+        _link(blob, pointer)
+    return pointer, fetched
+
+
+def _fetch_blob(hf, url: str, blob: str, etag: str, size: int | None, headers: dict, label: str,
+                progress: bool) -> None:
+    """Download to blob.incomplete (resuming it), verify, then rename to the blob."""
+    from huggingface_hub.file_download import http_get
+
+    part = blob + ".incomplete"
+    try:
+        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+        with os.fdopen(fd, "r+b") as f:
+            have = f.seek(0, os.SEEK_END)
+            if size is not None and have > size:  # not a prefix of this blob: start over
+                f.truncate(0)
+                have = f.seek(0)
+            if size is not None:
+                free = shutil.disk_usage(os.path.dirname(part)).free
+                if size - have > free:
+                    raise HubError(f"not enough disk space for {label}: {_mb(size - have)} more needed, "
+                                   f"{_mb(free)} free in {os.path.dirname(part)}")
+            http_get(url, f, resume_size=have, headers=headers, expected_size=size, displayed_filename=label,
+                     tqdm_class=None if progress else hf.utils.silent_tqdm)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise HubError(f"disk full while downloading {label}: {_mb(_size_of(part))} of {_mb(size)} kept in "
+                           f"{part}; free some space and try again to resume") from None
+        if "Consistency check failed" in str(e):
+            raise HubError(f"{label}: the download stopped at {_mb(_size_of(part))} of {_mb(size)}; "
+                           "try again to resume") from None
+        raise
+    got = _file_hash(part, etag)
+    if got is not None and got != etag:
+        os.remove(part)  # a corrupt download is no use for resuming either
+        raise HubError(f"{label}: checksum mismatch (the hub says {etag[:16]}..., the download has "
+                       f"{got[:16]}...); the bad download was deleted, try again")
+    os.replace(part, blob)
+
+
+def _size_of(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _mb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def _file_hash(path: str, etag: str) -> str | None:
+    """The file's sha256 (LFS etag) or git blob sha1 (small files), as the etag's kind; None if unknown."""
+    if _SHA256_RE.fullmatch(etag):
+        h = hashlib.sha256()
+    elif _SHA1_RE.fullmatch(etag):
+        h = hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    else:
+        return None
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _link(blob: str, pointer: str) -> None:
+    """snapshots/<commit>/<file> -> ../../blobs/<etag>, as huggingface_hub links it (a copy without symlinks)."""
+    if os.path.lexists(pointer):
+        os.remove(pointer)
+    try:
+        os.symlink(os.path.relpath(blob, os.path.dirname(pointer)), pointer)
+    except OSError:
+        shutil.copyfile(blob, pointer)
+
+
+class _hub_errors:
+    """Turn huggingface_hub's and the network's exceptions into one-line HubErrors."""
+
+    def __init__(self, ref: HubRef, endpoint: str | None):
+        self.ref, self.endpoint = ref, endpoint
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if exc is None or isinstance(exc, (QllamaError, KeyboardInterrupt)):
+            return False
+        msg = _explain(exc, self.ref, self.endpoint or _hf().constants.ENDPOINT)
+        if msg is None:
+            return False
+        raise HubError(msg) from None
+
+
+def _explain(exc: BaseException, ref: HubRef, endpoint: str) -> str | None:
+    from huggingface_hub import errors as E
+
+    repo = ref.repo
+    if isinstance(exc, E.GatedRepoError):
+        return (f"{repo} is a gated repository: accept its conditions on {endpoint}/{repo} and set HF_TOKEN "
+                "to an access token of that account")
+    if isinstance(exc, E.RepositoryNotFoundError):
+        local = f"{ref} is not a local file, and " if ref.filename else ""
+        return f"{local}no repository {repo} on {endpoint} (a private repository needs HF_TOKEN)"
+    if isinstance(exc, E.RevisionNotFoundError):
+        return f"{repo} has no revision {ref.revision}"
+    if isinstance(exc, E.EntryNotFoundError):
+        return f"{repo} has no file {ref.filename or ''}".rstrip()
+    if isinstance(exc, E.HfHubHTTPError):
+        status = getattr(getattr(exc, "response", None), "status_code", "?")
+        hint = " (is HF_TOKEN valid?)" if status in (401, 403) else ""
+        return f"the hub answered HTTP {status} for {ref}{hint}"
+    if isinstance(exc, E.OfflineModeIsEnabled):
+        return f"{ref} is not in the local cache and HF_HUB_OFFLINE is set"
+    if isinstance(exc, _network_errors()) or isinstance(exc, (ConnectionError, TimeoutError)):
+        return f"cannot reach {endpoint} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})" \
+               f" and {ref} is not in the local cache"
+    return None
+
+
+def _network_errors() -> tuple[type, ...]:
+    kinds: list[type] = []
+    for mod in ("httpx2", "httpx"):
+        try:
+            m = __import__(mod)
+        except ImportError:
+            continue
+        kinds += [m.TransportError]
+    try:
+        import requests
+
+        kinds.append(requests.ConnectionError)
+    except ImportError:
+        pass
+    return tuple(kinds)
