@@ -8,8 +8,8 @@
                                                   ▼ forward(segments) ─► logits per segment
     job.emit(Event) ◄── text / done / error ◄── sample, detokenize, stop strings
 
-New requests join between steps; a prompt is evaluated `chunk` tokens per step, so streams
-that are already decoding keep flowing. A cancelled job (its client went away) leaves its slot
+New requests join between steps; prompts are evaluated at most `chunk` tokens per step (all
+prompts together, oldest first), so streams that are already decoding keep flowing. A cancelled job (its client went away) leaves its slot
 at the next step. A slot keeps the ids its cache holds after its job ends, and a new prompt
 goes to the free slot sharing the longest prefix with it: only the rest is evaluated.
 Each request has its own Sampler (and RNG), and each segment is evaluated at its own cache
@@ -145,8 +145,9 @@ class TextOutput:
 class _Run:
     """A job while it occupies a slot."""
 
-    def __init__(self, job: Job, cached: int, tokenizer):
+    def __init__(self, job: Job, cached: int, tokenizer, seq: int):
         self.job = job
+        self.seq = seq  # admission order: older prompts are evaluated first
         self.pos = cached  # next prompt index to evaluate
         self.cached = cached
         self.sampler = Sampler(job.params.sampling)
@@ -217,6 +218,7 @@ class Scheduler:
         self._closing_message = "the server is shutting down"
         self._thread: threading.Thread | None = None
         self._clock = 0  # step counter (least recently used slot choice)
+        self._admitted = 0
         self.steps = 0  # forward passes done
         self.max_busy = 0  # most slots that shared one step
 
@@ -300,7 +302,8 @@ class Scheduler:
                 # keep the common prefix; evaluate at least the last prompt token (for its logits)
                 keep = rewind(slot.cache, min(common_prefix(slot.tokens, job.prompt), len(job.prompt) - 1))
                 del slot.tokens[keep:]
-                slot.run = _Run(job, keep, self.tokenizer)
+                self._admitted += 1
+                slot.run = _Run(job, keep, self.tokenizer, self._admitted)
 
     def step(self) -> bool:
         """One forward pass over every busy slot; False when there was nothing to do."""
@@ -314,12 +317,22 @@ class Scheduler:
         if not busy:
             return False
         self._clock += 1
-        self.max_busy = max(self.max_busy, len(busy))
-        segments = []
-        for slot in busy:
+        # decoding slots take one token each; prompts share `chunk` tokens, oldest job first
+        budget = self.chunk
+        step, segments = [], []
+        for slot in sorted(busy, key=lambda s: s.run.seq):
             run = slot.run
-            ids = run.job.prompt[run.pos : run.pos + self.chunk] if run.prefilling else [run.next_token]
+            if run.prefilling:
+                ids = run.job.prompt[run.pos : run.pos + budget]
+                budget -= len(ids)
+                if not ids:
+                    continue
+            else:
+                ids = [run.next_token]
+            step.append(slot)
             segments.append((ids, slot.cache))
+        busy = step
+        self.max_busy = max(self.max_busy, len(busy))
         try:
             logits = self.forward(segments)
         except Exception as e:  # noqa: BLE001 - reported to the clients of this step, the loop goes on
