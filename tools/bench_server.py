@@ -1,0 +1,205 @@
+"""Aggregate decode throughput and time to first token of OpenAI-compatible servers, under load.
+
+For each server (qllama serve, and llama-cpp-python's `python -m llama_cpp.server` on the same
+file and threads), at 1, 2, 4, 8 concurrent streams: every stream asks /v1/completions for
+`-n` tokens of a distinct prompt (temperature 0, streamed). Reported per level:
+
+- aggregate t/s: all completion tokens / wall time from the first request to the last token;
+- per-stream t/s: median over the streams of (tokens - 1) / (last token - first token);
+- TTFT: median and max time from sending a request to its first text chunk, all streams
+  starting together (queueing and prefill of the others included);
+- TTFT of a late joiner: one more request sent while the others are decoding.
+
+The ratio to one stream is what continuous batching buys: decode is bandwidth-bound, so one
+pass over the weights for N streams costs little more than for one. llama-cpp-python's server
+serves one request at a time, so its aggregate stays flat. The servers run one after another
+(A, B, A, B... with -r), on 127.0.0.1, and are always stopped.
+
+    python tools/bench_server.py bench-models/llama-3.2-1b-q4_k_m.gguf -t 2 -n 64 -r 2
+    python tools/bench_server.py model.gguf --levels 1,2 --no-llama-cpp     # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs "
+         "about rivers mountains stars and the long road home").split()
+
+
+def prompt_text(i: int, n_words: int) -> str:
+    """A distinct prompt per stream (no shared prefix beyond the first word)."""
+    return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n_words))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on 127.0.0.1 with a /v1/completions endpoint; `stop()` always kills it."""
+
+    def __init__(self, name: str, cmd: list[str], url: str, ready_timeout: float = 600.0):
+        self.name = name
+        self.url = url
+        self.log = open(os.devnull, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        end = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {self.proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"{name} did not start in {ready_timeout:.0f} s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(20)
+        self.log.close()
+
+
+def qllama_server(model: str, threads: int, parallel: int, n_ctx: int) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "qllama", "serve", model, "--port", str(port), "-t", str(threads),
+           "--parallel", str(parallel), "-c", str(n_ctx)]
+    return Server("qllama", cmd, f"http://127.0.0.1:{port}")
+
+
+def llama_cpp_server(model: str, threads: int, n_ctx: int) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
+           "--n_batch", "512", "--verbose", "False"]
+    return Server("llama.cpp", cmd, f"http://127.0.0.1:{port}")
+
+
+def stream_one(url: str, prompt: str, n: int, out: dict) -> None:
+    """One streamed completion; fills out with t_send, t_first, t_last, tokens."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out["t_send"] = time.perf_counter()
+    chunks = 0
+    usage = None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                usage = obj["usage"]["completion_tokens"]
+            if obj.get("choices") and obj["choices"][0].get("text"):
+                now = time.perf_counter()
+                out.setdefault("t_first", now)
+                out["t_last"] = now
+                chunks += 1
+    out["tokens"] = usage if usage is not None else chunks  # llama-cpp-python may not send usage
+
+
+def run_level(url: str, streams: int, n: int, prompt_words: int, late: bool) -> dict:
+    outs = [{} for _ in range(streams)]
+    threads = [threading.Thread(target=stream_one, args=(url, prompt_text(i, prompt_words), n, outs[i]))
+               for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    late_out: dict = {}
+    if late:  # once every stream decodes, one more request arrives
+        while any("t_first" not in o for o in outs) and any(t.is_alive() for t in threads):
+            time.sleep(0.01)
+        lt = threading.Thread(target=stream_one, args=(url, prompt_text(99, prompt_words), 8, late_out))
+        lt.start()
+        threads.append(lt)
+    for t in threads:
+        t.join()
+    t_end = max(o.get("t_last", t0) for o in outs)
+    tokens = sum(o.get("tokens", 0) for o in outs)
+    ttft = [o["t_first"] - o["t_send"] for o in outs if "t_first" in o]
+    per = [(o["tokens"] - 1) / (o["t_last"] - o["t_first"]) for o in outs
+           if o.get("tokens", 0) > 1 and o["t_last"] > o["t_first"]]
+    return {
+        "streams": streams,
+        "tokens": tokens,
+        "agg_tps": tokens / (t_end - t0) if t_end > t0 else 0.0,
+        "stream_tps": statistics.median(per) if per else 0.0,
+        "ttft_med": statistics.median(ttft) if ttft else float("nan"),
+        "ttft_max": max(ttft) if ttft else float("nan"),
+        "ttft_late": (late_out["t_first"] - late_out["t_send"]) if "t_first" in late_out else float("nan"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per stream")
+    ap.add_argument("--levels", default="1,2,4,8", help="concurrent streams to measure")
+    ap.add_argument("--prompt-words", type=int, default=24)
+    ap.add_argument("-c", "--ctx-size", type=int, default=1024)
+    ap.add_argument("-r", "--repetitions", type=int, default=1)
+    ap.add_argument("--no-llama-cpp", action="store_true", help="only qllama")
+    ap.add_argument("--no-late", action="store_true", help="skip the late-joiner TTFT")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    a = ap.parse_args()
+    levels = [int(x) for x in a.levels.split(",")]
+    kinds = ["qllama"] + ([] if a.no_llama_cpp else ["llama.cpp"])
+    rows = []
+    for rep in range(a.repetitions):
+        for kind in kinds:
+            if kind == "qllama":
+                srv = qllama_server(a.model, a.threads, max(levels) + 1, a.ctx_size)
+            else:
+                srv = llama_cpp_server(a.model, a.threads, a.ctx_size)
+            try:
+                run_level(srv.url, 1, 4, a.prompt_words, late=False)  # warm-up (kernels, caches)
+                for streams in levels:
+                    row = run_level(srv.url, streams, a.max_tokens, a.prompt_words, late=not a.no_late)
+                    row.update(server=kind, rep=rep)
+                    rows.append(row)
+                    print(f"{kind:9s} rep {rep} streams {streams}: {row['agg_tps']:.2f} t/s aggregate, "
+                          f"TTFT median {row['ttft_med']:.2f} s", file=sys.stderr, flush=True)
+            finally:
+                srv.stop()
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"\nmodel {os.path.basename(a.model)}, {a.threads} threads, {a.max_tokens} tokens per stream, "
+          f"{a.prompt_words}-word prompts, medians over {a.repetitions} repetition(s)\n")
+    print("| server | streams | aggregate t/s | x one stream | per-stream t/s | TTFT median s | TTFT max s | late joiner TTFT s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for kind in kinds:
+        base = None
+        for streams in levels:
+            mine = [r for r in rows if r["server"] == kind and r["streams"] == streams]
+            med = {k: statistics.median(r[k] for r in mine) for k in
+                   ("agg_tps", "stream_tps", "ttft_med", "ttft_max", "ttft_late")}
+            base = base or med["agg_tps"]
+            print(f"| {kind} | {streams} | {med['agg_tps']:.2f} | {med['agg_tps'] / base:.2f} | "
+                  f"{med['stream_tps']:.2f} | {med['ttft_med']:.2f} | {med['ttft_max']:.2f} | {med['ttft_late']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
