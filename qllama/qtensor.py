@@ -1,4 +1,4 @@
-"""Packed weight matrices and the operations on them: the only place that dispatches on type.
+"""Packed weight matrices, the operations on them, and the one table of what each type runs.
 
 A `QTensor` is a 2-D weight matrix kept in its packed ggml form (a zero-copy view into the
 GGUF mmap). Its operations never materialise a dequantized copy of the matrix:
@@ -22,6 +22,11 @@ Two arithmetic paths:
 When several matrices multiply the same x (Q, K, V; gate, up), `quantize_activation(x)` returns
 an `Activation` that can be passed instead of x, so x is quantized once.
 
+Each supported type has one `TensorType` entry in `TYPES` (registered once, below): its ggml
+block layout, and how to bind its kernels; `QTensor` looks its bound `TypeOps` up once and
+calls through it (no per-type branching anywhere else). Kernels are imported on first use, so
+importing this module does not import numba.
+
 Threads: `set_threads(n)` sets Numba's thread count, used by every kernel (each splits rows
 over threads with one `prange`).
 """
@@ -29,12 +34,13 @@ over threads with one `prange`).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
 from .errors import QllamaError, UnsupportedError
-from .ggml_types import BF16, F16, F32, GGML_TYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
+from .ggml_types import BF16, F16, F32, GGML_TYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name
 
 if TYPE_CHECKING:
     from .gguf import GGUFFile
@@ -42,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = [
     "SUPPORTED_TYPES",
     "INT8_TYPES",
+    "TYPES",
+    "TensorType",
+    "TypeOps",
     "QTensor",
     "Activation",
     "quantize_activation",
@@ -52,13 +61,165 @@ __all__ = [
     "int8_activations",
 ]
 
-SUPPORTED_TYPES: frozenset[int] = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
-# types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)
-INT8_TYPES: frozenset[int] = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1})
-_Q8K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # activations in q8_K form; the 32-blocks use q8_0 form
-
-_state = {"int8": True, "int8_types": None}  # int8_types: the answer of int8_activations(), cached
 FLOAT_MATMUL_TILE_BYTES = 1 << 20  # decoded rows per step of the float mat-mat of quantized types
+
+
+# -- the per-type table ------------------------------------------------------------------------
+
+
+class TypeOps(NamedTuple):
+    """The operations of one type with its kernels bound (built once per type, on first use).
+
+    q is the QTensor; every array is float32 unless said otherwise.
+    """
+
+    matvec: Callable  # float path: (q, x (ne0,), out (ne1,)) -> None
+    matmul: Callable  # float path: (q, x (n_tok, ne0), out (n_tok, ne1), n_threads) -> None
+    dequantize: Callable  # (q, row ids int64 (n,)) -> (n, ne0)
+    int8: Callable | None  # int8 path: (q, Activation, out (n_tok, ne1), n_threads) -> None; None: float only
+
+
+class TensorType(NamedTuple):
+    """The entry of one supported type. Holds no kernel: `bind()` imports them (and numba)."""
+
+    ggml: GGMLType  # id, name, elements and bytes per block (`qllama.ggml_types`)
+    view: type | None  # dtype the float types' kernels read rows as (float32, or uint16 bits); None: blocks
+    int8_form: str | None  # how x is rounded for the int8 path: "q8_K" or "q8_0" (`Activation`); None: no int8 path
+    bind: Callable[[], TypeOps]
+
+
+TYPES: dict[int, TensorType] = {}
+
+
+def _register(type_id: int, view: type | None, int8_form: str | None, bind: Callable[[], TypeOps]) -> None:
+    assert type_id not in TYPES, type_name(type_id)
+    TYPES[type_id] = TensorType(GGML_TYPES[type_id], view, int8_form, bind)
+
+
+def _fp16_table() -> np.ndarray:
+    from .kernels._fp16 import FP16_TO_F32
+
+    return FP16_TO_F32  # (65536,) float32
+
+
+def _f32_ops() -> TypeOps:
+    from .kernels import floats
+
+    return TypeOps(
+        matvec=lambda q, x, out: floats.matvec_f32(q._typed, x, out),
+        matmul=lambda q, x, out, nt: floats.matmul_f32(q._typed, x, out, nt),
+        dequantize=lambda q, ids: q._typed[ids],  # fancy indexing copies
+        int8=None,
+    )
+
+
+def _half_ops(is_bf16: bool) -> TypeOps:
+    """f16 or bf16: rows read as uint16 bits."""
+    from .kernels import floats
+
+    tab = _fp16_table()
+    matvec = floats.matvec_bf16 if is_bf16 else floats.matvec_f16
+    if is_bf16:
+        def dequantize(q, ids):
+            return (q._typed[ids].astype(np.uint32) << 16).view(np.float32)
+    else:
+        def dequantize(q, ids):
+            return tab[q._typed[ids]]
+    return TypeOps(
+        matvec=lambda q, x, out: matvec(q._typed, x, out),
+        matmul=lambda q, x, out, nt: floats.matmul_half(q._typed, is_bf16, x, out, nt),
+        dequantize=dequantize,
+        int8=None,
+    )
+
+
+def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool) -> TypeOps:
+    """A quantized type. family: the module of its float mat-vec `matvec_<type>` (legacy or kquants);
+    int8_kernel: its mat-mat in kernels/int8.py, called with the type id first when `takes_type`."""
+    import importlib
+
+    from .kernels import floats, int8
+    from .kernels._x86 import HAVE_AVX2
+    from .kernels.dequantize import dequantize_rows
+
+    tab = _fp16_table()
+    fused = getattr(importlib.import_module(f".kernels.{family}", __package__), f"matvec_{type_name(type_id).lower()}")
+    decode = partial(dequantize_rows, type_id)
+
+    def matvec(q, x, out):
+        xs = x.reshape(-1, 16).sum(axis=1, dtype=np.float32)  # (ne0/16,) for the min terms
+        fused(q.raw, x, xs, tab, out)
+
+    def matmul(q, x, out, nt):
+        # decode a tile of rows (bit-exact, into a small scratch), multiply it with every token
+        n_tok, n_rows, n_cols = x.shape[0], q.n_rows, q.n_cols
+        tile = max(1, min(n_rows, FLOAT_MATMUL_TILE_BYTES // (4 * n_cols)))
+        w = np.empty((tile, n_cols), np.float32)  # (tile, ne0) decoded rows
+        y = np.empty((n_tok, tile), np.float32)  # (n_tok, tile)
+        for r0 in range(0, n_rows, tile):
+            n = min(tile, n_rows - r0)
+            if n < tile:
+                w, y = w[:n], np.empty((n_tok, n), np.float32)
+            decode(q.raw, np.arange(r0, r0 + n, dtype=np.int64), tab, w)
+            wv = w.view()
+            wv.flags.writeable = False  # the same kernel signature as f32 weights
+            floats.matmul_f32(wv, x, y, nt)
+            out[:, r0 : r0 + n] = y
+
+    def dequantize(q, ids):
+        out = np.empty((ids.size, q.n_cols), np.float32)
+        if ids.size:
+            decode(q.raw, ids, tab, out)
+        return out
+
+    ops = TypeOps(matvec, matmul, dequantize, None)
+    if HAVE_AVX2:
+        kernel = getattr(int8, int8_kernel)
+        if takes_type:
+            kernel = partial(kernel, type_id)
+        form = TYPES[type_id].int8_form
+
+        def int8_matmul(q, act, out, nt):
+            xq, xd, xs = act.quantized(form)
+            kernel(q.raw, xq, xd, xs, tab, out, nt)
+
+        ops = ops._replace(int8=int8_matmul)
+    return ops
+
+
+_register(F32, np.float32, None, _f32_ops)
+_register(F16, np.uint16, None, partial(_half_ops, False))
+_register(BF16, np.uint16, None, partial(_half_ops, True))
+# quantized types: kernel module of the float path, int8 activation form, int8 mat-mat kernel
+# (kernels/int8.py) and whether that kernel serves several types (then it takes the type id)
+for _tid, _family, _form, _kernel, _shared in (
+    (Q4_0, "legacy", "q8_0", "matmul_legacy", True),
+    (Q4_1, "legacy", "q8_0", "matmul_legacy", True),
+    (Q5_0, "legacy", "q8_0", "matmul_legacy", True),
+    (Q5_1, "legacy", "q8_0", "matmul_legacy", True),
+    (Q8_0, "legacy", "q8_0", "matmul_q8_0", False),
+    (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True),
+    (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True),
+    (Q4_K, "kquants", "q8_K", "matmul_q4_k", False),
+    (Q5_K, "kquants", "q8_K", "matmul_q5_k", False),
+    (Q6_K, "kquants", "q8_K", "matmul_q6_k", False),
+):
+    _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared))
+
+SUPPORTED_TYPES: frozenset[int] = frozenset(TYPES)
+# types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)
+INT8_TYPES: frozenset[int] = frozenset(t for t, e in TYPES.items() if e.int8_form)
+
+_OPS: dict[int, TypeOps] = {}  # type id -> its bound operations (filled on first use)
+_state = {"int8": True, "int8_types": None}  # int8_types: the answer of int8_activations(), cached
+
+
+def type_ops(type_id: int) -> TypeOps:
+    """The bound operations of a supported type (imports its kernels the first time)."""
+    ops = _OPS.get(type_id)
+    if ops is None:
+        ops = _OPS[type_id] = TYPES[type_id].bind()
+    return ops
 
 
 # -- threads --------------------------------------------------------------------------------
@@ -135,8 +296,7 @@ class Activation:
         self.x = np.ascontiguousarray(x)  # (n_tok, n)
         if not self.x.flags.writeable:  # one kernel signature: writable arrays only
             self.x = self.x.copy()
-        self._q8_k: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._q8_0: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._forms: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @property
     def n_tok(self) -> int:
@@ -146,31 +306,34 @@ class Activation:
     def n(self) -> int:
         return self.x.shape[1]
 
-    def q8_k(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(xq int8 (n_tok, n), d float32 (n_tok, n/256), bsums int32 (n_tok, n/16)); n % 256 == 0."""
-        if self._q8_k is None:
-            from .kernels.int8 import quantize_q8_k
+    def quantized(self, form: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x in an int8 form (computed once): (xq int8 (n_tok, n), d float32, int32 sums).
 
+        "q8_K": one d per 256 elements, sums of every 16 quants (n % 256 == 0);
+        "q8_0": one d per 32 elements, sums of every 32 quants (n % 32 == 0).
+        """
+        q = self._forms.get(form)
+        if q is None:
+            from .kernels import int8
+
+            per_d, per_sum, quantize = _ACTIVATION_FORMS[form]
             t, n = self.x.shape
-            xq = np.empty((t, n), np.int8)
-            xd = np.empty((t, n // 256), np.float32)
-            xs = np.empty((t, n // 16), np.int32)
-            quantize_q8_k(self.x, xq, xd, xs)
-            self._q8_k = (xq, xd, xs)
-        return self._q8_k
+            q = (np.empty((t, n), np.int8), np.empty((t, n // per_d), np.float32), np.empty((t, n // per_sum), np.int32))
+            getattr(int8, quantize)(self.x, *q)
+            self._forms[form] = q
+        return q
+
+    def q8_k(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`quantized("q8_K")`."""
+        return self.quantized("q8_K")
 
     def q8_0(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(xq int8 (n_tok, n), d float32 (n_tok, n/32), sums of xq int32 (n_tok, n/32)); n % 32 == 0."""
-        if self._q8_0 is None:
-            from .kernels.int8 import quantize_q8_0
+        """`quantized("q8_0")`."""
+        return self.quantized("q8_0")
 
-            t, n = self.x.shape
-            xq = np.empty((t, n), np.int8)
-            xd = np.empty((t, n // 32), np.float32)
-            xs = np.empty((t, n // 32), np.int32)
-            quantize_q8_0(self.x, xq, xd, xs)
-            self._q8_0 = (xq, xd, xs)
-        return self._q8_0
+
+# form -> (elements per scale d, quants per int32 sum, its quantizer in kernels/int8.py)
+_ACTIVATION_FORMS = {"q8_K": (256, 16, "quantize_q8_k"), "q8_0": (32, 32, "quantize_q8_0")}
 
 
 def quantize_activation(x: np.ndarray) -> Activation:
@@ -184,7 +347,7 @@ def quantize_activation(x: np.ndarray) -> Activation:
 class QTensor:
     """A 2-D weight matrix in its packed ggml form. shape is GGUF order (ne0 = row length, ne1 = rows)."""
 
-    __slots__ = ("type_id", "shape", "n_cols", "n_rows", "raw", "_typed")
+    __slots__ = ("type_id", "shape", "n_cols", "n_rows", "raw", "_typed", "_ops")
 
     def __init__(self, type_id: int, raw: np.ndarray, shape: tuple[int, int]):
         """Use `from_gguf` or `from_bytes`, which validate; raw: uint8 (n_rows, row_bytes)."""
@@ -192,13 +355,9 @@ class QTensor:
         self.shape = (int(shape[0]), int(shape[1]))
         self.n_cols, self.n_rows = self.shape
         self.raw = raw  # uint8 (n_rows, row_bytes), read-only
-        # a typed (n_rows, n_cols) view for the float types' direct kernels
-        if self.type_id == F32:
-            self._typed = raw.view(np.float32)
-        elif self.type_id in (F16, BF16):
-            self._typed = raw.view(np.uint16)
-        else:
-            self._typed = None
+        view = TYPES[self.type_id].view
+        self._typed = raw.view(view) if view is not None else None  # (n_rows, n_cols) for the float types
+        self._ops: TypeOps | None = None  # bound on first use (that imports the kernels)
 
     # -- construction --------------------------------------------------------------------
 
@@ -263,21 +422,11 @@ class QTensor:
         elif act.n_tok != 1 or act.n != self.n_cols:
             raise ValueError(f"activation of shape {act.x.shape} does not fit matvec with ne0={self.n_cols}")
         out = _check_out(out, (self.n_rows,))
-        if self.type_id in int8_activations():
-            self._int8(act if act is not None else Activation(x), out.reshape(1, -1))
-            return out
-        xv = act.x[0] if act is not None else x
-        from .kernels import floats
-
-        if self.type_id == F32:
-            floats.matvec_f32(self._typed, xv, out)
-        elif self.type_id == F16:
-            floats.matvec_f16(self._typed, xv, out)
-        elif self.type_id == BF16:
-            floats.matvec_bf16(self._typed, xv, out)
+        ops = self._ops or self._bind()
+        if ops.int8 is not None and _state["int8"]:
+            ops.int8(self, act if act is not None else Activation(x), out.reshape(1, -1), get_threads())
         else:
-            xs = xv.reshape(-1, 16).sum(axis=1, dtype=np.float32)  # (ne0/16,) for the min terms
-            _float_matvec_kernel(self.type_id)(self.raw, xv, xs, _fp16_table(), out)
+            ops.matvec(self, act.x[0] if act is not None else x, out)
         return out
 
     def matmul(self, x: "np.ndarray | Activation", out: np.ndarray | None = None) -> np.ndarray:
@@ -293,52 +442,12 @@ class QTensor:
         out = _check_out(out, (n_tok, self.n_rows))
         if n_tok == 0:
             return out
-        if self.type_id in int8_activations():
-            self._int8(act if act is not None else Activation(x), out)
-            return out
-        xv = act.x if act is not None else x
-        from .kernels import floats
-
-        nt = get_threads()
-        if self.type_id == F32:
-            floats.matmul_f32(self._typed, xv, out, nt)
-        elif self.type_id in (F16, BF16):
-            floats.matmul_half(self._typed, self.type_id == BF16, xv, out, nt)
+        ops = self._ops or self._bind()
+        if ops.int8 is not None and _state["int8"]:
+            ops.int8(self, act if act is not None else Activation(x), out, get_threads())
         else:
-            # decode a tile of rows (bit-exact, into a small scratch), multiply it with every token
-            dequant, tab = _dequantize_kernel(self.type_id), _fp16_table()
-            tile = max(1, min(self.n_rows, FLOAT_MATMUL_TILE_BYTES // (4 * self.n_cols)))
-            w = np.empty((tile, self.n_cols), np.float32)  # (tile, ne0) decoded rows
-            y = np.empty((n_tok, tile), np.float32)  # (n_tok, tile)
-            for r0 in range(0, self.n_rows, tile):
-                n = min(tile, self.n_rows - r0)
-                if n < tile:
-                    w, y = w[:n], np.empty((n_tok, n), np.float32)
-                dequant(self.raw, np.arange(r0, r0 + n, dtype=np.int64), tab, w)
-                wv = w.view()
-                wv.flags.writeable = False  # the same kernel signature as f32 weights
-                floats.matmul_f32(wv, xv, y, nt)
-                out[:, r0 : r0 + n] = y
+            ops.matmul(self, act.x if act is not None else x, out, get_threads())
         return out
-
-    def _int8(self, act: Activation, out: np.ndarray) -> None:
-        from .kernels import int8
-
-        tab = _fp16_table()
-        nt = get_threads()
-        if self.type_id in _Q8K_TYPES:
-            xq, xd, xs = act.q8_k()
-            if self.type_id in (Q2_K, Q3_K):
-                int8.matmul_q2_q3_k(self.type_id, self.raw, xq, xd, xs, tab, out, nt)
-            else:
-                kernel = {Q4_K: int8.matmul_q4_k, Q5_K: int8.matmul_q5_k, Q6_K: int8.matmul_q6_k}[self.type_id]
-                kernel(self.raw, xq, xd, xs, tab, out, nt)
-        elif self.type_id == Q8_0:
-            xq, xd, xs = act.q8_0()
-            int8.matmul_q8_0(self.raw, xq, xd, xs, tab, out, nt)
-        else:
-            xq, xd, xs = act.q8_0()
-            int8.matmul_legacy(self.type_id, self.raw, xq, xd, xs, tab, out, nt)
 
     def dequantize(self, rows: "None | slice | np.ndarray | list[int]" = None) -> np.ndarray:
         """Rows as float32 (len(rows), ne0): all (None), a slice, or an array of row ids."""
@@ -354,52 +463,17 @@ class QTensor:
             if ids.size and (ids.min() < 0 or ids.max() >= self.n_rows):
                 bad = int(ids[(ids < 0) | (ids >= self.n_rows)][0])
                 raise IndexError(f"row {bad} out of range for a tensor of {self.n_rows} rows")
-        if self.type_id == F32:
-            return self._typed[ids]  # fancy indexing copies
-        if self.type_id == F16:
-            return _fp16_table()[self._typed[ids]]
-        if self.type_id == BF16:
-            return (self._typed[ids].astype(np.uint32) << 16).view(np.float32)
-        out = np.empty((ids.size, self.n_cols), np.float32)
-        if ids.size:
-            _dequantize_kernel(self.type_id)(self.raw, ids, _fp16_table(), out)
-        return out
+        return (self._ops or self._bind()).dequantize(self, ids)
+
+    def _bind(self) -> TypeOps:
+        self._ops = type_ops(self.type_id)
+        return self._ops
 
     def row(self, i: int) -> np.ndarray:
         """Row i as float32 (ne0,)."""
         if not -self.n_rows <= i < self.n_rows:
             raise IndexError(f"row {i} out of range for a tensor of {self.n_rows} rows")
         return self.dequantize(np.array([i % self.n_rows]))[0]
-
-
-def _float_matvec_kernel(type_id: int):
-    """The fused float mat-vec kernel of a quantized type: kernel(raw, x, xs16, tab, out)."""
-    from .kernels import kquants as kq
-    from .kernels import legacy as lg
-
-    return {
-        Q4_0: lg.matvec_q4_0, Q4_1: lg.matvec_q4_1, Q5_0: lg.matvec_q5_0, Q5_1: lg.matvec_q5_1,
-        Q8_0: lg.matvec_q8_0, Q2_K: kq.matvec_q2_k, Q3_K: kq.matvec_q3_k, Q4_K: kq.matvec_q4_k,
-        Q5_K: kq.matvec_q5_k, Q6_K: kq.matvec_q6_k,
-    }[type_id]
-
-
-def _dequantize_kernel(type_id: int):
-    """The row dequantization kernel of a quantized type: kernel(raw, rows, tab, out)."""
-    from .kernels import kquants as kq
-    from .kernels import legacy as lg
-
-    return {
-        Q4_0: lg.dequantize_q4_0, Q4_1: lg.dequantize_q4_1, Q5_0: lg.dequantize_q5_0, Q5_1: lg.dequantize_q5_1,
-        Q8_0: lg.dequantize_q8_0, Q2_K: kq.dequantize_q2_k, Q3_K: kq.dequantize_q3_k, Q4_K: kq.dequantize_q4_k,
-        Q5_K: kq.dequantize_q5_k, Q6_K: kq.dequantize_q6_k,
-    }[type_id]
-
-
-def _fp16_table() -> np.ndarray:
-    from .kernels._fp16 import FP16_TO_F32
-
-    return FP16_TO_F32
 
 
 def _check_x(x: np.ndarray, ndim: int, n_cols: int) -> np.ndarray:

@@ -2,9 +2,9 @@
 
 - `_fp16.py`   fp16 -> f32 lookup table (Numba has no float16 on the CPU)
 - `floats.py`  f32 / f16 / bf16 mat-vec and mat-mat
-- `legacy.py`  q4_0, q4_1, q5_0, q5_1, q8_0: bit-exact block decoders, row dequantization,
-               fused float mat-vecs
+- `legacy.py`  q4_0, q4_1, q5_0, q5_1, q8_0: bit-exact block decoders, fused float mat-vecs
 - `kquants.py` q2_K .. q6_K: the same
+- `dequantize.py` row dequantization of every block type (one kernel, the type a parameter)
 - `int8.py`    activation quantizers (q8_K, q8_0) and the int8-activation mat-mat kernels
                (which serve mat-vec too), for every quantized type
 - `_x86.py`    the AVX2 intrinsics (pmaddubsw / pmaddwd) used by `int8.py`
