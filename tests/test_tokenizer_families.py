@@ -138,6 +138,30 @@ def test_gemma_specials_and_end_of_generation(files):
     assert t.decode([10994, G_EOT]) == "Hello" and t.decode([10994, G_EOT], special=True) == "Hello<end_of_turn>"
 
 
+def test_many_special_tokens_are_found_like_one_search_each(files):
+    # real Gemma files have thousands of "<unusedN>" tokens: the partition then finds the ones a
+    # text holds by their first characters; it must pick exactly the tokens a search per token finds
+    from qllama.tokenizer import Tokenizer
+
+    many = [(f"<unused{i}>", CTL) for i in range(1, 400)] + [(f"<h{i}>", int(TokenType.USER_DEFINED)) for i in range(80)]
+    many += [("\n\n\n", int(TokenType.USER_DEFINED)), ("zq", int(TokenType.USER_DEFINED))]
+    md = dict(GGUFFile(files["gemma"]).metadata)
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"] + [t for t, _ in many]
+    md["tokenizer.ggml.token_type"] = np.concatenate([md["tokenizer.ggml.token_type"], [ty for _, ty in many]])
+    md["tokenizer.ggml.scores"] = np.concatenate([md["tokenizer.ggml.scores"], np.zeros(len(many), np.float32)])
+    t = Tokenizer.from_metadata(md)
+    rng = np.random.default_rng(5)
+    alphabet = list("<>/\nzqhun1 ab") + ["<unused1", "<h7>", "<unused12>", "<unused399>", "<h79>", "<end_of_turn>"]
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet, size=int(rng.integers(0, 30))))
+        for parse_special in (False, True):
+            cuts = t._cuts[parse_special]
+            assert len(cuts.cuts) > cuts._MANY
+            assert cuts.occurring_in(text) == [c for c in cuts.cuts if c[1] in text], text
+    first = 32000 + 4
+    assert t.encode("a<h7>b<unused12>", parse_special=True) == [29874, first + 399 + 7, 29890, first + 11]
+
+
 # -- Qwen ---------------------------------------------------------------------------------------
 
 def test_qwen2_pretokenizer_and_chatml(files):

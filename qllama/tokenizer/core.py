@@ -22,6 +22,7 @@ or SentencePiece-style BPE (`llama`, spm.py). Around the merge model, as llama.c
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import Iterable
 from os import PathLike
 
@@ -90,9 +91,11 @@ class Tokenizer:
         self.add_space_prefix, self.clean_spaces = sp.add_space_prefix, sp.clean_spaces
         self.eog_ids = sp.eog
         self._attrs = vocab.attrs  # (n_vocab,) int32 TokenAttr bits, after the fix-ups
-        # special tokens for partitioning, longest (in bytes) first
-        self._specials = sorted((int(i) for i in vocab.special_ids()),
-                                key=lambda i: -len(vocab.tokens[i].encode("utf-8")))
+        # special tokens cut from the text, longest (in bytes) first: all of them with
+        # parse_special, else only those that are not hidden (user-defined ones)
+        order = sorted((int(i) for i in vocab.special_ids()), key=lambda i: -len(vocab.tokens[i].encode("utf-8")))
+        cut_all = [(i, vocab.tokens[i], int(vocab.attrs[i])) for i in order]
+        self._cuts = {True: _SpecialCuts(cut_all), False: _SpecialCuts([c for c in cut_all if not c[2] & HIDDEN_ATTRS])}
 
         self._spm: SPMModel | None = None
         self._bpe: BPEModel | None = None
@@ -200,14 +203,7 @@ class Tokenizer:
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Cut `text` at special-token texts (llama.cpp's tokenizer_st_partition)."""
         frags: list[str | int] = [text]
-        attrs = self._attrs
-        for sid in self._specials:
-            attr = int(attrs[sid])
-            if not parse_special and attr & HIDDEN_ATTRS:
-                continue
-            tok = self._tokens[sid]
-            if tok not in text:  # cheap: most special tokens never occur
-                continue
+        for sid, tok, attr in self._cuts[bool(parse_special)].occurring_in(text):
             new: list[str | int] = []
             for frag in frags:
                 if isinstance(frag, int) or tok not in frag:
@@ -258,6 +254,39 @@ class Tokenizer:
     def __repr__(self) -> str:
         pre = f", pre={self.pre.name!r}" if self.pre is not None else ""
         return f"Tokenizer(model={self.model!r}{pre}, n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+class _SpecialCuts:
+    """The special tokens (id, text, attributes) that a partition cuts, longest first, and which
+    of them occur in a text.
+
+    Few tokens: one substring search each. Many (Gemma has thousands of `<unusedN>`): one regex
+    scan for the characters a special text can start with, then a dict lookup per distinct text
+    length at each such position, so the cost no longer grows with the number of tokens.
+    """
+
+    _MANY = 64
+
+    def __init__(self, cuts: list[tuple[int, str, int]]):
+        self.cuts = cuts
+        self._rank: dict[str, int] | None = None
+        if len(cuts) > self._MANY:
+            self._rank = {text: k for k, (_, text, _) in enumerate(cuts)}
+            self._lengths = sorted({len(text) for text in self._rank})
+            firsts = "".join(sorted({text[0] for text in self._rank}))
+            self._starts = re.compile("[" + "".join(map(re.escape, firsts)) + "]")
+
+    def occurring_in(self, text: str) -> list[tuple[int, str, int]]:
+        if self._rank is None:
+            return [c for c in self.cuts if c[1] in text]
+        rank, lengths, found = self._rank, self._lengths, set()
+        for m in self._starts.finditer(text):
+            p = m.start()
+            for n in lengths:
+                k = rank.get(text[p : p + n])
+                if k is not None:
+                    found.add(k)
+        return [self.cuts[k] for k in sorted(found)]
 
 
 def _no_surrogates(text: str) -> str:
