@@ -84,6 +84,7 @@ def paths(tmp_path_factory):
     return {
         "hi": scripted_model(d / "hi.gguf"),
         "plain": scripted_model(d / "plain.gguf", template=None),
+        "long": scripted_model(d / "long.gguf", n_ctx=4096),  # streams that last
         "random": random,
     }
 
@@ -364,7 +365,7 @@ def open_stream(s, max_tokens=10_000, prompt="hello"):
 
 
 def test_queue_bound_503_with_retry_after_and_disconnect_frees_the_slot(paths):
-    with serve(paths["hi"], parallel=1, max_queue=1, n_ctx=4096) as s:
+    with serve(paths["long"], parallel=1, max_queue=1) as s:
         busy, _ = open_stream(s)
         queued = {}
         t = threading.Thread(target=lambda: queued.setdefault("r", s.client().completions.create(
@@ -408,6 +409,33 @@ def test_a_cancelled_job_leaves_its_slot_at_the_next_step(paths):
     assert seen[-1] == [1] and sched.n_busy == 1  # only b ran: its last prompt token
     assert events["a"] and all(e.kind == "text" for e in events["a"])  # no more events after cancel
     assert "".join(e.text for e in events["b"]) == "."  # b's prompt was done at step 5
+
+
+def test_a_failing_step_fails_its_jobs_and_the_loop_goes_on(paths):
+    from qllama.server.scheduler import Job
+    from qllama.server.schemas import GenParams
+
+    llm = qllama.load(paths["hi"], n_threads=1)
+    forward, new_cache, _ = model_forward(llm)
+    calls = []
+
+    def flaky(segments):
+        calls.append(len(segments))
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return forward(segments)
+
+    sched = Scheduler(flaky, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=1, chunk=64)
+    first, second = [], []
+    sched.submit(Job([1, 300], GenParams(max_tokens=5), first.append))
+    sched.step()
+    sched.step()  # raises inside forward
+    assert first[-1].kind == "error" and "boom" in first[-1].message and sched.n_busy == 0
+    sched.submit(Job([1, 300], GenParams(max_tokens=3), second.append))
+    while sched.step():
+        pass
+    assert second[-1].kind == "done" and second[-1].usage.completion_tokens == 3
+    assert second[-1].usage.cached_tokens == 0  # the failed slot's cache was dropped
 
 
 def test_prefix_reuse(hi):

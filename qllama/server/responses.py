@@ -13,7 +13,8 @@ import json
 import secrets
 import time
 
-from .scheduler import TokenLogprob, Usage
+from .scheduler import Usage
+from .text import TokenLogprob
 
 FINGERPRINT = "qllama"
 

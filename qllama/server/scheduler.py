@@ -28,6 +28,7 @@ import numpy as np
 
 from ..sampling import Sampler
 from .schemas import GenParams
+from .text import TextOutput, TokenLogprob, token_logprob
 
 FINISH_STOP = "stop"  # an end-of-generation token or a stop string
 FINISH_LENGTH = "length"  # max_tokens reached or the context is full
@@ -39,17 +40,6 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The scheduler no longer accepts requests."""
-
-
-@dataclass
-class TokenLogprob:
-    """One generated token with its log-probability and the top alternatives (from the raw logits)."""
-
-    id: int
-    text: str
-    bytes: bytes
-    logprob: float
-    top: list[tuple[int, str, bytes, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -90,56 +80,6 @@ class Job:
     def cancel(self) -> None:
         """Stop this job at the next step (safe from any thread: a plain flag)."""
         self.cancelled = True
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
-
-
-class TextOutput:
-    """Token ids -> text chunks: multi-byte characters are never split, and text that may be
-    the start of a stop string waits until it is known not to be one."""
-
-    def __init__(self, tokenizer, stops: Sequence[str]):
-        self.decoder = tokenizer.stream_decoder(continuation=True)  # ids continue the prompt
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.pending_lp: list[TokenLogprob] = []
-
-    def feed(self, token: int, lp: TokenLogprob | None) -> tuple[str, list[TokenLogprob], bool]:
-        """Add one token: (text that can be sent now, its logprobs, whether a stop string appeared)."""
-        self.pending += self.decoder.feed(token)
-        if lp is not None:
-            self.pending_lp.append(lp)
-        if self.stops:
-            hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-            if hits:  # the text before the stop string, and the end
-                text, self.pending = self.pending[: min(hits)], ""
-                lps, self.pending_lp = self.pending_lp, []
-                return text, lps, True
-        return self.take(len(self.pending) - held_back(self.pending, self.stops)) + (False,)
-
-    def take(self, n: int) -> tuple[str, list[TokenLogprob]]:
-        """The first n pending characters, with the logprobs of every token fed so far (when n > 0)."""
-        text, self.pending = self.pending[:n], self.pending[n:]
-        lps: list[TokenLogprob] = []
-        if n > 0:
-            lps, self.pending_lp = self.pending_lp, []
-        return text, lps
-
-    def finish(self) -> tuple[str, list[TokenLogprob]]:
-        """The rest of the text (at an end of generation or the length limit)."""
-        self.pending += self.decoder.flush()
-        text, lps = self.pending, self.pending_lp
-        self.pending, self.pending_lp = "", []
-        return text, lps
 
 
 class _Run:
@@ -275,8 +215,18 @@ class Scheduler:
                     self._cond.wait(timeout=0.1)
             if self._closing:
                 break
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a bug must not leave clients waiting forever
+                self._fail_running(f"internal error: {type(e).__name__}: {e}")
         self._fail_all(self._closing_message)
+
+    def _fail_running(self, message: str) -> None:
+        for slot in self.slots:
+            if slot.run is not None:
+                _send(slot.run.job, Event("error", message=message))
+                slot.run, slot.tokens = None, []
+                rewind(slot.cache, 0)
 
     def _fail_all(self, message: str) -> None:
         with self._cond:
@@ -350,7 +300,11 @@ class Scheduler:
                 run.pos += len(ids)
                 if run.prefilling:
                     continue
-            self._advance(slot, row)
+            try:
+                self._advance(slot, row)
+            except Exception as e:  # noqa: BLE001 - this job fails, the others go on
+                _send(run.job, Event("error", message=f"generation failed: {type(e).__name__}: {e}"))
+                slot.run = None
         return True
 
     def _advance(self, slot: Slot, logits: np.ndarray) -> None:
@@ -395,23 +349,3 @@ def _send(job: Job, event: Event) -> bool:
         return True
     except Exception:  # noqa: BLE001 - the client's event loop is gone
         return False
-
-
-def token_logprob(tokenizer, logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
-    """log softmax of the raw logits (n_vocab,) at `token`, with the n_top most likely tokens.
-
-    As llama.cpp's server does (post_sampling_probs off): the model's distribution before
-    penalties, top-k/p and temperature.
-    """
-    x = logits.astype(np.float64)
-    m = x.max()
-    lse = m + np.log(np.exp(x - m).sum())
-    top = []
-    if n_top > 0:
-        ids = np.argpartition(-x, min(n_top, x.size - 1))[:n_top]
-        ids = ids[np.argsort(-x[ids], kind="stable")]
-        for i in ids:
-            b = tokenizer.token_bytes(int(i), special=True)
-            top.append((int(i), b.decode("utf-8", "replace"), b, float(x[i] - lse)))
-    b = tokenizer.token_bytes(int(token), special=True)
-    return TokenLogprob(int(token), b.decode("utf-8", "replace"), b, float(x[token] - lse), top)

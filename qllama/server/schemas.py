@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import QllamaError
 from ..sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -135,6 +136,10 @@ def _common(body: dict) -> GenParams:
         repeat_last_n=_number(body, "repeat_last_n", 64, integer=True, lo=-1),
         seed=None if seed is None else seed % (1 << 64),  # numpy wants a non-negative seed
     )
+    try:
+        sampling.validate()
+    except QllamaError as e:
+        raise bad_request(str(e)) from None
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -155,7 +160,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, list):
-        if prompt and all(isinstance(p, str) for p in prompt) or any(isinstance(p, list) for p in prompt):
+        if (prompt and all(isinstance(p, str) for p in prompt)) or any(isinstance(p, list) for p in prompt):
             raise bad_request("only one prompt per request is supported", "prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
