@@ -726,10 +726,15 @@ class TensorPlan:
     dst_bytes: int
 
 
-def plan_quantization(src, preset: str) -> list[TensorPlan]:
+class RequantizeError(UnsupportedError):
+    """A tensor that must be converted is already quantized, and requantizing was not allowed."""
+
+
+def plan_quantization(src, preset: str, allow_requantize: bool = False) -> list[TensorPlan]:
     """The per-tensor types quantize_gguf would write for `src` (a path or an open GGUFFile).
 
-    Raises QllamaError when a tensor that must be converted is already quantized.
+    Raises RequantizeError when a tensor that must be converted is already quantized, unless
+    allow_requantize (then it is dequantized and quantized again: the errors add up).
     """
     from .gguf import GGUFFile
 
@@ -753,8 +758,8 @@ def plan_quantization(src, preset: str) -> list[TensorPlan]:
                 t.name, t.shape, p.name, n_layers, current_type=t.type_id, n_attn_v=n_attn_v,
                 tied_embeddings=tied, n_expert=n_expert, is_70b=is_70b,
             )
-            if dst != t.type_id and t.type_id not in FLOAT_TYPES:
-                raise UnsupportedError(
+            if dst != t.type_id and t.type_id not in FLOAT_TYPES and not allow_requantize:
+                raise RequantizeError(
                     f"tensor {t.name!r} is already quantized ({t.type_name}); requantizing to "
                     f"{type_name(dst)} would compound the error: quantize from the f32/f16/bf16 model"
                 )
@@ -815,8 +820,13 @@ def _array_items(value: Any) -> list:
 
 
 def _tensor_as_f32_rows(g, t, r0: int, r1: int) -> np.ndarray:
-    """Rows r0:r1 of a f32/f16/bf16 tensor as float32 (r1-r0, ne0): f16/bf16 are widened exactly."""
+    """Rows r0:r1 of a tensor as float32 (r1-r0, ne0): f16/bf16 are widened exactly, a quantized
+    tensor (requantizing) is dequantized by QTensor."""
     ne0 = t.shape[0] if t.shape else 1
+    if t.type_id not in FLOAT_TYPES:
+        from .qtensor import QTensor
+
+        return QTensor.from_gguf(g, t.name).dequantize(slice(r0, r1))
     arr = g.tensor_array(t.name).reshape(-1, ne0)[r0:r1]  # zero-copy view of the mmap
     if t.type_id == BF16:
         return bf16_to_f32(arr)
@@ -830,6 +840,7 @@ def quantize_gguf(
     progress: Callable[[int, int, str], None] | None = None,
     *,
     force: bool = False,
+    allow_requantize: bool = False,
 ) -> None:
     """Quantize a f32/f16/bf16 GGUF model to a llama.cpp preset (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0...).
 
@@ -838,7 +849,7 @@ def quantize_gguf(
     order, each converted as `plan_quantization` says. progress(done, total, tensor_name) is
     called after each tensor (done/total count elements). The output appears atomically (a
     temporary file is renamed); it refuses to overwrite the input, and an existing output unless
-    force=True.
+    force=True. A quantized input is refused unless allow_requantize (see plan_quantization).
     """
     import gguf as gguf_py
 
@@ -861,7 +872,7 @@ def quantize_gguf(
         arch = g.metadata.get("general.architecture")
         if not isinstance(arch, str) or not arch:
             raise GGUFError(f"{src_path}: no general.architecture: not a model file")
-        plans = plan_quantization(g, p.name)
+        plans = plan_quantization(g, p.name, allow_requantize=allow_requantize)
         total = sum(pl.n_elements for pl in plans)
 
         tmp_path = f"{dst_path}.tmp{os.getpid()}"

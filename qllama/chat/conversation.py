@@ -152,8 +152,8 @@ def fit(conv: Conversation, encode: Encode, n_ctx: int, max_tokens: int) -> tupl
         return ids, 0
     n_alone = len(encode(Conversation(conv.system, conv.turns[-1:]).messages()))
     if n_alone >= n_ctx:  # not even one position left for the answer: drop nothing, refuse
-        what = "the system prompt and the newest message" if conv.system else "the newest message"
-        raise ConversationTooLongError(f"{what} take {n_alone} tokens, which do not fit in the context of {n_ctx}")
+        what = "the system prompt and the newest message take" if conv.system else "the newest message takes"
+        raise ConversationTooLongError(f"{what} {n_alone} tokens, which do not fit in the context of {n_ctx}")
     # Dropped turns change every position after the system prompt, so all of it is evaluated
     # again; dropping down to half the budget (as llama.cpp's context shift discards half)
     # lets the next turns reuse the cache instead of paying that on every turn.

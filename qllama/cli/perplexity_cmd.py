@@ -12,28 +12,32 @@ from .model_ref import ModelRef
 
 @click.command("perplexity")
 @click.argument("model", type=ModelRef(dir_okay=False))
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path(dir_okay=False), required=False)
+@click.option("-f", "--file", "file_opt", type=click.Path(dir_okay=False), help="The text file (llama-perplexity's spelling of FILE).")
 @click.option("-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Tokens per chunk.")
 @click.option("--chunks", default=0, type=click.IntRange(min=0), help="Score only the first K chunks (0 = all).")
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
-def command(model, file, ctx_size, chunks, threads, as_json):
-    """Perplexity of MODEL on the text in FILE (lower is better)."""
-    from ..api import load
-    from ..errors import QllamaError
-    from ..perplexity import perplexity
+def command(model, file, file_opt, ctx_size, chunks, threads, as_json):
+    """Perplexity of MODEL on the text in FILE (lower is better).
 
-    try:
-        with open(file, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise QllamaError(f"{file}: no such file") from None
-    except UnicodeDecodeError:
-        raise QllamaError(f"{file}: not UTF-8 text") from None
+    Progress is drawn on stderr when it is a terminal."""
+    from ..api import load
+    from ..perplexity import perplexity
+    from .options import read_text_file
+    from .warm import warm_up
+
+    if (file is None) == (file_opt is None):
+        raise click.UsageError("give the text file once: as FILE or with -f FILE")
+    file = file if file is not None else file_opt
+    text = read_text_file(file)
     llm = load(model, n_ctx=ctx_size, n_threads=threads, batch_size=ctx_size)
+    warm_up(llm)
+    tty = sys.stderr.isatty()
 
     def progress(i: int, n: int, ppl: float) -> None:
-        click.echo(f"\r[{i}/{n}] perplexity {ppl:.4f}", err=True, nl=(i == n))
+        if tty:  # a line redrawn in place; a pipe or a log file gets only the result
+            click.echo(f"\r[{i}/{n}] perplexity {ppl:.4f}", err=True, nl=(i == n))
 
     res = perplexity(llm, text, n_ctx=ctx_size, chunks=chunks, progress=progress)
     if as_json:

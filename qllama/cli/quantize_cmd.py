@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import click
@@ -14,18 +15,30 @@ import click
 @click.argument("preset", metavar="TYPE")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists (never IN).")
 @click.option("--dry-run", is_flag=True, help="Only print the type each tensor would get.")
-def command(src, dst, preset, force, dry_run):
+@click.option("--allow-requantize", is_flag=True,
+              help="Accept an already quantized IN (dequantized, then quantized again: the errors add up).")
+def command(src, dst, preset, force, dry_run, allow_requantize):
     """Quantize the model IN to OUT with llama.cpp's TYPE mix.
 
     TYPE: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 (also Q4_K_S, Q5_K_S, Q4_1, Q5_0, Q5_1, F16, BF16, F32).
-    No importance matrix is used, as llama-quantize without --imatrix.
+    No importance matrix is used, as llama-quantize without --imatrix. A quantized IN needs
+    --allow-requantize, as in llama-quantize.
     """
+    from ..errors import QllamaError
     from ..ggml_types import type_name
-    from ..quantize import get_preset, plan_quantization, quantize_gguf
+    from ..quantize import FLOAT_TYPES, RequantizeError, get_preset, plan_quantization, quantize_gguf
 
     p = get_preset(preset)  # unknown TYPE: error before touching any file
+    try:
+        plans = plan_quantization(src, p.name, allow_requantize=allow_requantize)
+    except RequantizeError as e:  # the library names no options: add the one that allows it
+        raise QllamaError(f"{e}; or requantize anyway with --allow-requantize") from None
+    requant = sorted({type_name(pl.src_type) for pl in plans if pl.src_type != pl.dst_type and pl.src_type not in FLOAT_TYPES})
+    if requant:
+        click.echo(f"warning: requantizing {', '.join(requant)} tensors to {p.name}: the quantization errors add up; "
+                   "quantize from the f32/f16/bf16 model if you have it", err=True)
     if dry_run:
-        for pl in plan_quantization(src, p.name):
+        for pl in plans:
             click.echo(f"{pl.name:40s} {str(list(pl.shape)):18s} {type_name(pl.src_type):>6s} -> {type_name(pl.dst_type)}")
         return
 
@@ -35,14 +48,14 @@ def command(src, dst, preset, force, dry_run):
     def progress(done: int, total: int, name: str) -> None:
         if state["bar"] is None:
             # click hides the bar (prints the label only) when stderr is not a terminal
-            state["bar"] = click.progressbar(length=total, label=f"quantizing to {p.name}", file=click.get_text_stream("stderr"),
+            state["bar"] = click.progressbar(length=total, label=f"quantizing to {p.name}", file=sys.stderr,
                                              show_eta=True, item_show_func=lambda n: n)
             state["bar"].__enter__()
         state["bar"].update(done - state["done"], current_item=name)
         state["done"] = done
 
     try:
-        quantize_gguf(src, dst, p.name, progress=progress, force=force)
+        quantize_gguf(src, dst, p.name, progress=progress, force=force, allow_requantize=allow_requantize)
     finally:
         if state["bar"] is not None:
             state["bar"].__exit__(None, None, None)
