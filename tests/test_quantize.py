@@ -1,4 +1,4 @@
-"""Tests of qllama.quantize and `qllama quantize`.
+"""Tests of the qllama.quantize package and `qllama quantize`.
 
 Oracles: gguf-py's reference quantizers (q8_0/q4_0/q4_1/q5_0/q5_1/bf16: bytes must be equal) and
 its independent dequantizers (k-quant round trips); llama.cpp's own Q4_K_M quantization of the
@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from qllama import quantize as qz
+from qllama.kernels import quantize_k
+from qllama.quantize import blocks as qblocks
 from qllama.errors import GGUFError, QllamaError, UnsupportedError
 from qllama.ggml_types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from qllama.gguf import GGUFFile, ValueType
@@ -119,8 +121,8 @@ def test_kquant_all_zero_and_tiny_rows():
 def test_kquant_threads_do_not_change_bytes(monkeypatch):
     x = _rows(5, 16, 512)  # 32 super-blocks
     serial = {t: quantize_array(x, t) for t in (Q4_K, Q5_K, Q6_K)}
-    monkeypatch.setattr(qz, "_MIN_BLOCKS_PER_THREAD", 4)
-    monkeypatch.setattr(qz.os, "cpu_count", lambda: 3)  # uneven slices
+    monkeypatch.setattr(qblocks, "_MIN_BLOCKS_PER_THREAD", 4)
+    monkeypatch.setattr(qblocks.os, "cpu_count", lambda: 3)  # uneven slices
     for t, ref in serial.items():
         np.testing.assert_array_equal(quantize_array(x, t), ref)
 
@@ -136,7 +138,7 @@ def test_kquant_bytes_equal_llama_cpp():
 
 
 def test_helpers_match_ggml_rounding():
-    nearest = qz._nearest_int.py_func  # the plain-Python body runs the same float32 arithmetic
+    nearest = quantize_k.nearest_int.py_func  # the plain-Python body runs the same float32 arithmetic
     vals = [0.5, 1.5, 2.5, -0.5, -1.5, 3.49, -3.51, 4194303.0]
     assert [nearest(np.float32(v)) for v in vals] == [0, 2, 2, 0, -2, 3, -4, 4194303]
     rng = np.random.default_rng(4)
@@ -144,7 +146,7 @@ def test_helpers_match_ggml_rounding():
         rng.standard_normal(2000).astype(np.float32) * 10.0 ** rng.integers(-9, 5, 2000),
         np.array([6.1e-5, 5.96e-8, 2.98e-8, 2.99e-8, 65504, 65519.9, 65520, -1e9, 0.0, -0.0], np.float32),
     ]).astype(np.float32)
-    mine = np.array([qz._fp16_round(v) for v in f], np.float32)
+    mine = np.array([quantize_k.fp16_round(v) for v in f], np.float32)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(mine, f.astype(np.float16).astype(np.float32))
 
@@ -264,7 +266,7 @@ def _write_model(path: Path, wtype: int = F32, alignment: int | None = None, tie
             x = x.astype(np.float16)
             w.add_tensor(name, x)
         elif wtype == BF16 and len(shape_np) > 1:
-            bits = qz._to_bf16_bits(x)
+            bits = qz.to_bf16_bits(x)
             x = qz.bf16_to_f32(bits)
             w.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:

@@ -8,6 +8,9 @@
 - `int8.py`    activation quantizers (q8_K, q8_0) and the int8-activation mat-mat kernels
                (which serve mat-vec too), for every quantized type
 - `_x86.py`    the AVX2 intrinsics (pmaddubsw / pmaddwd) used by `int8.py`
+- `quantize_k.py` the k-quant block quantizers (q4_K, q5_K, q6_K) of `qllama.quantize`
+- `jit.py`     `kernel`, the one decorator every kernel is compiled with (cache=True,
+               error_model="numpy": float arithmetic never raises)
 
 Kernels take validated input (shapes, dtypes, sizes are checked in `qllama.qtensor`) and run
 with `boundscheck=False`. Importing this package compiles nothing (Numba compiles lazily).

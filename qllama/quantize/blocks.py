@@ -1,0 +1,219 @@
+"""Block quantizers: float32 rows -> ggml block bytes (`quantize_array`).
+
+The algorithms are ggml's reference ones *without* an importance matrix (`quantize_row_*_ref`
+in ggml-quants.c), rewritten here:
+
+- q8_0, q4_0, q4_1, q5_0, q5_1: vectorised NumPy, byte-identical to ggml (and to gguf-py);
+- q4_K, q5_K, q6_K: the kernels of `qllama.kernels.quantize_k` (bytes identical to llama.cpp's),
+  run on slices of blocks in a thread pool (they release the GIL);
+- f32, f16, bf16 (ggml's round-to-nearest-even bf16, NaN kept quiet).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Callable
+
+import numpy as np
+
+from ..errors import QllamaError, UnsupportedError
+from ..ggml_types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
+
+_F32 = np.float32
+
+
+# =============================================================================================
+# Float types
+# =============================================================================================
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits as ggml does: round to nearest even, NaN forced quiet."""
+    u = x.view(np.uint32).astype(np.uint64)  # widened so that the rounding add cannot overflow
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    quiet = ((u >> 16) | 64) & 0xFFFF  # keep sign/exponent/top mantissa, set the quiet bit
+    return np.where(nan, quiet, rounded).astype(np.uint16)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) -> float32 (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# =============================================================================================
+# Legacy quants (blocks of 32): vectorised NumPy, byte-identical to ggml's *_ref
+# =============================================================================================
+# Every function takes blocks (n_blocks, 32) float32 and returns uint8 (n_blocks, type_size).
+# Arithmetic stays in float32 (NumPy 2 keeps float32 op python-scalar in float32).
+
+def _fp16_bytes(v: np.ndarray) -> np.ndarray:
+    """(n, 1) float32 -> (n, 2) uint8: IEEE half, round to nearest even (like F16C / ggml)."""
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16).view(np.uint8)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """ggml's `id = d ? 1.0f/d : 0.0f`, elementwise in float32."""
+    with np.errstate(divide="ignore"):
+        return np.where(d != 0, _F32(1) / d, _F32(0)).astype(np.float32)
+
+
+def _signed_absmax(b: np.ndarray) -> np.ndarray:
+    """(n, 32) -> (n, 1): the value of largest magnitude, keeping its sign (first one on ties)."""
+    idx = np.abs(b).argmax(axis=1)
+    return b[np.arange(b.shape[0]), idx][:, None]
+
+
+def _roundf(v: np.ndarray) -> np.ndarray:
+    """C roundf (half away from zero), exact in float32: the fraction v - trunc(v) is exact."""
+    t = np.trunc(v)
+    return t + np.where(np.abs(v - t) >= _F32(0.5), np.sign(v), _F32(0)).astype(np.float32)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """(n, 32) values 0..15 -> (n, 16): byte j = q[j] | q[j+16] << 4 (ggml's legacy order)."""
+    q = q.astype(np.uint8)
+    return (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+
+
+def _pack_high_bits(q: np.ndarray) -> np.ndarray:
+    """(n, 32) 5-bit values -> (n, 4): bit k of a little-endian uint32 = bit 4 of q[k]."""
+    bits = (q.astype(np.uint32) >> 4) & 1
+    qh = (bits << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    return qh.astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+def _quantize_q8_0(b: np.ndarray) -> np.ndarray:
+    amax = np.abs(b).max(axis=1, keepdims=True)  # (n, 1)
+    d = amax / _F32(127)
+    q = _roundf(b * _inverse(d)).astype(np.int8)  # (n, 32), |q| <= 127
+    return np.concatenate([_fp16_bytes(d), q.view(np.uint8)], axis=1)
+
+
+def _quantize_q4_0(b: np.ndarray) -> np.ndarray:
+    d = _signed_absmax(b) / _F32(-8)  # the extreme value maps to -8
+    q = np.minimum(15, np.trunc(b * _inverse(d) + _F32(8.5)))  # C: MIN(15, (int8_t)(x + 8.5f))
+    return np.concatenate([_fp16_bytes(d), _pack_nibbles(q)], axis=1)
+
+
+def _quantize_q5_0(b: np.ndarray) -> np.ndarray:
+    d = _signed_absmax(b) / _F32(-16)
+    q = np.minimum(31, np.trunc(b * _inverse(d) + _F32(16.5)))
+    return np.concatenate([_fp16_bytes(d), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
+
+
+def _quantize_q4_1(b: np.ndarray) -> np.ndarray:
+    lo = b.min(axis=1, keepdims=True)
+    d = (b.max(axis=1, keepdims=True) - lo) / _F32(15)
+    q = np.minimum(15, np.trunc((b - lo) * _inverse(d) + _F32(0.5)))
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(lo), _pack_nibbles(q)], axis=1)
+
+
+def _quantize_q5_1(b: np.ndarray) -> np.ndarray:
+    lo = b.min(axis=1, keepdims=True)
+    d = (b.max(axis=1, keepdims=True) - lo) / _F32(31)
+    q = np.minimum(31, np.trunc((b - lo) * _inverse(d) + _F32(0.5)))
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(lo), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
+
+
+# =============================================================================================
+# k-quants (super-blocks of 256): the kernels of qllama.kernels.quantize_k, run in threads
+# =============================================================================================
+
+_MIN_BLOCKS_PER_THREAD = 256
+_pool: ThreadPoolExecutor | None = None
+
+
+def _run_blocks(kernel, b: np.ndarray, type_id: int, n_scales: int) -> tuple[np.ndarray, np.ndarray]:
+    """Run a k-quant kernel(x, out, dd) over blocks b (nb, 256), split across threads when there is enough work."""
+    global _pool
+    nb = b.shape[0]
+    out = np.empty((nb, GGML_TYPES[type_id].type_size), np.uint8)
+    dd = np.empty((nb, n_scales), np.float32)
+    n_threads = min(os.cpu_count() or 1, nb // _MIN_BLOCKS_PER_THREAD)
+    if n_threads <= 1:
+        kernel(b, out, dd)
+        return out, dd
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="qllama-quantize")
+    bounds = np.linspace(0, nb, n_threads + 1).astype(int)
+    futures = [_pool.submit(kernel, b[s:e], out[s:e], dd[s:e]) for s, e in zip(bounds[:-1], bounds[1:])]
+    for f in futures:
+        f.result()
+    return out, dd
+
+
+def _quantize_q4_K_q5_K(b: np.ndarray, type_id: int) -> np.ndarray:
+    from ..kernels.quantize_k import quantize_q4_k_q5_k
+
+    out, dd = _run_blocks(partial(quantize_q4_k_q5_k, type_id), b, type_id, 2)  # dd: (d, dmin), already fp16-exact
+    out[:, 0:4] = dd.astype(np.float16).view(np.uint8)
+    return out
+
+
+def _quantize_q6_K(b: np.ndarray) -> np.ndarray:
+    from ..kernels.quantize_k import quantize_q6_k
+
+    out, dd = _run_blocks(quantize_q6_k, b, Q6_K, 1)
+    out[:, 208:210] = dd.astype(np.float16).view(np.uint8)
+    return out
+
+
+# type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8
+_BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    Q8_0: _quantize_q8_0, Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1,
+    Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1,
+    Q4_K: partial(_quantize_q4_K_q5_K, type_id=Q4_K), Q5_K: partial(_quantize_q4_K_q5_K, type_id=Q5_K),
+    Q6_K: _quantize_q6_K,
+}
+FLOAT_TYPES = (F32, F16, BF16)
+QUANTIZABLE_TYPES = FLOAT_TYPES + tuple(_BLOCK_QUANTIZERS)
+CHUNK_ELEMENTS = 1 << 22  # rows are processed in chunks of about this many values (bounds temporaries)
+
+
+def quantize_array(x: np.ndarray, type_id: int) -> np.ndarray:
+    """Quantize float rows to ggml's block layout.
+
+    x: (n_rows, ne0) float array (a 1-D array is one row); ne0 must be a multiple of the type's
+    block size. Returns uint8 (n_rows, row_bytes), row_bytes = ne0 / block_size * type_size,
+    the exact bytes llama.cpp's reference quantizer (no importance matrix) would write.
+    Supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K.
+    """
+    gtype = GGML_TYPES.get(type_id)
+    if gtype is None or type_id not in QUANTIZABLE_TYPES:
+        raise UnsupportedError(f"cannot quantize to type {type_name(type_id)}")
+    x = np.asarray(x)
+    if x.ndim == 1:
+        x = x[None, :]
+    if x.ndim != 2:
+        raise QllamaError(f"quantize_array wants a 2-D array (n_rows, ne0), got shape {x.shape}")
+    if x.dtype.kind != "f":
+        raise QllamaError(f"quantize_array wants floats, got {x.dtype}")
+    n_rows, ne0 = x.shape
+    if ne0 % gtype.block_size:
+        raise QllamaError(f"row length {ne0} is not a multiple of the {gtype.name} block size {gtype.block_size}")
+    out = np.empty((n_rows, gtype.row_bytes(ne0)), np.uint8)
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(ne0, 1))
+    for r0 in range(0, n_rows, rows_per_chunk):
+        chunk = np.ascontiguousarray(x[r0 : r0 + rows_per_chunk], dtype=np.float32)  # (rows, ne0)
+        out[r0 : r0 + rows_per_chunk] = _quantize_rows(chunk, type_id).reshape(chunk.shape[0], -1)
+    return out
+
+
+def _quantize_rows(x: np.ndarray, type_id: int) -> np.ndarray:
+    """Contiguous float32 (rows, ne0) -> uint8 bytes of those rows (any shape, row-major)."""
+    if type_id == F32:
+        return x.view(np.uint8)
+    if type_id == F16:
+        with np.errstate(over="ignore"):  # beyond +-65504 -> inf, as ggml
+            return x.astype(np.float16).view(np.uint8)
+    if type_id == BF16:
+        return to_bf16_bits(x).view(np.uint8)
+    if not np.isfinite(x).all():
+        # ggml's reference code has no defined result for NaN/Inf (nearest_int asserts)
+        raise QllamaError(f"cannot quantize to {type_name(type_id)}: the data contains NaN or Inf")
+    gtype = GGML_TYPES[type_id]
+    blocks = x.reshape(-1, gtype.block_size)  # (n_blocks, block_size), a view
+    return _BLOCK_QUANTIZERS[type_id](blocks)

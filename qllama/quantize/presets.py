@@ -1,0 +1,150 @@
+"""Presets and llama.cpp's per-tensor type mix (`llama_tensor_get_type` in src/llama-quant.cpp).
+
+`choose_tensor_type` picks the ggml type of one tensor for a preset in `PRESETS` (no imatrix).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, NamedTuple
+
+from ..errors import QllamaError
+from ..ggml_types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .blocks import FLOAT_TYPES
+
+
+class Preset(NamedTuple):
+    """A `llama-quantize` file type: its llama_ftype value and its default tensor type."""
+
+    name: str
+    ftype: int  # enum llama_ftype, written to general.file_type
+    default_type: int
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("Q4_K_M", 15, Q4_K),
+        Preset("Q5_K_M", 17, Q5_K),
+        Preset("Q6_K", 18, Q6_K),
+        Preset("Q8_0", 7, Q8_0),
+        Preset("Q4_0", 2, Q4_0),
+        Preset("Q4_K_S", 14, Q4_K),
+        Preset("Q5_K_S", 16, Q5_K),
+        Preset("Q4_1", 3, Q4_1),
+        Preset("Q5_0", 8, Q5_0),
+        Preset("Q5_1", 9, Q5_1),
+        Preset("F16", 1, F16),
+        Preset("BF16", 32, BF16),
+        Preset("F32", 0, F32),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    """Look up a preset by name, case-insensitively (`q4_k_m` works)."""
+    for key, preset in PRESETS.items():
+        if key.lower() == str(name).lower():
+            return preset
+    raise QllamaError(f"unknown quantization type {name!r}; choose one of: {', '.join(PRESETS)}")
+
+
+# When ne0 is not a multiple of a k-quant's 256, llama.cpp falls back to a 32-block type.
+_FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
+
+# Substrings of weight names llama.cpp never quantizes (besides 1-D tensors and *_norm.weight).
+_NEVER_QUANTIZED = (
+    "ffn_gate_inp.weight", "altup", "laurel", "per_layer_model_proj", "ssm_conv1d",
+    "shortconv.conv.weight", "attn_rel_b.weight", "time_mix_", "position_embd", "token_types",
+    ".rel_pos", ".patch_embd", ".patch_merger",
+)
+_LAYER_RE = re.compile(r"blk\.(\d+)\.")
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of the layers that get more bits: the first and last eighth, and every third."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def tensor_is_quantized(name: str, shape: Iterable[int]) -> bool:
+    """Whether llama.cpp quantizes this tensor at all (weights of >= 2 dims, not norms/gates...)."""
+    dims = [d for d in shape]
+    if len(dims) < 2 or not name.endswith("weight") or "_norm.weight" in name:
+        return False
+    return not any(s in name for s in _NEVER_QUANTIZED)
+
+
+def _layer_index(name: str) -> int | None:
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def choose_tensor_type(
+    name: str,
+    shape,
+    preset: str,
+    n_layers: int,
+    *,
+    current_type: int = F32,
+    n_attn_v: int | None = None,
+    tied_embeddings: bool = False,
+    n_expert: int = 0,
+    is_70b: bool = False,
+) -> int:
+    """The ggml type llama.cpp's `llama_tensor_get_type` picks for one tensor (no imatrix).
+
+    shape is in GGUF order (ne0 first). n_layers is `{arch}.block_count`; n_attn_v the number
+    of attn_v tensors (default n_layers); tied_embeddings when the file has no output.weight
+    (token_embd then gets the output's type). Tensors llama.cpp does not quantize (1-D, norms...)
+    keep `current_type`. The mix, for the `_M` presets: output (and tied token_embd) -> q6_K;
+    attn_v and ffn_down of the use_more_bits() layers -> q6_K; a k-quant whose 256 does not divide
+    ne0 falls back to q5_0 (q4_K), q5_1 (q5_K) or q8_0 (q6_K).
+    """
+    p = get_preset(preset)
+    shape = tuple(int(d) for d in shape)
+    if not tensor_is_quantized(name, shape):
+        return current_type
+    new = p.default_type
+    ft = p.name
+    if p.default_type in FLOAT_TYPES:
+        return new  # F16/BF16/F32 presets: no mix, no fallback
+    ne0 = shape[0]
+    i_layer = _layer_index(name)
+    if name == "output.weight" or (tied_embeddings and name == "token_embd.weight"):
+        if ne0 % GGML_TYPES[new].block_size:
+            new = Q8_0
+        elif new != Q8_0:
+            new = Q6_K
+    elif name == "token_embd.weight":
+        pass  # the preset's default type
+    elif any(s in name for s in ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")):
+        i = i_layer if i_layer is not None else 0
+        n = n_attn_v if n_attn_v is not None else n_layers
+        if ft in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+            new = Q6_K
+        elif ft == "Q4_K_S" and i < 4:
+            new = Q5_K
+        if is_70b and new == Q4_K:  # 8 heads share attn_v: more bits are nearly free
+            new = Q5_K
+        if n_expert == 8:
+            new = Q8_0
+    elif "attn_k.weight" in name:
+        if n_expert == 8:
+            new = Q8_0
+    elif "ffn_down" in name:
+        i = i_layer if i_layer is not None else 0
+        if ft == "Q4_K_M" and use_more_bits(i, n_layers):
+            new = Q6_K
+        elif ft == "Q5_K_M" and use_more_bits(i, n_layers):
+            new = Q6_K
+        elif ft == "Q4_K_S" and i < n_layers // 8:
+            new = Q5_K
+    elif "attn_output.weight" in name:
+        if n_expert == 8 and ft in ("Q4_K_S", "Q4_K_M"):
+            new = Q5_K
+    # shapes a k-quant cannot hold
+    if ne0 % GGML_TYPES[new].block_size:
+        new = _FALLBACK.get(new, F16)
+        if ne0 % GGML_TYPES[new].block_size:
+            new = F16
+    return new
