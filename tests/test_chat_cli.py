@@ -313,6 +313,45 @@ def test_chat_without_template_suggests_chat_template(models, tmp_path):
     assert r.returncode == 0 and r.stdout == "Hi!\n", r.stderr
 
 
+def test_chat_template_by_builtin_name(models):
+    """--chat-template NAME on a model without a template: the built-in renders the conversation."""
+    r = cli("chat", models["plain"], "--chat-template", "zephyr", "-v", "-n", "3", stdin="hello\n")
+    assert r.returncode == 0, r.stderr
+    assert "prompt format: chat template builtin:zephyr (--chat-template)" in r.stderr
+    assert r.stdout == "...\n"  # zephyr's generation prompt ends in "\n", not the scripted ">"
+    msgs = [{"role": "user", "content": "hello"}]
+    import qllama
+
+    n = len(qllama.load(models["plain"]).chat_tokens(msgs, chat_template="zephyr"))
+    assert stats(r.stderr) == [(n, 0)]
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+@pytest.mark.parametrize("spec, message", [
+    ("vicuna", "error: unknown chat template 'vicuna': neither a built-in name nor a file"),
+    ("missing.jinja", "error: no such chat template file: missing.jinja"),
+])
+def test_unknown_chat_template_is_one_clean_error_listing_the_names(models, command, spec, message):
+    r = cli(command, models["hi"], *(["hello"] if command == "run" else []), "--chat-template", spec, stdin="hello\n")
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message)
+    assert "llama-3" in lines[0] and "chatml" in lines[0] and "gemma" in lines[0] and "phi-3" in lines[0]
+
+
+def test_chat_on_a_model_with_chat_tokens_but_no_template_suggests_the_option(tmp_path):
+    from conftest import shared_path
+
+    vocab = shared_path("vocab", "ggml-vocab-llama-bpe.gguf")
+    path = tmp_path / "l3.gguf"
+    write_model(path, ModelSpec(n_embd=64, n_layer=1, n_ctx=256, weight_type="q8_0", vocab=str(vocab), seed=3))
+    r = cli("chat", path, stdin="hello\n")
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: chat needs a chat template and the model has none")
+    assert "--chat-template NAME (e.g. llama-3, which fits its vocabulary)" in lines[0]
+
+
 def test_chat_template_that_rejects_the_system_prompt_fails_at_start(models, tmp_path):
     tf = tmp_path / "nosys.jinja"
     tf.write_text("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}" + TEMPLATE)
@@ -334,17 +373,27 @@ def test_a_template_error_mid_session_is_reported_and_the_session_goes_on(models
     assert [m["content"] for m in json.loads(f.read_text())] == ["hello", "Hi!", "again", "Hi!"]
 
 
-def test_run_picks_the_llama3_builtin_for_the_real_llama3_vocab(tmp_path):
+def test_run_real_llama3_vocab_without_template_is_completion_unless_asked(tmp_path):
+    """Issue 12.6: a GGUF without tokenizer.chat_template runs as completion, even with the Llama 3
+    chat tokens in its vocabulary (every Llama 3 base model has them); --chat-template NAME chats."""
+    import qllama
     from conftest import shared_path
 
     vocab = shared_path("vocab", "ggml-vocab-llama-bpe.gguf")
     path = tmp_path / "l3.gguf"
-    write_model(path, ModelSpec(n_embd=64, n_layer=1, n_ctx=256, weight_type="q8_0", vocab=str(vocab), seed=3))
+    write_model(path, ModelSpec(n_embd=64, n_layer=1, n_ctx=256, weight_type="q8_0", vocab=str(vocab), seed=3,
+                                name="Llama-3.2-1B-Instruct"))
     r = cli("run", path, "hello", "-v", "-n", "3", "--temp", "0")
     assert r.returncode == 0, r.stderr
-    assert "prompt format: chat template builtin:llama-3" in r.stderr
-    n = len(conversation_ids(path, [{"role": "user", "content": "hello"}]))
-    assert f"; {n} prompt tokens" in r.stderr
+    assert "prompt format: completion (no chat template): the GGUF has none; to chat, use --chat-template NAME " \
+           "(e.g. llama-3, which fits its vocabulary)" in r.stderr
+    assert f"; {len(qllama.load(path).tokenize('hello'))} prompt tokens" in r.stderr
+    for name in ("llama-3", "llama3"):
+        r = cli("run", path, "hello", "-v", "-n", "3", "--temp", "0", "--chat-template", name)
+        assert r.returncode == 0, r.stderr
+        assert "prompt format: chat template builtin:llama-3 (--chat-template)" in r.stderr
+        n = len(qllama.load(path).chat_tokens([{"role": "user", "content": "hello"}], chat_template="llama-3"))
+        assert f"; {n} prompt tokens" in r.stderr
 
 
 # -- context overflow ------------------------------------------------------------------------------
@@ -389,7 +438,7 @@ def test_answer_cut_by_a_full_context(models):
 
 
 def test_drop_oldest_turn_keeps_roles_alternating():
-    from qllama.cli.chat_cmd import Conversation
+    from qllama.chat import Conversation
 
     c = Conversation("s", [{"role": "user", "content": "1"}, {"role": "assistant", "content": "a"},
                            {"role": "user", "content": "2"}, {"role": "user", "content": "3"}])
@@ -405,7 +454,7 @@ def test_drop_oldest_turn_keeps_roles_alternating():
     ('[{"role": "user", "content": "a"}, {"role": "system", "content": "s"}]', "may only come first"),
 ])
 def test_conversation_json_errors(text, message):
-    from qllama.cli.chat_cmd import Conversation
+    from qllama.chat import Conversation
     from qllama.errors import QllamaError
 
     with pytest.raises(QllamaError, match=message):

@@ -82,7 +82,7 @@ def main() -> None:
         Path(template).write_text(BUILTIN_TEMPLATES[a.builtin])
 
     llm = qllama.load(model, n_ctx=a.ctx_size or None, n_threads=a.threads)
-    chat = ChatSession(llm, chat_template_file=template, max_tokens=a.answer,
+    chat = ChatSession(llm, chat_template=template, max_tokens=a.answer,
                        sampling={"temperature": 0.0}, out=io.StringIO(), err=io.StringIO())
     play(chat, 1, True)  # warm-up (JIT caches, page cache)
     runs = {True: [], False: []}

@@ -12,11 +12,12 @@
 from .builtin_templates import BUILTIN_ALIASES, BUILTIN_TEMPLATES, builtin_family, builtin_template_name
 from .conversation import Conversation, ConversationTooLongError, aligned_prefix, answer_room, fit, prompt_ids
 from .limits import RenderLimits, TemplateError
-from .template import ChatTemplate, NoChatTemplateError, alternative_template_names, strip_leading_bos
+from .template import ChatTemplate, NoChatTemplateError, PromptFormat, alternative_template_names, strip_leading_bos
 
 __all__ = [
     "TemplateError",
     "NoChatTemplateError",
+    "PromptFormat",
     "RenderLimits",
     "ChatTemplate",
     "BUILTIN_TEMPLATES",

@@ -9,6 +9,7 @@ runs as plain completion. A built-in template or a Jinja file is used only when 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,34 @@ from .sandbox import _ChatSandbox
 
 
 class NoChatTemplateError(TemplateError):
-    """The model has no chat template and none was asked for: chat needs one."""
+    """The model has no chat template and none was asked for, but `what` needs one."""
+
+    def __init__(self, what: str = "chat"):
+        self.what = what
+        super().__init__(f"{what} needs a chat template and the model has none (its GGUF has no "
+                         "tokenizer.chat_template): ask for a built-in one by name or give a Jinja file")
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a prompt is given to the model, and why: a chat template, or plain completion.
+
+    `reason` is "gguf" (the file's own template), "requested" (a built-in or a file asked for),
+    "raw" (completion asked for) or "none" (the file has no template: completion).
+    """
+
+    template: "ChatTemplate | None"
+    reason: str
+
+    @property
+    def chat(self) -> bool:
+        return self.template is not None
+
+    def __str__(self) -> str:
+        if self.template is not None:
+            why = "the GGUF's own" if self.reason == "gguf" else "requested"
+            return f"chat template {self.template.name} ({why})"
+        return "completion (raw)" if self.reason == "raw" else "completion (no chat template): the GGUF has none"
 
 
 def alternative_template_names(md: Mapping[str, Any]) -> list[str]:

@@ -15,7 +15,9 @@ import sys
 import click
 
 from .model_ref import ModelRef
+from ..chat import NoChatTemplateError
 from .options import read_prompt, sampling_options
+from .prompt_format import chat_template_option, describe, no_template_error
 
 
 @click.command("run")
@@ -33,13 +35,13 @@ from .options import read_prompt, sampling_options
 @click.option("--no-bos", is_flag=True, help="Do not add the BOS token.")
 @click.option("--raw", is_flag=True, help="Completion mode: never wrap the prompt in the chat template.")
 @click.option("--system", "--system-prompt", "system_prompt", help="System message (chat-template mode; ignored with --raw).")
-@click.option("--chat-template", "chat_template_file", type=click.Path(exists=True, dir_okay=False), help="Use this Jinja chat template file.")
+@chat_template_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document at the end (text, tokens, finish reason, timings) instead of streaming.")
 @click.option("-v", "--verbose", is_flag=True, help="Print load details and the chosen prompt format on stderr.")
 @click.pass_context
 def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-            repeat_last_n, seed, ctx_size, threads, batch_size, stop, no_bos, raw, system_prompt, chat_template_file,
+            repeat_last_n, seed, ctx_size, threads, batch_size, stop, no_bos, raw, system_prompt, chat_template,
             as_json, verbose):
     """Generate text from MODEL, streaming it to stdout.
 
@@ -65,10 +67,13 @@ def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k
     llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size)
     if verbose:
         err(f"loaded {llm!r} in {llm.load_s:.2f} s, {llm.n_threads} threads")
-    ids, mode = llm.prepare_prompt(text, raw=raw, system=system_prompt, add_bos=not no_bos,
-                                   chat_template_file=chat_template_file)
+    try:
+        ids, mode = llm.prepare_prompt(text, raw=raw, system=system_prompt, add_bos=not no_bos,
+                                       chat_template=chat_template)
+    except NoChatTemplateError as e:  # the library names no options: add the one that fixes it
+        raise no_template_error(e, llm.metadata) from None
     if verbose:
-        err(f"prompt format: {mode}; {len(ids)} prompt tokens")
+        err(f"prompt format: {describe(mode, llm.metadata)}; {len(ids)} prompt tokens")
     warm_up(llm)  # before the timed part: a first-run compile is not the prompt's speed
 
     chunks = llm.stream(ids, max_tokens=max_tokens, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
