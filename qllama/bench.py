@@ -267,7 +267,7 @@ def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128
 
     "python overhead" is the wall time of a step minus everything measured inside it.
     """
-    from .model import ForwardStats
+    from .models import ForwardStats
     from .sampling import Sampler, SamplingParams
 
     own = runner is None
@@ -314,8 +314,9 @@ def _weight_bytes(weights) -> int:
     """Bytes of weights one decode step reads (every matrix once, the output projection included)."""
     total = weights.output.nbytes
     for layer in weights.layers:
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            total += getattr(layer, name).nbytes
+        for name in ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            w = getattr(layer, name, None)  # fused families (phi3) have attn_qkv and no ffn_gate
+            total += w.nbytes if w is not None else 0
     return total
 
 

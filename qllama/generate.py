@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from .errors import QllamaError
-from .model import KVCache, LlamaModel
+from .models import KVCache, Transformer
 from .sampling import Sampler
 
 # Why a generation ended.
@@ -79,7 +79,7 @@ class Session:
     chat turn evaluates only its new tokens.
     """
 
-    def __init__(self, model: LlamaModel, batch_size: int = 512):
+    def __init__(self, model: Transformer, batch_size: int = 512):
         if batch_size < 1:
             raise QllamaError("batch size must be >= 1")
         self.model = model
@@ -92,7 +92,7 @@ class Session:
         return self.cache.n_ctx
 
     def reset(self) -> None:
-        self.cache.n_past = 0
+        self.cache.rewind(0)
         self.tokens = []
 
     def prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
@@ -109,7 +109,7 @@ class Session:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # re-evaluate at least one token to get its logits
-        self.cache.n_past = common
+        common = self.cache.rewind(common)  # 0 when a sliding-window layer no longer holds what it needs
         self.tokens = list(ids[:common])
         logits = None
         for start in range(common, len(ids), self.batch_size):

@@ -11,12 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qllama.config import ModelArgs
 from qllama.errors import QllamaError, UnsupportedError
 from qllama.gguf import GGUFFile
-from qllama.model import LlamaModel
+from qllama.models import ModelArgs, build_model
 from qllama.qtensor import int8_activations, set_int8_activations
-from qllama.weights import LlamaWeights
 from tools.make_model import ModelSpec, write_model
 
 
@@ -110,7 +108,7 @@ def built(tmp_path_factory):
             stored = write_model(path, spec)
             gf = GGUFFile(path)
             args = ModelArgs.from_metadata(gf.metadata)
-            model = LlamaModel(args, LlamaWeights.from_gguf(gf, args), n_ctx=64)
+            model = build_model(gf, args, n_ctx=64)
             cache[name] = (model, stored, tol)
         return cache[name]
 
@@ -187,7 +185,7 @@ def test_prefill_equals_decode_and_uneven_batches(built, name, float_path):
 def test_cache_never_exceeds_n_ctx(built):
     model, _, _ = built("mha-untied-f32")
     cache = model.new_cache()
-    assert cache.k.shape[2] == model.n_ctx == 64
+    assert cache.k[0].shape[1] == model.n_ctx == 64
     model.forward(list(range(60)), cache)
     with pytest.raises(QllamaError, match="context overflow"):
         model.forward(list(range(5)), cache)

@@ -1,5 +1,15 @@
-"""Numba kernels for the non-matmul parts of a Llama layer: RMSNorm, RoPE (+ KV-cache store),
-attention, SwiGLU.
+"""Numba kernels for the non-matmul parts of a transformer layer, shared by every family:
+RMSNorm, RoPE (+ KV-cache store), attention over the cache, gated FFN activations.
+
+Family differences are parameters, not copies:
+- RoPE layout: `neox` False rotates interleaved pairs (x[2i], x[2i+1]) (llama); True rotates
+  halves (x[i], x[i + n_rot/2]) (qwen, gemma, phi).
+- KV cache: a layer's cache holds `ring` slots; position p lives in slot p % ring. A full
+  layer has ring = n_ctx (slot = position); a sliding-window layer keeps only the last
+  window + batch positions, as llama.cpp's SWA cache does.
+- attention: `window` (0 = none) masks keys at distance >= window, as llama.cpp's
+  is_masked_swa; `softcap` (0 = none) maps scores s -> cap * tanh(s / cap) before softmax.
+- gated FFN: `act` ACT_SILU (SwiGLU) or ACT_GELU (GELU, tanh approximation, GeGLU).
 
 Shapes use T for tokens in the batch, H for query heads, Hkv for KV heads, D for head_dim.
 
@@ -9,7 +19,8 @@ Speed notes:
   (range reduction to r in [-ln2/2, ln2/2], degree-6 polynomial, 2^k built from its IEEE bits)
   written as plain counted loops over float32/int32 so that LLVM vectorises it (16 lanes on
   AVX-512). Its relative error is below 3e-7 (a few ulp); ggml's SIMD silu/softmax use the same
-  kind of approximation.
+  kind of approximation. tanh (softcap) and GELU are written through it too:
+  tanh(y) = 1 - 2 / (exp(2y) + 1) and gelu(x) = x / (1 + exp(-2u)), u = sqrt(2/pi)(x + 0.044715x^3).
 - Every kernel that would be a parallel region has a serial twin: decode-sized work is done
   without waking the thread pool (each wake-up costs microseconds on a quiet machine and
   milliseconds on a loaded one). The Python side picks one with `attention_parallel_pays`.
@@ -45,6 +56,14 @@ _P2 = np.float32(8.3334519073e-3)
 _P3 = np.float32(4.1665795894e-2)
 _P4 = np.float32(1.6666665459e-1)
 _P5 = np.float32(5.0000001201e-1)
+_F2 = np.float32(2.0)
+# GELU (tanh form): exp(-2u) with -2u = _GELU_K * x * (1 + _GELU_A * x^2)
+_GELU_K = np.float32(-2.0 * 0.79788456080286535587989211986876)  # -2 sqrt(2/pi)
+_GELU_A = np.float32(0.044715)
+
+ACT_SILU = 0  # gated FFN activations (the `act` parameter)
+ACT_GELU = 1
+
 
 # Numba's fastmath without reassociation: keeps the Cody-Waite reduction exact; the loops have
 # no reductions, so they vectorise without it.
@@ -98,78 +117,82 @@ def rmsnorm(x, weight, eps, out):
 
 
 @kernel(fastmath=True)
-def rope_interleaved(x, positions, cos_table, sin_table):
-    """Rotate pairs (x[2i], x[2i+1]) of the first n_rot dims of every head, in place.
-
-    x: (T, H, D) float32; positions: (T,) int64; cos/sin_table: (n_ctx, n_rot/2) float32.
-    """
-    n_tok, n_heads, _ = x.shape
-    half = cos_table.shape[1]
-    for t in range(n_tok):
-        p = positions[t]
-        for h in range(n_heads):
-            for i in range(half):
-                c = cos_table[p, i]
-                s = sin_table[p, i]
-                x0 = x[t, h, 2 * i]
-                x1 = x[t, h, 2 * i + 1]
-                x[t, h, 2 * i] = x0 * c - x1 * s
-                x[t, h, 2 * i + 1] = x0 * s + x1 * c
-
-
-@kernel(fastmath=True)
-def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache):
+def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
     """RoPE on q and k (in place) for positions start.., then k and v into the cache, in one call.
 
-    q: (T, H, D); k, v: (T, Hkv, D); k_cache: (Hkv, n_ctx, D); vt_cache: (Hkv, D, n_ctx) values
-    stored d-major (see `_attend`); all float32, one layer.
+    q: (T, H, D); k, v: (T, Hkv, D); cos/sin_table: (n_ctx, n_rot/2); k_cache: (Hkv, ring, D);
+    vt_cache: (Hkv, D, ring) values stored d-major (see `_attend`); all float32, one layer.
+    Position p goes to slot p % ring. neox: rotate halves (i, i + n_rot/2) instead of
+    interleaved pairs (2i, 2i+1). Dims past n_rot are not rotated.
     """
     n_tok, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     half = cos_table.shape[1]
+    ring = k_cache.shape[1]
+    step = 1 if neox else 2  # element index of pair i: (i * step, i * step + off)
+    off = half if neox else 1
     for t in range(n_tok):
         p = start + t
+        slot = p % ring
         for h in range(n_heads):
             for i in range(half):
                 c = cos_table[p, i]
                 s = sin_table[p, i]
-                x0 = q[t, h, 2 * i]
-                x1 = q[t, h, 2 * i + 1]
-                q[t, h, 2 * i] = x0 * c - x1 * s
-                q[t, h, 2 * i + 1] = x0 * s + x1 * c
+                i0 = i * step
+                x0 = q[t, h, i0]
+                x1 = q[t, h, i0 + off]
+                q[t, h, i0] = x0 * c - x1 * s
+                q[t, h, i0 + off] = x0 * s + x1 * c
         for h in range(n_kv):
+            for d in range(2 * half, head_dim):  # dims past n_rot are not rotated
+                k_cache[h, slot, d] = k[t, h, d]
             for i in range(half):
                 c = cos_table[p, i]
                 s = sin_table[p, i]
-                x0 = k[t, h, 2 * i]
-                x1 = k[t, h, 2 * i + 1]
-                k_cache[h, p, 2 * i] = x0 * c - x1 * s
-                k_cache[h, p, 2 * i + 1] = x0 * s + x1 * c
-            for d in range(2 * half, head_dim):  # dims past n_rot are not rotated
-                k_cache[h, p, d] = k[t, h, d]
+                i0 = i * step
+                x0 = k[t, h, i0]
+                x1 = k[t, h, i0 + off]
+                k_cache[h, slot, i0] = x0 * c - x1 * s
+                k_cache[h, slot, i0 + off] = x0 * s + x1 * c
             for d in range(head_dim):
-                vt_cache[h, d, p] = v[t, h, d]
+                vt_cache[h, d, slot] = v[t, h, d]
 
 
 @kernel(fastmath=True)
-def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, bits, fbits, out):
-    """Attention of the n_rep query heads of KV head kvh, for token t, over keys [0, n_keys).
+def _softcap(x, n, cap, bits, fbits):
+    """x[:n] = cap * tanh(x[:n] / cap) in place, as cap - 2 cap / (exp(2 x / cap) + 1)."""
+    two_over = _F2 / cap
+    for i in range(n):
+        x[i] *= two_over
+    _exp_shifted(x, n, _F0, bits, fbits)  # clamped: saturates to +-cap
+    for i in range(n):
+        x[i] = cap - _F2 * cap / (x[i] + _F1)
 
-    k_cache: (Hkv, n_ctx, D): a score is a 64-long dot with one cached key row.
-    vt_cache: (Hkv, D, n_ctx), values d-major: out[h, d] is a long dot of the softmax weights with
+
+@kernel(fastmath=True)
+def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, scores, totals, bits, fbits, out):
+    """Attention of the n_rep query heads of KV head kvh, for token t, over positions [lo, lo + n_keys).
+
+    k_cache: (Hkv, ring, D): a score is a 64-long dot with one cached key row; position p is
+    in slot p % ring (the range may wrap around the ring once).
+    vt_cache: (Hkv, D, ring), values d-major: out[h, d] is a long dot of the softmax weights with
     one contiguous row, read once for the n_rep heads and summed in registers (with the values
     row-major, the accumulator row would round-trip through memory for every key).
     scores: (n_rep, >= n_keys), totals: (n_rep,) float32 scratch; bits/fbits: int32 scratch
-    (>= n_keys) and its float32 view; out: (T, H, D).
+    (>= n_keys) and its float32 view; out: (T, H, D). softcap > 0: cap the scores (Gemma 2).
     """
     head_dim = q.shape[2]
+    ring = k_cache.shape[1]
+    s0 = lo % ring  # slot of the first key
+    n1 = min(n_keys, ring - s0)  # keys in slots s0.. before the wrap
     h0 = kvh * n_rep
     r = 0
     while r + 4 <= n_rep:  # four heads per pass: each key row is loaded once for the four dots
         q0, q1, q2, q3 = q[t, h0 + r], q[t, h0 + r + 1], q[t, h0 + r + 2], q[t, h0 + r + 3]
-        s0, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
+        s0_, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
         for j in range(n_keys):
-            kj = k_cache[kvh, j]  # (D,)
+            slot = s0 + j if j < n1 else j - n1
+            kj = k_cache[kvh, slot]  # (D,)
             a0 = _F0
             a1 = _F0
             a2 = _F0
@@ -180,7 +203,7 @@ def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, 
                 a1 += q1[d] * kd
                 a2 += q2[d] * kd
                 a3 += q3[d] * kd
-            s0[j] = a0 * scale
+            s0_[j] = a0 * scale
             s1[j] = a1 * scale
             s2[j] = a2 * scale
             s3[j] = a3 * scale
@@ -189,7 +212,8 @@ def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, 
         qh = q[t, h0 + r]  # (D,)
         sr = scores[r]
         for j in range(n_keys):
-            kj = k_cache[kvh, j]  # (D,)
+            slot = s0 + j if j < n1 else j - n1
+            kj = k_cache[kvh, slot]  # (D,)
             a = _F0
             for d in range(head_dim):
                 a += qh[d] * kj[d]
@@ -197,6 +221,8 @@ def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, 
         r += 1
     for r in range(n_rep):
         sr = scores[r]
+        if softcap > _F0:
+            _softcap(sr, n_keys, softcap, bits, fbits)
         best = _NEG_INF
         for j in range(n_keys):
             best = sr[j] if sr[j] > best else best
@@ -205,21 +231,30 @@ def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, 
         for j in range(n_keys):
             total += sr[j]
         totals[r] = total
+    n2 = n_keys - n1
     for d in range(head_dim):
-        vd = vt_cache[kvh, d]  # (n_ctx,): component d of every value, read once for all heads
+        vd = vt_cache[kvh, d]  # (ring,): component d of every value, read once for all heads
+        va = vd[s0 : s0 + n1]  # positions lo.. up to the wrap
+        vb = vd[:n2]  # the rest, from slot 0
         r = 0
         while r + 4 <= n_rep:
-            s0, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
+            s0_, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
             a0 = _F0
             a1 = _F0
             a2 = _F0
             a3 = _F0
-            for j in range(n_keys):
-                x = vd[j]
-                a0 += s0[j] * x
+            for j in range(n1):
+                x = va[j]
+                a0 += s0_[j] * x
                 a1 += s1[j] * x
                 a2 += s2[j] * x
                 a3 += s3[j] * x
+            for j in range(n2):
+                x = vb[j]
+                a0 += s0_[n1 + j] * x
+                a1 += s1[n1 + j] * x
+                a2 += s2[n1 + j] * x
+                a3 += s3[n1 + j] * x
             out[t, h0 + r, d] = a0 / totals[r]
             out[t, h0 + r + 1, d] = a1 / totals[r + 1]
             out[t, h0 + r + 2, d] = a2 / totals[r + 2]
@@ -228,38 +263,49 @@ def _attend(q, t, kvh, k_cache, vt_cache, n_keys, n_rep, scale, scores, totals, 
         while r < n_rep:
             sr = scores[r]
             a = _F0
-            for j in range(n_keys):
-                a += sr[j] * vd[j]
+            for j in range(n1):
+                a += sr[j] * va[j]
+            for j in range(n2):
+                a += sr[n1 + j] * vb[j]
             out[t, h0 + r, d] = a / totals[r]
             r += 1
 
 
+@kernel
+def _key_range(p, window):
+    """(first visible position, number of keys) for a query at position p: keys p - window + 1 .. p."""
+    lo = p - window + 1 if window > 0 and p - window + 1 > 0 else 0
+    return lo, p + 1 - lo
+
+
 @kernel(fastmath=True)
-def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, out):
+def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, out):
     """Causal grouped-query attention over the cache, on the calling thread (decode-sized work).
 
-    q: (T, H, D) float32 (already roped); k_cache: (Hkv, n_ctx, D), vt_cache: (Hkv, D, n_ctx)
-    float32 for one layer, holding positions [0, start_pos + T); out: (T, H, D) float32.
-    Token t sees keys 0..start_pos+t.
+    q: (T, H, D) float32 (already roped); k_cache: (Hkv, ring, D), vt_cache: (Hkv, D, ring)
+    float32 for one layer, holding positions [start_pos + T - ring, start_pos + T) (all of
+    [0, start_pos + T) when ring = n_ctx); out: (T, H, D) float32. Token t sees the keys at
+    positions start_pos + t - window + 1 .. start_pos + t (window 0: from 0).
     """
     n_tok = q.shape[0]
     n_kv = k_cache.shape[0]
-    n_max = start_pos + n_tok
+    n_max = min(start_pos + n_tok, k_cache.shape[1])
     scores = np.empty((n_rep, n_max), np.float32)
     totals = np.empty(n_rep, np.float32)
     bits = np.empty(n_max, np.int32)
     fbits = bits.view(np.float32)
     for t in range(n_tok):
+        lo, n_keys = _key_range(start_pos + t, window)
         for kvh in range(n_kv):
-            _attend(q, t, kvh, k_cache, vt_cache, start_pos + t + 1, n_rep, scale, scores, totals, bits, fbits, out)
+            _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, scores, totals, bits, fbits, out)
 
 
 @kernel(parallel=True, fastmath=True)
-def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, out):
+def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, out):
     """`attention_serial` with the (token, KV head) jobs spread over the threads (one parallel region)."""
     n_tok = q.shape[0]
     n_kv = k_cache.shape[0]
-    n_max = start_pos + n_tok
+    n_max = min(start_pos + n_tok, k_cache.shape[1])
     for job in prange(n_tok * n_kv):
         t = job // n_kv
         kvh = job % n_kv
@@ -267,7 +313,8 @@ def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, out):
         totals = np.empty(n_rep, np.float32)
         bits = np.empty(n_max, np.int32)
         fbits = bits.view(np.float32)
-        _attend(q, t, kvh, k_cache, vt_cache, start_pos + t + 1, n_rep, scale, scores, totals, bits, fbits, out)
+        lo, n_keys = _key_range(start_pos + t, window)
+        _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, scores, totals, bits, fbits, out)
 
 
 # below this many (query head x key) dot products, waking the thread pool costs more than it saves
@@ -281,34 +328,42 @@ def attention_parallel_pays(n_tok: int, start_pos: int, n_head: int, n_threads: 
 
 
 @kernel(fastmath=True)
-def _swiglu_row(gate, up, out, t, tmp, bits, fbits):
-    """out[t] = silu(gate[t]) * up[t] in blocks of EXP_BLOCK (out may be gate)."""
+def _glu_row(gate, up, out, t, act, tmp, bits, fbits):
+    """out[t] = act(gate[t]) * up[t] in blocks of EXP_BLOCK (out may be gate).
+
+    act(g) = g / (1 + exp(z)): SiLU with z = -g, GELU (tanh form) with z = -2u.
+    """
     n_ff = gate.shape[1]
     for b0 in range(0, n_ff, EXP_BLOCK):
         m = min(EXP_BLOCK, n_ff - b0)
-        for i in range(m):
-            tmp[i] = -gate[t, b0 + i]
-        _exp_shifted(tmp, m, _F0, bits, fbits)  # exp(-g)
+        if act == ACT_GELU:
+            for i in range(m):
+                g = gate[t, b0 + i]
+                tmp[i] = _GELU_K * g * (_F1 + _GELU_A * g * g)
+        else:
+            for i in range(m):
+                tmp[i] = -gate[t, b0 + i]
+        _exp_shifted(tmp, m, _F0, bits, fbits)  # exp(z)
         for i in range(m):
             g = gate[t, b0 + i]
             out[t, b0 + i] = g / (_F1 + tmp[i]) * up[t, b0 + i]
 
 
 @kernel(fastmath=True)
-def swiglu_serial(gate, up, out):
-    """out = silu(gate) * up, all (T, n_ff) float32, on the calling thread (out may be gate)."""
+def glu_serial(gate, up, out, act):
+    """out = act(gate) * up, all (T, n_ff) float32, on the calling thread (out may be gate)."""
     tmp = np.empty(EXP_BLOCK, np.float32)
     bits = np.empty(EXP_BLOCK, np.int32)
     fbits = bits.view(np.float32)
     for t in range(gate.shape[0]):
-        _swiglu_row(gate, up, out, t, tmp, bits, fbits)
+        _glu_row(gate, up, out, t, act, tmp, bits, fbits)
 
 
 @kernel(parallel=True, fastmath=True)
-def swiglu(gate, up, out):
-    """out = silu(gate) * up, all (T, n_ff) float32, rows spread over the threads (out may be gate)."""
+def glu(gate, up, out, act):
+    """out = act(gate) * up, all (T, n_ff) float32, rows spread over the threads (out may be gate)."""
     for t in prange(gate.shape[0]):
         tmp = np.empty(EXP_BLOCK, np.float32)
         bits = np.empty(EXP_BLOCK, np.int32)
         fbits = bits.view(np.float32)
-        _swiglu_row(gate, up, out, t, tmp, bits, fbits)
+        _glu_row(gate, up, out, t, act, tmp, bits, fbits)

@@ -1,4 +1,4 @@
-"""The layer kernels of qllama/kernels/llama_ops.py against float64 NumPy references:
+"""The layer kernels of qllama/kernels/layer_ops.py against float64 NumPy references:
 the vectorised exp, RoPE + cache store, attention (serial and parallel, GQA, causal), SwiGLU."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qllama.kernels import llama_ops as ops
+from qllama.kernels import layer_ops as ops
 
 
 def test_exp_matches_float64_within_a_few_ulp():
@@ -48,7 +48,7 @@ def test_rope_store_rotates_and_stores(n_rot):
     q_ref, k_ref = _rope_ref(q, pos, cos, sin, n_rot), _rope_ref(k, pos, cos, sin, n_rot)
     kc = np.zeros((Hkv, n_ctx, D), np.float32)
     vt = np.zeros((Hkv, D, n_ctx), np.float32)
-    ops.rope_store(q, k, v, start, cos, sin, kc, vt)
+    ops.rope_store(q, k, v, start, cos, sin, kc, vt, False)
     np.testing.assert_allclose(q, q_ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(kc[:, start : start + T, :], k_ref.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(vt[:, :, start : start + T], v.transpose(1, 2, 0))
@@ -82,7 +82,7 @@ def test_attention_matches_float64(kernel, T, start, H, Hkv):
     k[:, start + T :] = np.nan
     vt[:, :, start + T :] = np.nan
     out = np.empty_like(q)
-    getattr(ops, kernel)(q, k, vt, start, H // Hkv, np.float32(1 / np.sqrt(D)), out)
+    getattr(ops, kernel)(q, k, vt, start, H // Hkv, np.float32(1 / np.sqrt(D)), 0, np.float32(0), out)
     ref = _attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), start, H // Hkv)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -94,7 +94,7 @@ def test_attention_parallel_threshold():
     assert not ops.attention_parallel_pays(512, 0, 32, 1)  # one thread: never
 
 
-@pytest.mark.parametrize("kernel", ["swiglu", "swiglu_serial"])
+@pytest.mark.parametrize("kernel", ["glu", "glu_serial"])
 def test_swiglu_matches_float64_in_place(kernel):
     rng = np.random.default_rng(1)
     gate = (8 * rng.standard_normal((3, 600))).astype(np.float32)  # not a multiple of the exp block
@@ -102,5 +102,5 @@ def test_swiglu_matches_float64_in_place(kernel):
     up = rng.standard_normal((3, 600)).astype(np.float32)
     g64 = gate.astype(np.float64)
     ref = g64 / (1.0 + np.exp(-g64)) * up
-    getattr(ops, kernel)(gate, up, gate)  # in place, as the model calls it
+    getattr(ops, kernel)(gate, up, gate, ops.ACT_SILU)  # in place, as the model calls it
     np.testing.assert_allclose(gate, ref, rtol=2e-6, atol=1e-30)

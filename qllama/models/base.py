@@ -1,0 +1,461 @@
+"""Building blocks shared by every architecture: named weights, RoPE tables, and `Transformer`,
+whose methods (norm, qkv, attend, out_proj, ffn) each family's `block` composes in its order.
+
+    tokens ──► embedding rows ──► n_layer x block(...) ──► RMSNorm ──► output ──► logits
+
+A forward pass takes one or more *segments*: token runs, each continuing its own KVCache at
+its n_past. The projections run as one mat-mat over all segments' tokens (one pass over the
+weights); RoPE, the cache store and attention run per segment. `forward(tokens, cache)` is
+the one-segment case.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import QllamaError, UnsupportedError
+from ..gguf import GGUFFile
+from ..kernels import layer_ops as ops
+from ..qtensor import QTensor, get_threads, quantize_activation
+from .args import ModelArgs
+from .kvcache import SWA_BATCH, KVCache
+
+ACT_SILU = ops.ACT_SILU
+ACT_GELU = ops.ACT_GELU
+
+
+# -- weights --------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerWeights:
+    """One block's tensors, named after the GGUF tensors (`blk.N.attn_q.weight` -> `attn_q`).
+
+    Matrices are QTensors in GGUF order (ne0 = input dim); vectors are float32 arrays. A
+    family fills what it has; None means absent.
+    """
+
+    attn_norm: np.ndarray  # (n_embd,)
+    attn_output: QTensor  # [q_dim, n_embd]
+    ffn_norm: np.ndarray  # (n_embd,)
+    ffn_up: QTensor  # [n_embd, n_ff], or [n_embd, 2 n_ff] gate|up fused (phi3)
+    ffn_down: QTensor  # [n_ff, n_embd]
+    ffn_gate: QTensor | None = None  # [n_embd, n_ff]; None when fused into ffn_up
+    attn_q: QTensor | None = None  # [n_embd, q_dim]
+    attn_k: QTensor | None = None  # [n_embd, kv_dim]
+    attn_v: QTensor | None = None  # [n_embd, kv_dim]
+    attn_qkv: QTensor | None = None  # [n_embd, q_dim + 2 kv_dim] fused Q|K|V (phi3), instead of the three
+    attn_q_b: np.ndarray | None = None  # (q_dim,) biases (qwen2)
+    attn_k_b: np.ndarray | None = None  # (kv_dim,)
+    attn_v_b: np.ndarray | None = None  # (kv_dim,)
+    attn_q_norm: np.ndarray | None = None  # (head_dim,) per-head RMSNorm before RoPE (qwen3, gemma3)
+    attn_k_norm: np.ndarray | None = None  # (head_dim,)
+    post_attention_norm: np.ndarray | None = None  # (n_embd,) (gemma2/3)
+    post_ffw_norm: np.ndarray | None = None  # (n_embd,) (gemma2/3)
+
+
+@dataclass
+class Weights:
+    token_embd: QTensor  # [n_embd, n_vocab]: rows are dequantized on demand
+    output_norm: np.ndarray  # (n_embd,) float32
+    output: QTensor  # [n_embd, n_vocab]; is token_embd when the file ties them
+    tied_output: bool
+    layers: list[LayerWeights]
+    rope_freqs: np.ndarray | None = None  # (n_rot/2,) frequency divisors (Llama 3.1+, or phi3's chosen LongRoPE set)
+
+
+class WeightReader:
+    """Reads named tensors from a GGUF file, checking type and shape."""
+
+    def __init__(self, gf: GGUFFile):
+        self.gf = gf
+
+    def has(self, name: str) -> bool:
+        return name in self.gf.tensors
+
+    def vector(self, name: str, length: int) -> np.ndarray:
+        info = self.gf.tensors.get(name)
+        if info is None:
+            raise QllamaError(f"missing tensor {name!r}")
+        if info.type_name not in ("f32", "f16", "bf16") or info.n_elements != length:
+            raise UnsupportedError(f"tensor {name!r} should be a float vector of {length}, got {info.type_name} {list(info.shape)}")
+        arr = self.gf.tensor_array(name).reshape(length)
+        if info.type_name == "bf16":
+            return (arr.astype(np.uint32) << 16).view(np.float32)
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    def matrix(self, name: str, ne0: int, ne1: int) -> QTensor:
+        if name not in self.gf.tensors:
+            raise QllamaError(f"missing tensor {name!r}")
+        shape = self.gf.tensors[name].shape
+        if tuple(shape) != (ne0, ne1):
+            raise QllamaError(f"tensor {name!r} has shape {list(shape)}, expected {[ne0, ne1]}")
+        return QTensor.from_gguf(self.gf, name)
+
+    def optional_vector(self, name: str, length: int) -> np.ndarray | None:
+        return self.vector(name, length) if self.has(name) else None
+
+    def layer(self, i: int, a: ModelArgs, *, fused_ffn: bool = False, qk_norm: bool = False,
+              post_norms: bool = False) -> LayerWeights:
+        """The tensors of block i, as llama.cpp's create_tensor_qkv and the family loaders read
+        them: a fused attn_qkv or attn_q/k/v, each with an optional bias."""
+        p = f"blk.{i}."
+        d, qd, kv, ff = a.n_embd, a.q_dim, a.kv_dim, a.n_ff
+        lw = LayerWeights(
+            attn_norm=self.vector(p + "attn_norm.weight", d),
+            attn_output=self.matrix(p + "attn_output.weight", qd, d),
+            ffn_norm=self.vector(p + "ffn_norm.weight", d),
+            ffn_up=self.matrix(p + "ffn_up.weight", d, 2 * ff if fused_ffn else ff),
+            ffn_down=self.matrix(p + "ffn_down.weight", ff, d),
+        )
+        if not fused_ffn:
+            lw.ffn_gate = self.matrix(p + "ffn_gate.weight", d, ff)
+        if self.has(p + "attn_qkv.weight"):
+            lw.attn_qkv = self.matrix(p + "attn_qkv.weight", d, qd + 2 * kv)
+            if self.has(p + "attn_qkv.bias"):
+                b = self.vector(p + "attn_qkv.bias", qd + 2 * kv)
+                lw.attn_q_b, lw.attn_k_b, lw.attn_v_b = b[:qd], b[qd : qd + kv], b[qd + kv :]
+        else:
+            lw.attn_q = self.matrix(p + "attn_q.weight", d, qd)
+            lw.attn_k = self.matrix(p + "attn_k.weight", d, kv)
+            lw.attn_v = self.matrix(p + "attn_v.weight", d, kv)
+        if lw.attn_q_b is None:
+            lw.attn_q_b = self.optional_vector(p + "attn_q.bias", qd)
+            lw.attn_k_b = self.optional_vector(p + "attn_k.bias", kv)
+            lw.attn_v_b = self.optional_vector(p + "attn_v.bias", kv)
+        if qk_norm:
+            lw.attn_q_norm = self.vector(p + "attn_q_norm.weight", a.head_dim)
+            lw.attn_k_norm = self.vector(p + "attn_k_norm.weight", a.head_dim)
+        if post_norms:
+            lw.post_attention_norm = self.vector(p + "post_attention_norm.weight", d)
+            lw.post_ffw_norm = self.vector(p + "post_ffw_norm.weight", d)
+        return lw
+
+    def model(self, a: ModelArgs, layers: list[LayerWeights], *, own_output: bool = True) -> Weights:
+        """Embedding, final norm and output: `output.weight`, or the embedding when the file has
+        none (tied), or always the embedding when own_output is False (gemma2, as llama.cpp)."""
+        token_embd = self.matrix("token_embd.weight", a.n_embd, a.n_vocab)
+        tied = not (own_output and self.has("output.weight"))
+        output = token_embd if tied else self.matrix("output.weight", a.n_embd, a.n_vocab)
+        return Weights(token_embd=token_embd, output_norm=self.vector("output_norm.weight", a.n_embd),
+                       output=output, tied_output=tied, layers=layers)
+
+
+# -- RoPE -----------------------------------------------------------------------------------
+
+
+def rope_tables(n_rot: int, base: float, scale: float, factors: np.ndarray | None, attn_factor: float,
+                n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of pos * theta_i for every position and pair i: two (n_ctx, n_rot/2) float32 tables.
+
+    theta_i = base^(-2i/n_rot) / factor_i (Llama 3.1 / LongRoPE factors), positions divided by
+    the linear scaling factor, both multiplied by attn_factor (llama.cpp's mscale). Computed in
+    float64, then rounded once.
+    """
+    half = n_rot // 2
+    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)
+    if factors is not None:
+        inv_freq = inv_freq / factors.astype(np.float64)
+    pos = np.arange(n_ctx, dtype=np.float64) / scale
+    angles = np.outer(pos, inv_freq)  # (n_ctx, half)
+    cos, sin = np.cos(angles), np.sin(angles)
+    if attn_factor != 1.0:
+        cos, sin = cos * attn_factor, sin * attn_factor
+    return cos.astype(np.float32), sin.astype(np.float32)
+
+
+# -- profiling ------------------------------------------------------------------------------
+
+
+@dataclass
+class ForwardStats:
+    """Accumulated wall time per operation (seconds), filled when profiling is on."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, dt: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + dt
+
+
+class _Marker:
+    """Adds the time since the previous mark to a ForwardStats entry (profiling only)."""
+
+    __slots__ = ("stats", "last")
+
+    def __init__(self, stats: ForwardStats):
+        self.stats = stats
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stats.add(name, now - self.last)
+        self.last = now
+
+
+# -- the forward pass -----------------------------------------------------------------------
+
+
+@dataclass
+class Segment:
+    """One token run of a forward pass: rows [lo, hi) of the batch, at positions start.. of cache."""
+
+    cache: KVCache
+    start: int
+    lo: int
+    hi: int
+
+
+def project(w: QTensor, act) -> np.ndarray:
+    """(T, in) activations (an Activation, quantized once when shared) -> (T, out) float32.
+    One token takes the mat-vec (decode) kernel, a batch the mat-mat (prefill) kernel."""
+    if act.n_tok == 1:
+        return w.matvec(act).reshape(1, -1)
+    return w.matmul(act)
+
+
+class Transformer:
+    """A decoder-only transformer over KV caches. Subclasses (one per architecture) define
+    `read_args`, `load_weights` and `block`, and may override `embed` and `final_logits`."""
+
+    arch = ""
+
+    def __init__(self, args: ModelArgs, weights: Weights, n_ctx: int, batch: int = SWA_BATCH):
+        self.args = args
+        self.weights = weights
+        self.n_ctx = n_ctx
+        self.batch = batch  # ring slots of window layers beyond the window
+        self.profile: ForwardStats | None = None  # set to a ForwardStats to time each op
+        self._mark: _Marker | None = None
+        tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.rope: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: (cos, sin) (n_ctx, n_rot/2)
+        for il in range(args.n_layer):
+            base, scale = (args.rope_freq_base_swa, args.rope_scale_swa) if args.is_swa(il) else (args.rope_freq_base, args.rope_scale)
+            if (base, scale) not in tables:
+                tables[base, scale] = rope_tables(args.n_rot, base, scale, weights.rope_freqs, args.rope_attn_factor, n_ctx)
+            self.rope.append(tables[base, scale])
+
+    # -- families fill these in --
+
+    @classmethod
+    def read_args(cls, md) -> ModelArgs:
+        raise NotImplementedError
+
+    @classmethod
+    def load_weights(cls, gf: GGUFFile, args: ModelArgs) -> Weights:
+        raise NotImplementedError
+
+    def block(self, il: int, layer: LayerWeights, x: np.ndarray, batch: list[Segment]) -> np.ndarray:
+        """One layer: x (T, n_embd) residual stream in, residual stream out (may be updated in place)."""
+        raise NotImplementedError
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """(T,) token ids -> (T, n_embd) float32 rows of the embedding."""
+        return np.ascontiguousarray(self.weights.token_embd.dequantize(tokens), dtype=np.float32)
+
+    def final_logits(self, logits: np.ndarray) -> np.ndarray:
+        """Post-processing of the output projection (Gemma's final softcap)."""
+        return logits
+
+    # -- caches and entry points --
+
+    def new_cache(self) -> KVCache:
+        a = self.args
+        windows = [a.n_swa if a.is_swa(il) else 0 for il in range(a.n_layer)]
+        return KVCache(a.n_layer, a.n_head_kv, a.head_dim, self.n_ctx, windows, self.batch)
+
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run `tokens` at positions cache.n_past.. and append them to the cache.
+
+        Returns logits float32: (T, n_vocab) if all_logits, else (1, n_vocab) for the last token.
+        """
+        return self.forward_many([(tokens, cache)], all_logits)[0]
+
+    def forward_many(self, segments: Sequence[tuple[Sequence[int], KVCache]], all_logits: bool = False) -> list[np.ndarray]:
+        """Run several token runs, each at its own cache's n_past, in one pass over the weights.
+
+        Returns one logits array per segment: (T_i, n_vocab) if all_logits, else (1, n_vocab).
+        Runs longer than a cache's max_batch are evaluated in rounds.
+        """
+        a = self.args
+        runs = []
+        for tokens, cache in segments:
+            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+            if tokens.shape[0] == 0:
+                raise QllamaError("forward needs at least one token")
+            if cache.n_past + tokens.shape[0] > cache.n_ctx:
+                raise QllamaError(f"context overflow: {cache.n_past} + {tokens.shape[0]} tokens > n_ctx {cache.n_ctx}")
+            if tokens.min() < 0 or tokens.max() >= a.n_vocab:
+                raise QllamaError(f"token id out of range [0, {a.n_vocab})")
+            runs.append((tokens, cache))
+        if len({id(c) for _, c in runs}) != len(runs):
+            raise QllamaError("each segment of a forward pass needs its own cache")
+
+        outs: list[list[np.ndarray]] = [[] for _ in runs]
+        done = [0] * len(runs)
+        while True:
+            part = [(i, r[0][done[i] : done[i] + r[1].max_batch], r[1]) for i, r in enumerate(runs) if done[i] < len(r[0])]
+            if not part:
+                break
+            want = [all_logits or done[i] + len(t) == len(runs[i][0]) for i, t, _ in part]
+            logits = self._forward_round([(t, c) for _, t, c in part], want, all_logits)
+            for (i, t, _), lg in zip(part, logits):
+                done[i] += len(t)
+                if lg is not None:
+                    outs[i].append(lg)
+        return [o[0] if len(o) == 1 else np.concatenate(o) for o in outs]
+
+    def _forward_round(self, runs, want: list[bool], all_logits: bool) -> list[np.ndarray | None]:
+        self._mark = mark = _Marker(self.profile) if self.profile is not None else None
+        batch, off = [], 0
+        for tokens, cache in runs:
+            batch.append(Segment(cache, cache.n_past, off, off + len(tokens)))
+            off += len(tokens)
+        tokens = runs[0][0] if len(runs) == 1 else np.concatenate([t for t, _ in runs])
+        x = self.embed(tokens)  # (T, n_embd) residual stream
+        if mark:
+            mark("embedding")
+        for il, layer in enumerate(self.weights.layers):
+            x = self.block(il, layer, x, batch)
+        for seg in batch:
+            seg.cache.stored(seg.start, seg.hi - seg.lo)
+            seg.cache.n_past = seg.start + seg.hi - seg.lo
+
+        # rows whose logits are wanted: every row, or the last of each segment
+        if len(batch) == 1:
+            rows = x if all_logits else x[-1:]
+        else:
+            pick = [np.arange(s.lo, s.hi) if all_logits else np.array([s.hi - 1]) for s, w in zip(batch, want) if w]
+            rows = x[np.concatenate(pick)] if pick else x[:0]
+        result: list[np.ndarray | None] = [None] * len(batch)
+        if rows.shape[0] == 0:
+            return result
+        hn = np.empty_like(rows)
+        ops.rmsnorm(np.ascontiguousarray(rows), self.weights.output_norm, self.args.rms_eps, hn)
+        if mark:
+            mark("rmsnorm")
+        logits = self.final_logits(project(self.weights.output, quantize_activation(hn)))
+        if mark:
+            mark("matvec output (+quantize x)")
+        r = 0
+        for i, (seg, w) in enumerate(zip(batch, want)):
+            if w:
+                n = seg.hi - seg.lo if all_logits else 1
+                result[i] = logits[r : r + n]
+                r += n
+        self._mark = None
+        return result
+
+    # -- building blocks for `block` --
+
+    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """RMSNorm of each row: (T, d) -> new (T, d)."""
+        out = np.empty_like(x)
+        ops.rmsnorm(x, weight, self.args.rms_eps, out)
+        if self._mark:
+            self._mark("rmsnorm")
+        return out
+
+    def qkv(self, layer: LayerWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q (T, H, D), K and V (T, Hkv, D) from the normed input h (T, n_embd): separate or
+        fused projections, plus biases when the file has them."""
+        a, mark = self.args, self._mark
+        n_tok = h.shape[0]
+        hq = quantize_activation(h)  # quantized once (int8 path) for Q, K and V
+        if layer.attn_qkv is not None:
+            qkv = project(layer.attn_qkv, hq)  # (T, q_dim + 2 kv_dim)
+            q = qkv[:, : a.q_dim]
+            k = qkv[:, a.q_dim : a.q_dim + a.kv_dim]
+            v = qkv[:, a.q_dim + a.kv_dim :]
+            if mark:
+                mark("matvec attn_qkv (+quantize x)")
+        else:
+            q = project(layer.attn_q, hq)  # (T, q_dim)
+            if mark:
+                mark("matvec attn_q (+quantize x)")
+            k = project(layer.attn_k, hq)  # (T, kv_dim)
+            if mark:
+                mark("matvec attn_k")
+            v = project(layer.attn_v, hq)  # (T, kv_dim)
+            if mark:
+                mark("matvec attn_v")
+        if layer.attn_q_b is not None:
+            q = q + layer.attn_q_b
+            k = k + layer.attn_k_b
+            v = v + layer.attn_v_b
+        shape_q, shape_kv = (n_tok, a.n_head, a.head_dim), (n_tok, a.n_head_kv, a.head_dim)
+        return (np.ascontiguousarray(q).reshape(shape_q), np.ascontiguousarray(k).reshape(shape_kv),
+                np.ascontiguousarray(v).reshape(shape_kv))
+
+    def head_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """RMSNorm over each head's D values, in place: x (T, heads, D), weight (D,)."""
+        flat = x.reshape(-1, x.shape[2])
+        ops.rmsnorm(flat, weight, self.args.rms_eps, flat)
+        if self._mark:
+            self._mark("q/k norm")
+        return x
+
+    def attend(self, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: list[Segment]) -> np.ndarray:
+        """RoPE on q and k, k and v into each segment's cache, attention: -> (T, H * D)."""
+        a, mark = self.args, self._mark
+        n_tok = q.shape[0]
+        cos, sin = self.rope[il]
+        window = a.n_swa if a.is_swa(il) else 0
+        softcap = np.float32(a.attn_softcap)
+        scale = np.float32(a.attn_scale)
+        out = np.empty((n_tok, a.n_head, a.head_dim), dtype=np.float32)  # (T, H, D)
+        n_threads = get_threads()
+        for seg in batch:
+            c = seg.cache
+            one = len(batch) == 1
+            qs = q if one else q[seg.lo : seg.hi]
+            ks = k if one else k[seg.lo : seg.hi]
+            vs = v if one else v[seg.lo : seg.hi]
+            os_ = out if one else out[seg.lo : seg.hi]
+            ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.k[il], c.vt[il], a.rope_neox)
+            if mark:
+                mark("rope + kv store")
+            # decode-sized work runs on this thread: waking the pool would cost more than it saves
+            parallel = ops.attention_parallel_pays(seg.hi - seg.lo, seg.start, a.n_head, n_threads)
+            attention = ops.attention if parallel else ops.attention_serial
+            attention(qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap, os_)
+            if mark:
+                mark("attention")
+        return out.reshape(n_tok, a.q_dim)
+
+    def out_proj(self, layer: LayerWeights, attn: np.ndarray) -> np.ndarray:
+        """The attention output projection: (T, q_dim) -> (T, n_embd)."""
+        y = project(layer.attn_output, quantize_activation(attn))
+        if self._mark:
+            self._mark("matvec attn_output (+quantize x)")
+        return y
+
+    def ffn(self, layer: LayerWeights, h: np.ndarray, act: int) -> np.ndarray:
+        """Gated FFN: down(act(gate h) * up h), (T, n_embd) -> (T, n_embd). act: ACT_SILU or ACT_GELU.
+        A fused ffn_up holds gate|up (gate first, as llama.cpp's swiglu splits it)."""
+        mark, n_ff = self._mark, self.args.n_ff
+        hq = quantize_activation(h)  # shared by gate and up
+        if layer.ffn_gate is None:
+            gu = project(layer.ffn_up, hq)  # (T, 2 n_ff)
+            gate, up = np.ascontiguousarray(gu[:, :n_ff]), np.ascontiguousarray(gu[:, n_ff:])
+            if mark:
+                mark("matvec ffn_up (gate|up, +quantize x)")
+        else:
+            gate = project(layer.ffn_gate, hq)  # (T, n_ff)
+            if mark:
+                mark("matvec ffn_gate (+quantize x)")
+            up = project(layer.ffn_up, hq)  # (T, n_ff)
+            if mark:
+                mark("matvec ffn_up")
+        glu = ops.glu if h.shape[0] > 1 else ops.glu_serial
+        glu(gate, up, gate, act)
+        if mark:
+            mark("swiglu" if act == ACT_SILU else "geglu")
+        y = project(layer.ffn_down, quantize_activation(gate))
+        if mark:
+            mark("matvec ffn_down (+quantize x)")
+        return y

@@ -1,0 +1,92 @@
+"""The KV cache: keys and values of every layer, kept apart from the weights.
+
+A full-attention layer holds n_ctx positions (position p in slot p). A sliding-window layer
+holds only a ring of `window + batch` slots (position p in slot p % ring), as llama.cpp's SWA
+cache holds n_swa + n_ubatch cells: a query sees the last `window` positions, and a batch of
+up to `max_batch` new tokens can be stored before the oldest of them is read. A Gemma 3
+(five window layers to one global) thus needs about a sixth of the memory at long contexts.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from ..errors import QllamaError
+
+SWA_BATCH = 512  # ring slots beyond the window (llama.cpp: n_ubatch); the most tokens per forward chunk
+
+
+class KVCache:
+    """Per layer: keys (Hkv, ring, D) row-major and values (Hkv, D, ring) d-major, float32.
+
+    Keys are stored row-major (a score is a dot with one key row); values d-major (`vt`), so
+    that each output component is one long dot over the positions (see
+    `kernels.layer_ops._attend`). `n_past`: positions [0, n_past) have been evaluated.
+    """
+
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
+                 windows: list[int] | None = None, batch: int = SWA_BATCH):
+        windows = windows or [0] * n_layer
+        self.n_ctx = n_ctx
+        self.n_past = 0
+        self.window = list(windows)  # per layer: 0 = full attention
+        self.ring = [n_ctx if w <= 0 else min(n_ctx, w + batch) for w in windows]  # slots per layer
+        self.k = [_lazy_zeros((n_head_kv, r, head_dim)) for r in self.ring]  # L x (Hkv, ring, D)
+        self.vt = [_lazy_zeros((n_head_kv, head_dim, r)) for r in self.ring]  # L x (Hkv, D, ring)
+        # the most tokens one forward may store: a window layer must keep the window of its first query
+        limits = [r - w + 1 for r, w in zip(self.ring, windows) if w > 0 and r < n_ctx]
+        self.max_batch = min(limits) if limits else n_ctx
+        # for rewinding: which position each ring slot holds (-1: none); one ring size for all window layers
+        rings = {r for r, w in zip(self.ring, windows) if w > 0 and r < n_ctx}
+        self._ring = rings.pop() if len(rings) == 1 else None
+        if rings:
+            raise QllamaError("window layers of different sizes are not supported")
+        self._win = max((w for w, r in zip(windows, self.ring) if w > 0 and r < n_ctx), default=0)
+        self._slot_pos = np.full(self._ring, -1, np.int64) if self._ring else None
+
+    @property
+    def v(self) -> list[np.ndarray]:
+        """Values as (Hkv, ring, D) views, per layer."""
+        return [vt.transpose(0, 2, 1) for vt in self.vt]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + vt.nbytes for k, vt in zip(self.k, self.vt))
+
+    def stored(self, start: int, n: int) -> None:
+        """Record that positions [start, start + n) were written (called by the model)."""
+        if self._slot_pos is not None:
+            pos = np.arange(start, start + n, dtype=np.int64)
+            self._slot_pos[pos % self._ring] = pos
+
+    def rewind(self, n: int) -> int:
+        """Keep positions [0, n) for reuse and return n; or 0 when a window layer has already
+        overwritten what position n would need to see (everything is then evaluated again)."""
+        n = max(0, min(n, self.n_past))
+        if self._slot_pos is not None and n > 0:
+            need = np.arange(max(0, n - self._win + 1), n, dtype=np.int64)
+            if not np.array_equal(self._slot_pos[need % self._ring], need):
+                n = 0
+        self.n_past = n
+        return n
+
+
+def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 zero array whose memory is committed page by page as it is written.
+
+    np.zeros would do that too, but NumPy asks for transparent huge pages on large arrays: the
+    first token then commits a 2 MB page in every (layer, head) block, i.e. the whole cache
+    (268 MB for a 1B model at n_ctx 4096). An anonymous mmap without huge pages grows with
+    the positions actually used.
+    """
+    nbytes = int(np.prod(shape)) * 4
+    try:
+        flags = getattr(mmap, "MAP_PRIVATE", None)
+        buf = mmap.mmap(-1, nbytes) if flags is None else mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_ANONYMOUS)
+        if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
+            buf.madvise(mmap.MADV_NOHUGEPAGE)
+    except (OSError, ValueError, AttributeError):  # no anonymous mmap here: plain zeros
+        return np.zeros(shape, dtype=np.float32)
+    return np.frombuffer(buf, dtype=np.float32).reshape(shape)

@@ -1,0 +1,38 @@
+"""`llama` (Llama 2/3, Mistral, TinyLlama, SmolLM2): llama.cpp's src/models/llama.cpp.
+
+- RoPE on interleaved pairs (llama.cpp "norm" mode): the HF->GGUF converter permuted Q/K rows.
+- Llama 3.1+ stores per-frequency divisors in `rope_freqs.weight`; rope scaling "linear"
+  divides positions by its factor.
+- SwiGLU FFN; output tied to the embedding when the file has no `output.weight`.
+
+    x += attn_output(attention(RoPE(q, k), v))   on RMSNorm(x, attn_norm)
+    x += ffn_down(silu(ffn_gate h) * ffn_up h)   on h = RMSNorm(x, ffn_norm)
+"""
+
+from __future__ import annotations
+
+from .args import ModelArgs, read_common_args
+from .base import ACT_SILU, Transformer, WeightReader
+
+
+class Llama(Transformer):
+    arch = "llama"
+
+    @classmethod
+    def read_args(cls, md) -> ModelArgs:
+        return read_common_args(md, "llama", neox=False)
+
+    @classmethod
+    def load_weights(cls, gf, args: ModelArgs):
+        r = WeightReader(gf)
+        w = r.model(args, [r.layer(i, args) for i in range(args.n_layer)])
+        w.rope_freqs = r.optional_vector("rope_freqs.weight", args.n_rot // 2)
+        return w
+
+    def block(self, il, layer, x, batch):
+        h = self.norm(x, layer.attn_norm)
+        q, k, v = self.qkv(layer, h)
+        x += self.out_proj(layer, self.attend(il, q, k, v, batch))
+        h = self.norm(x, layer.ffn_norm)
+        x += self.ffn(layer, h, ACT_SILU)
+        return x
