@@ -446,3 +446,69 @@ def test_llama_cpp_tensors_matvec():
                 assert rel_err(q.matmul(xs), ref) <= tol
             finally:
                 set_int8_activations(True)
+
+
+# -- numerically hostile blocks (issue 17): no exception, the damage stays in its row ----------------
+
+_NAN16, _INF16, _NEG_INF16 = 0x7E00, 0x7C00, 0xFC00
+_HOSTILE = [(tid, f, bits) for tid in (gt.Q4_K, gt.Q6_K, gt.Q8_0, gt.Q4_0)
+            for f in range(len(FP16_FIELDS[tid])) for bits in (_NAN16, _INF16, _NEG_INF16)]
+
+
+@pytest.mark.parametrize("tid, field, bits", _HOSTILE,
+                         ids=[f"{tname(t)}-field{f}-{b:#06x}" for t, f, b in _HOSTILE])
+def test_nonfinite_scale_stays_in_its_row(tid, field, bits):
+    """One block of row 2 gets a NaN / +-Inf fp16 scale. Dequantize equals gguf-py bit for bit;
+    mat-vec and mat-mat on the float and int8 paths raise nothing, give a non-finite row 2, and
+    every other row exactly as for the undamaged matrix (which matches float64)."""
+    rng = np.random.default_rng(500 + tid + 7 * field + bits % 97)
+    t = gt.GGML_TYPES[tid]
+    ne0, ne1, row, block = 2 * 256, 6, 2, 1
+    clean = random_matrix(tid, ne0, ne1, rng)
+    bad = clean.copy()
+    at = block * t.type_size + FP16_FIELDS[tid][field]
+    bad[row, at : at + 2] = np.array([bits], np.uint16).view(np.uint8)
+    qc = QTensor.from_bytes(tid, clean, (ne0, ne1))
+    qb = QTensor.from_bytes(tid, bad, (ne0, ne1))
+    others = [r for r in range(ne1) if r != row]
+
+    with np.errstate(all="ignore"):
+        ref = oracle(tid, bad, ne0)  # gguf-py
+    assert_bits_equal(qb.dequantize(), ref)
+    assert not np.isfinite(ref[row, block * t.block_size : (block + 1) * t.block_size]).all()
+    assert np.isfinite(ref[others]).all() and np.isfinite(np.delete(ref[row], np.s_[block * t.block_size : (block + 1) * t.block_size])).all()
+
+    w64 = oracle(tid, clean, ne0).astype(np.float64)[others]
+    x = rng.standard_normal(ne0).astype(np.float32)
+    xs = rng.standard_normal((5, ne0)).astype(np.float32)  # 5 tokens: the 4-token and 1-token int8 kernels
+    try:
+        for int8, tol in ((False, FLOAT_TOL), (True, INT8_TOL)):
+            set_int8_activations(int8)
+            y, ym = qb.matvec(x), qb.matmul(xs)
+            assert not np.isfinite(y[row]) and not np.isfinite(ym[:, row]).any(), int8
+            assert np.array_equal(y[others], qc.matvec(x)[others]), int8
+            assert np.array_equal(ym[:, others], qc.matmul(xs)[:, others]), int8
+            assert rel_err(y[others], w64 @ x) <= tol and rel_err(ym[:, others], xs.astype(np.float64) @ w64.T) <= tol
+    finally:
+        set_int8_activations(True)
+
+
+@pytest.mark.parametrize("bits", [_NAN16, _INF16, _NEG_INF16], ids=hex)
+def test_nonfinite_f16_weight_stays_in_its_row(bits):
+    rng = np.random.default_rng(600 + bits % 89)
+    ne0, ne1, row = 96, 5, 3
+    w = rng.standard_normal((ne1, ne0)).astype(np.float16)
+    bad = w.copy()
+    bad.view(np.uint16)[row, 17] = bits
+    qc = QTensor.from_bytes(gt.F16, w.view(np.uint8), (ne0, ne1))
+    qb = QTensor.from_bytes(gt.F16, bad.view(np.uint8), (ne0, ne1))
+    others = [r for r in range(ne1) if r != row]
+    assert_bits_equal(qb.dequantize(), bad.astype(np.float32))
+    x = rng.standard_normal(ne0).astype(np.float32)
+    xs = rng.standard_normal((3, ne0)).astype(np.float32)
+    y, ym = qb.matvec(x), qb.matmul(xs)
+    assert not np.isfinite(y[row]) and not np.isfinite(ym[:, row]).any()
+    assert np.array_equal(y[others], qc.matvec(x)[others])
+    assert np.array_equal(ym[:, others], qc.matmul(xs)[:, others])
+    w64 = w.astype(np.float64)[others]
+    assert rel_err(y[others], w64 @ x) <= FLOAT_TOL and rel_err(ym[:, others], xs.astype(np.float64) @ w64.T) <= FLOAT_TOL
