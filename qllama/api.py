@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
@@ -15,6 +15,9 @@ from .models import build_model, read_args
 from .qtensor import get_threads, set_threads
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported where used: the chat package is not needed to load a model
+    from .chat import ChatTemplate, PromptFormat
 
 
 def load(
@@ -172,21 +175,55 @@ class Model:
         set_threads(self.n_threads)
         return stream_generate(self.session, self.tokenizer, ids, sampler, max_tokens, stop, timings)
 
-    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[str]:
-        """Stream the continuation of `prompt` as text chunks.
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+        add_bos: bool = True,
+        parse_special: bool = False,
+    ) -> Iterator[str]:
+        """Stream the continuation of `prompt` (text, or token ids as given) as text chunks.
 
-        Keyword arguments: max_tokens (256), temperature (0.8; 0 = greedy), top_k (40),
-        top_p (0.95), min_p (0.05), repeat_penalty (1.0), repeat_last_n (64), seed (None =
-        random), stop (strings that end generation, not included), add_bos (True),
-        parse_special (False). Timings of the run are in `last_timings` afterwards.
+        temperature 0 is greedy; seed None is random; `stop` strings end generation and are not
+        included; BOS is added when `add_bos` and the model asks for it; `parse_special` reads
+        control tokens written in the prompt text. Timings are in `last_timings` afterwards.
         """
-        for chunk in self.stream(prompt, **kwargs):
+        chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                             stop=stop, add_bos=add_bos, parse_special=parse_special)
+        for chunk in chunks:
             if chunk.text:
                 yield chunk.text
 
-    def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> str:
-        """The whole continuation of `prompt` as one string (same options as `generate`)."""
-        return "".join(self.generate(prompt, **kwargs))
+    def complete(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+        add_bos: bool = True,
+        parse_special: bool = False,
+    ) -> str:
+        """The whole continuation of `prompt` as one string (the options of `generate`)."""
+        return "".join(self.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                     seed=seed, stop=stop, add_bos=add_bos, parse_special=parse_special))
 
     # -- chat ------------------------------------------------------------------------------
 
@@ -196,62 +233,105 @@ class Model:
             return ""
         return tokens[token_id]
 
-    def chat_template(self, override_path: str | None = None):
-        """The ChatTemplate used for this model (the GGUF's, a built-in for its family, or a file), or None."""
+    def chat_template(self, spec: str | os.PathLike | None = None) -> "ChatTemplate | None":
+        """The chat template for this model, or None (then prompts are plain completion).
+
+        `spec` asks for one: a built-in name ("llama-3", "chatml", "gemma", "phi-3", ... see
+        `qllama.chat.BUILTIN_TEMPLATES`) or a Jinja file. Without it, the GGUF's own
+        `tokenizer.chat_template`, and None when the file has none: no format is guessed from
+        the vocabulary or the name, as in llama.cpp.
+        """
         from .chat import ChatTemplate
 
-        key = override_path or ""
+        key = os.fspath(spec) if spec is not None else ""
         cached = getattr(self, "_chat_templates", {})
         if key not in cached:
-            cached[key] = ChatTemplate.from_metadata(self.metadata, override_path=override_path)
+            cached[key] = ChatTemplate.from_spec(spec) if spec is not None else ChatTemplate.from_metadata(self.metadata)
             self._chat_templates = cached
         return cached[key]
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            chat_template_file: str | None = None) -> str:
-        """Render messages ([{"role": ..., "content": ...}]) with the model's chat template."""
-        template = self.chat_template(chat_template_file)
+    def _require_chat_template(self, spec: str | os.PathLike | None, what: str = "chat") -> "ChatTemplate":
+        from .chat import NoChatTemplateError
+
+        template = self.chat_template(spec)
         if template is None:
-            raise QllamaError("this model has no chat template and none is built in for its family (use --chat-template)")
-        return template.render(
+            raise NoChatTemplateError(what)
+        return template
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
+                            chat_template: str | os.PathLike | None = None) -> str:
+        """Render messages ([{"role": ..., "content": ...}]) with the chat template (see `chat_template`)."""
+        return self._require_chat_template(chat_template).render(
             list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self._special_text(self.tokenizer.bos_id),
             eos_token=self._special_text(self.tokenizer.eos_id),
         )
 
-    def chat_tokens(self, messages: Sequence[dict], chat_template_file: str | None = None, add_bos: bool = True) -> list[int]:
+    def chat_tokens(self, messages: Sequence[dict], *, chat_template: str | os.PathLike | None = None,
+                    add_bos: bool = True) -> list[int]:
         """Token ids of a rendered conversation: special tokens parsed, BOS exactly once."""
         from .chat import strip_leading_bos
 
-        text = self.apply_chat_template(messages, chat_template_file=chat_template_file)
+        text = self.apply_chat_template(messages, chat_template=chat_template)
         text, had_bos = strip_leading_bos(text, self._special_text(self.tokenizer.bos_id))
         bos = add_bos and (self.tokenizer.add_bos or had_bos) and self.tokenizer.bos_id is not None
         ids = self.tokenizer.encode(text, add_bos=False, parse_special=True)
         return ([self.tokenizer.bos_id] if bos else []) + ids
 
+    def chat_prompt_ids(self, messages: Sequence[dict], *, chat_template: str | os.PathLike | None = None) -> list[int]:
+        """The ids `chat` evaluates for `messages`: `chat_tokens`, except that earlier answers the KV
+        cache holds keep the model's own tokens (same text; see `qllama.chat.prompt_ids`)."""
+        from .chat import prompt_ids
+
+        ids = self.chat_tokens(messages, chat_template=chat_template)
+        return prompt_ids(ids, self.session.tokens, self.tokenizer.token_bytes)
+
     def prepare_prompt(self, prompt: str, *, raw: bool = False, system: str | None = None, add_bos: bool = True,
-                       chat_template_file: str | None = None) -> tuple[list[int], str]:
-        """Prompt ids for `run`: wrapped as one user message when the model has a chat template
-        (unless raw), else plain completion. Returns (ids, a description of the choice)."""
-        template = None if raw else self.chat_template(chat_template_file)
-        if template is None:
+                       chat_template: str | os.PathLike | None = None) -> "tuple[list[int], PromptFormat]":
+        """Prompt ids for a one-shot prompt: one user message (after `system`) in the chat template
+        when there is one and not `raw`, else plain completion. Returns (ids, the format and why)."""
+        from .chat import NoChatTemplateError, PromptFormat
+
+        if raw:
+            fmt = PromptFormat(None, "raw")
+        else:
+            template = self.chat_template(chat_template)
+            fmt = PromptFormat(template, "none" if template is None else "gguf" if chat_template is None else "requested")
+        if not fmt.chat:
+            if system and raw:
+                raise QllamaError("a system prompt needs the chat template, and raw completion uses none")
             if system:
-                raise QllamaError("--system needs a chat template (the model has none; see --chat-template)")
-            why = "--raw" if raw else "no chat template"
-            return self.tokenize(prompt, add_bos=add_bos), f"completion ({why})"
+                raise NoChatTemplateError("a system prompt")
+            return self.tokenize(prompt, add_bos=add_bos), fmt
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return self.chat_tokens(messages, chat_template_file, add_bos=add_bos), f"chat template {template.name}"
+        return self.chat_tokens(messages, chat_template=chat_template, add_bos=add_bos), fmt
 
-    def chat(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[str]:
-        """Stream the assistant's reply to a conversation (same sampling options as `generate`).
+    def chat(
+        self,
+        messages: Sequence[dict],
+        *,
+        chat_template: str | os.PathLike | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+    ) -> Iterator[str]:
+        """Stream the assistant's reply to a conversation (the sampling options of `generate`).
 
-        The KV cache is reused: only the tokens after the longest common prefix with the
-        previous call are evaluated.
+        The KV cache is reused across calls: only the tokens after the longest common prefix
+        with the previous call are evaluated, and the model's own tokens of earlier answers are
+        kept (`chat_prompt_ids`), as `qllama chat` does.
         """
-        chat_template_file = kwargs.pop("chat_template_file", None)
-        ids = self.chat_tokens(messages, chat_template_file)
-        return self.generate(ids, **kwargs)
+        ids = self.chat_prompt_ids(messages, chat_template=chat_template)
+        return self.generate(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                             stop=stop)
 
     def __repr__(self) -> str:
         a = self.args
