@@ -1,8 +1,8 @@
 """Tokenizers and stopping for Gemma 2/3, Qwen 2/2.5/3 and Phi-3, from their GGUF metadata.
 
 There is no vocabulary of these families in ../shared/vocab, so each test builds a small
-vocab-only GGUF the way llama.cpp's converter lays that family out (conversion/gemma.py,
-qwen.py, phi.py), from a real vocabulary plus the family's special tokens:
+vocab-only GGUF the way llama.cpp's converter lays that family out (its conversion/gemma.py,
+qwen.py and phi.py), from a real vocabulary plus the family's special tokens:
 - Gemma: SentencePiece (`llama`), `add_space_prefix = false`, BOS added, `<bos>`/`<eos>`, and
   `<start_of_turn>` / `<end_of_turn>` control tokens (end of turn found by its text);
 - Qwen: byte-level BPE with the `qwen2` pre-tokenizer (digits one by one), no BOS, EOS
@@ -290,3 +290,50 @@ def test_against_llama_cpp(files, family):
         ids += [int(rng.choice(ours))] if rng.random() < 0.5 else []
         for special in (False, True):
             assert t.decode(ids, special=special) == _llama_cpp_detokenize(llama_cpp, ref, ids, special), ids
+
+
+def write_gemma_size(path, text: str) -> str:
+    """A Gemma-sized SPM vocabulary (262,144 tokens): the Gemma file's tokens, 6,000 `<unusedN>`
+    control tokens, and new pieces joining two adjacent Llama 2 pieces of `text` (so that merges
+    reach them), then of random pairs."""
+    tokens, types, scores = _spm_with(
+        [("<pad>", CTL), ("<start_of_turn>", CTL), ("<end_of_turn>", CTL)] + [(f"<unused{i}>", CTL) for i in range(6000)],
+        rename={1: "<bos>", 2: "<eos>"})
+    base = load_tokenizer(shared_path("vocab", "ggml-vocab-llama-spm.gguf"))
+    ids = base.encode(text)
+    rng = np.random.default_rng(3)
+    pairs = list(zip(ids, ids[1:])) + list(zip(*rng.integers(259, 32000, size=(2, 1_000_000)).tolist()))
+    have = set(tokens)
+    for a, b in pairs:
+        joined = tokens[a] + tokens[b]
+        if tokens[b].startswith("\u2581") or joined in have:
+            continue
+        have.add(joined)
+        tokens.append(joined)
+        if len(tokens) == 262144:
+            break
+    n_new = len(tokens) - len(types)
+    types += [int(TokenType.NORMAL)] * n_new
+    scores += rng.uniform(-32000.0, 0.0, size=n_new).tolist()
+    return _write(path, "gemma3", "Gemma 3 size", model="llama", tokens=tokens, types=types, scores=scores,
+                  ids={"bos": 1, "eos": 2, "unk": 0, "pad": G_PAD}, add_bos=True, add_space_prefix=False)
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_gemma_sized_vocabulary_against_llama_cpp(tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    text = shared_path("models", "shakespeare-val.txt").read_text(encoding="utf-8")[:20000]
+    path = write_gemma_size(tmp_path / "gemma-262k.gguf", text)
+    ref = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    t = load_tokenizer(path)
+    assert t.n_vocab == 262144
+    rng = np.random.default_rng(4)
+    texts = [text, *_texts(rng)[:100]]
+    for s in texts:
+        for special in (False, True):
+            assert t.encode(s, parse_special=special) == ref.tokenize(s.encode("utf-8"), add_bos=False,
+                                                                      special=special), (s[:80], special)
+    ids = t.encode(text)
+    assert max(ids) >= 32000  # the joined pieces are used
+    assert sorted(t.eog_ids) == [i for i in range(t.n_vocab) if llama_cpp.llama_vocab_is_eog(ref._model.vocab, i)]
