@@ -113,13 +113,13 @@ class Running:
 
 
 @contextmanager
-def serve(path, *, parallel=2, chunk=16, max_queue=8, api_key=None, n_ctx=None):
+def serve(path, *, parallel=2, chunk=16, max_queue=8, api_key=None, n_ctx=None, chat_template=None):
     """uvicorn in a thread on 127.0.0.1:<ephemeral>; always stopped."""
     llm = qllama.load(path, n_ctx=n_ctx, n_threads=1)
     forward, new_cache, _ = model_forward(llm)
     sched = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=parallel, max_queue=max_queue,
                       chunk=chunk, n_threads=1)
-    app = create_app(ServerState(llm, sched, "test-model", api_key=api_key))
+    app = create_app(ServerState(llm, sched, "test-model", api_key=api_key, chat_template=chat_template))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -343,6 +343,14 @@ def test_model_without_template_400_on_chat_but_completions_work(paths):
         err = error_of(s.post("/v1/chat/completions", {"messages": USER}), 400)
         assert "no chat template" in err["message"]
         assert s.client().completions.create(model="x", prompt="hello>", temperature=0).choices[0].text == ANSWER
+
+
+def test_chat_template_given_as_a_file(paths, tmp_path):
+    tf = tmp_path / "t.jinja"
+    tf.write_text(TEMPLATE)
+    with serve(paths["plain"], chat_template=str(tf)) as s:
+        r = s.client().chat.completions.create(model="x", messages=USER, temperature=0)
+        assert r.choices[0].message.content == ANSWER
 
 
 def test_template_is_rendered_in_the_sandbox(tmp_path):

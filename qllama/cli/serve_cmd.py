@@ -59,8 +59,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
               help="Requests that may wait for a slot; beyond: 503 with Retry-After.")
 @click.option("--api-key", envvar="QLLAMA_API_KEY", help="Require this key (Authorization: Bearer KEY). Env: QLLAMA_API_KEY.")
 @click.option("--alias", help="Model name reported by /v1/models (default: the file name).")
+@click.option("--chat-template", "chat_template", metavar="NAME|FILE",
+              help="Chat format of /v1/chat/completions: a built-in name or a Jinja file (default: the GGUF's own; "
+                   "without one, chat requests get a 400 and /v1/completions still works).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every HTTP request.")
-def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queue, api_key, alias, verbose):
+def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queue, api_key, alias, chat_template,
+            verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     try:
         import starlette  # noqa: F401
@@ -77,16 +81,18 @@ def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queu
     if warning:
         err(warning)
     llm = load(model, n_ctx=ctx_size or None, n_threads=threads)
+    template = llm.chat_template(chat_template)  # a bad NAME or FILE fails here, before serving
     forward, new_cache, batched = model_forward(llm)
     scheduler = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=parallel,
                           max_queue=max_queue, chunk=batch_size, n_threads=llm.n_threads)
     name = alias or os.path.basename(model)
-    app = create_app(ServerState(llm, scheduler, name, api_key=api_key))
+    app = create_app(ServerState(llm, scheduler, name, api_key=api_key, chat_template=chat_template))
     sock = bind_socket(host, port)
     bound = sock.getsockname()
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     err(f"loaded {llm!r} in {llm.load_s:.2f} s, {llm.n_threads} threads; {parallel} slots of {llm.n_ctx} tokens "
-        f"({'one pass per step' if batched else 'slots evaluated one after another'})")
+        f"({'one pass per step' if batched else 'slots evaluated one after another'}); "
+        f"chat template: {template.name if template is not None else 'none (chat requests get a 400)'}")
     err(f"listening on http://{shown}:{bound[1]} (OpenAI base_url http://{shown}:{bound[1]}/v1)")
 
     server = _Server(uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,

@@ -39,8 +39,10 @@ def error_response(err: ApiError) -> JSONResponse:
 class ServerState:
     """What the handlers share: the model, the scheduler, the served name and the key."""
 
-    def __init__(self, llm, scheduler, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY):
+    def __init__(self, llm, scheduler, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY,
+                 chat_template: str | None = None):
         self.llm = llm
+        self.chat_template = chat_template  # a built-in name or a file; None: the GGUF's own
         self.scheduler = scheduler
         self.model_name = model_name
         self.api_key = api_key
@@ -91,8 +93,8 @@ def create_app(state: ServerState) -> Starlette:
         req = parse_chat(await read_json(request, state.max_body))
         llm = state.llm
         try:
-            has_template = llm.chat_template() is not None
-            ids = llm.chat_tokens(req.messages) if has_template else None
+            has_template = llm.chat_template(state.chat_template) is not None
+            ids = llm.chat_tokens(req.messages, chat_template=state.chat_template) if has_template else None
         except QllamaError as e:  # the template refused the conversation (raise_exception...)
             raise bad_request(f"chat template: {e}", "messages") from None
         if ids is None:
