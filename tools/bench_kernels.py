@@ -2,8 +2,9 @@
 
     python tools/bench_kernels.py                 # GB/s, GFLOP/s, vectorisation report
     python tools/bench_kernels.py --cold-compile  # compile time of every kernel, empty cache
+    python tools/bench_kernels.py --types q4_K q8_0 --threads 1 --reps 10 --no-asm  # a quick subset
 
-Reports, at 1 and 2 threads (medians of repetitions; the machine is shared and noisy):
+Reports, at 1 and 2 threads (--threads) (medians of repetitions; the machine is shared and noisy):
 - machine read bandwidth: numpy.sum over a 1 GiB float32 array split across the threads;
 - mat-vec GB/s of packed weights for q4_K, q6_K, q8_0 and f16 on Llama 3.2 1B shapes
   (ne0 x ne1 = 2048x2048, 2048x512, 8192x2048, 2048x8192). Each repetition uses the next of
@@ -83,13 +84,15 @@ def bench(args) -> None:
     print(f"# int8-activation types on this host: {sorted(type_name(t) for t in int8_activations())}")
     print(f"# reps={args.reps}; medians (best in brackets); load average at start: {os.getloadavg()[0]:.1f}")
     bw = {}
-    for nt in (1, 2):
+    threads = args.threads
+    for nt in threads:
         med, best = read_bandwidth(nt)
         bw[nt] = med
         print(f"numpy.sum 1 GiB, {nt} thread(s): {med:.1f} GB/s ({best:.1f})")
 
     print("\n## mat-vec, GB/s of packed weights streamed (copies rotated, >= 96 MiB)")
-    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {'1 thread':>12} {'2 threads':>12} {'%bw(2)':>7}")
+    heads = " ".join(f"{f'{nt} thread(s)':>12}" for nt in threads)
+    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {heads} {f'%bw({threads[-1]})':>7}")
     for tname in args.types:
         for ne0, ne1 in SHAPES:
             q0 = make_matrix(tname, ne0, ne1, rng)
@@ -101,7 +104,7 @@ def bench(args) -> None:
             for path in paths:
                 set_int8_activations(path == "int8")
                 res = []
-                for nt in (1, 2):
+                for nt in threads:
                     set_threads(nt)
                     copies[0].matvec(x, out)  # compile / warm
                     i = [0]
@@ -113,11 +116,11 @@ def bench(args) -> None:
                     med, best = times(step, max(args.reps, n_copy))
                     res.append((q0.nbytes / med / 1e9, q0.nbytes / best / 1e9))
                 cols = " ".join(f"{m:5.1f} ({b:4.1f})" for m, b in res)
-                print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {cols} {100 * res[1][0] / bw[2]:6.0f}%")
+                print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {cols} {100 * res[-1][0] / bw[threads[-1]]:6.0f}%")
             set_int8_activations(True)
 
     print("\n## mat-mat, batch 64, GFLOP/s (2*ne0*ne1*64 / time)")
-    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {'1 thread':>12} {'2 threads':>12}")
+    print(f"{'type':6} {'ne0xne1':>10} {'path':6} {heads}")
     for tname in args.types:
         for ne0, ne1 in SHAPES:
             q = make_matrix(tname, ne0, ne1, rng)
@@ -127,7 +130,7 @@ def bench(args) -> None:
             for path in paths:
                 set_int8_activations(path == "int8")
                 res = []
-                for nt in (1, 2):
+                for nt in threads:
                     set_threads(nt)
                     q.matmul(xs, out)
                     med, best = times(lambda: q.matmul(xs, out), max(3, args.reps // 4))
@@ -136,6 +139,8 @@ def bench(args) -> None:
                 print(f"{tname:6} {ne0:>5}x{ne1:<5} {path:6} {cols}")
             set_int8_activations(True)
     set_threads(None)
+    if args.no_asm:
+        return
     print("\n## inner-loop instructions (counts of ymm-register instructions in each compiled kernel)")
     _run_fresh(["--asm"])
 
@@ -153,12 +158,13 @@ def vector_report() -> None:
 
     with contextlib.redirect_stdout(io.StringIO()):
         exec(COLD)  # compile every kernel (inspect_asm needs freshly compiled, not cached, code)
-    from qllama.kernels import kquants, legacy
+    from qllama.kernels import dequantize, kquants, legacy
 
     kernels = {f"int8.{k}": getattr(int8, k) for k in ("matmul_q4_k", "matmul_q5_k", "matmul_q6_k", "matmul_q8_0", "matmul_legacy")}
     kernels.update({f"kquants.{k}": getattr(kquants, k) for k in dir(kquants) if k.startswith("matvec_")})
     kernels.update({f"legacy.{k}": getattr(legacy, k) for k in dir(legacy) if k.startswith("matvec_")})
     kernels.update({f"floats.{k}": getattr(floats, k) for k in ("matvec_f16", "matmul_f32", "matmul_half")})
+    kernels["dequantize.dequantize_rows"] = dequantize.dequantize_rows
     for name, k in kernels.items():
         if not k.signatures:
             continue
@@ -208,6 +214,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--types", nargs="*", default=TYPES)
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="thread counts to measure (default: 1 2)")
+    ap.add_argument("--no-asm", action="store_true", help="skip the vectorisation report (it recompiles every kernel)")
     ap.add_argument("--cold-compile", action="store_true", help="measure kernel compile time with an empty cache")
     ap.add_argument("--asm", action="store_true", help=argparse.SUPPRESS)  # internal: vectorisation report
     args = ap.parse_args()
