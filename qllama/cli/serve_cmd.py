@@ -54,7 +54,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 @click.option("-np", "--parallel", default=4, show_default=True, type=click.IntRange(1, 64),
               help="Requests decoded together (slots).")
 @click.option("-b", "--batch-size", default=128, show_default=True, type=click.IntRange(min=1),
-              help="Prompt tokens a slot evaluates per step (chunked prefill).")
+              help="Prompt tokens evaluated per step, for all new requests together (chunked prefill).")
 @click.option("--queue", "max_queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait for a slot; beyond: 503 with Retry-After.")
 @click.option("--api-key", envvar="QLLAMA_API_KEY", help="Require this key (Authorization: Bearer KEY). Env: QLLAMA_API_KEY.")
