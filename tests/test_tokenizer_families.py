@@ -278,7 +278,10 @@ def test_against_llama_cpp(files, family):
         for special in (False, True):
             assert t.encode(text, parse_special=special) == ref.tokenize(data, add_bos=False, special=special), \
                 (text, special)
-        assert t.encode(text, add_bos=True, parse_special=True) == ref.tokenize(data, add_bos=True, special=True), text
+        theirs = ref.tokenize(data, add_bos=True, special=True)
+        if theirs[:2] == [t.bos_id, t.bos_id]:
+            theirs = theirs[1:]  # llama.cpp adds BOS before a text that starts with one (and warns); we don't
+        assert t.encode(text, add_bos=True, parse_special=True) == theirs, text
     ours = sorted(t.eog_ids)
     theirs = [i for i in range(t.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)]
     assert ours == theirs
