@@ -288,6 +288,15 @@ def test_invalid_json_and_wrong_types_are_400(hi):
     assert error_of(hi.post("/v1/completions", [1, 2]), 400)["type"] == "invalid_request_error"
 
 
+def test_content_parts_are_joined_with_newlines_as_llama_cpp_does(hi):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
+    r = hi.post("/v1/chat/completions", {"messages": parts, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
+    assert r.json()["usage"]["prompt_tokens"] == len(hi.llm.chat_tokens([{"role": "user", "content": "hel\nlo"}]))
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    assert error_of(hi.post("/v1/chat/completions", {"messages": image}), 400)["param"] == "messages"
+
+
 def test_n_above_one_is_400(hi):
     with pytest.raises(openai.BadRequestError) as e:
         hi.client().chat.completions.create(model="x", messages=USER, n=2)
