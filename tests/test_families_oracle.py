@@ -1,0 +1,208 @@
+"""Every family against the live llama.cpp (llama-cpp-python 0.3.36, the `[oracle]` extra).
+
+Files: tools/make_model.py's synthetic GGUFs with real vocabularies (../shared/vocab) and chat
+templates, in f32 and llama.cpp's Q4_K_M mix. For each:
+- the float64 reference (reference_forward.py) equals llama.cpp on the f32 files (this checks
+  the reference itself; llama.cpp runs with an f32 KV cache and no flash attention here, and the
+  reference mimics its fp16 GELU table);
+- qllama's teacher-forced argmax equals llama.cpp's wherever llama.cpp's top-2 margin is
+  >= 0.1 (llama.cpp as users run it: f16 KV cache, default attention); max |Δlogit| printed;
+- `qllama perplexity` is within 0.3% of llama.cpp's (llama-perplexity's protocol) at a
+  context of more than twice the sliding window;
+- `qllama run --temp 0` prints llama.cpp's greedy text up to its first near-tie (margin < 0.1).
+Run with `-s` to see the measured numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SHARED, shared_path
+from reference_forward import Reference
+from test_families import _spec
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
+pytestmark = pytest.mark.oracle
+
+MARGIN = 0.1
+PPL_TOL = 3e-3
+PROMPT = "The king is dead; long live the queen. Tell me, good friend, what news from"
+
+_F32 = dict(n_embd=64, n_ff=128, n_head=4, n_layer=2)
+_Q4 = dict(n_embd=256, n_ff=512, n_head=4, n_layer=2, preset="Q4_K_M")
+# name -> (spec, n_ctx for both runtimes). Windows of 8 (f32) and 32 (Q4_K_M); texts of 128+.
+CASES = {
+    "llama-f32": (_spec("llama", n_head_kv=2, seed=21, **_F32), 256),
+    "llama-q4km": (_spec("llama", n_head_kv=2, seed=22, **_Q4), 256),
+    "qwen2-f32": (_spec("qwen2", n_head_kv=2, seed=23, **_F32), 256),
+    "qwen2-q4km": (_spec("qwen2", n_head_kv=1, tied=False, seed=24, **_Q4), 256),
+    "qwen3-f32": (_spec("qwen3", n_head_kv=2, head_dim=32, seed=25, **_F32), 256),
+    "qwen3-q4km": (_spec("qwen3", n_head_kv=2, head_dim=128, seed=26, **_Q4), 256),
+    "gemma2-f32": (_spec("gemma2", n_head_kv=2, head_dim=32, sliding_window=8, attn_softcap=2.0, final_softcap=3.0,
+                         seed=27, **{**_F32, "n_layer": 3}), 256),
+    "gemma2-q4km": (_spec("gemma2", n_head_kv=2, head_dim=64, sliding_window=32, attn_softcap=10.0,
+                          final_softcap=10.0, seed=28, **{**_Q4, "n_layer": 3}), 256),
+    "gemma3-f32": (_spec("gemma3", n_head_kv=1, head_dim=32, sliding_window=8, seed=29, **{**_F32, "n_layer": 6}), 256),
+    "gemma3-q4km": (_spec("gemma3", n_head_kv=1, head_dim=64, sliding_window=32, seed=30, **{**_Q4, "n_layer": 6}), 256),
+    "gemma3-f32-scaled": (_spec("gemma3", n_head_kv=2, head_dim=32, sliding_window=8, rope_scale_linear=8.0,
+                                final_softcap=3.0, seed=31, **{**_F32, "n_layer": 6}), 256),
+    "phi3-f32-short": (_spec("phi3", n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, sliding_window=8, seed=32, **_F32), 256),
+    "phi3-f32-long": (_spec("phi3", n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, sliding_window=8, seed=32, **_F32), 512),
+    "phi3-q4km": (_spec("phi3", n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, seed=33, **_Q4), 512),
+    "phi3-f32-partial": (_spec("phi3", n_head_kv=2, rope_dims=12, tied=True, n_ctx=1024, rope_orig_ctx=256, seed=34,
+                               **_F32), 512),
+}
+F32_CASES = [n for n in CASES if "-f32" in n]
+
+
+def _text() -> str:
+    p = SHARED / "models" / "shakespeare-val.txt"
+    if p.is_file():
+        return p.read_text()[:6000]
+    return (PROMPT + " the north? ") * 60
+
+
+class LlamaCpp:
+    """llama-cpp-python with every position's logits."""
+
+    def __init__(self, path, n_ctx: int, exact: bool = False):
+        kw = dict(n_ctx=n_ctx, n_batch=512, n_threads=2, logits_all=True, verbose=False, seed=0)
+        if exact:  # f32 KV cache, no flash attention: float32 all the way
+            kw.update(type_k=0, type_v=0, flash_attn=False)
+        self.llm = llama_cpp.Llama(model_path=str(path), **kw)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+
+    def logits(self, ids) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(list(ids))
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float64)
+
+    def greedy(self, ids, n: int) -> tuple[list[int], list[float]]:
+        """n greedy tokens (stops at end-of-generation) and llama.cpp's top-2 margin at each."""
+        self.llm.reset()
+        self.llm.eval(list(ids))
+        out, margins = [], []
+        vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        for _ in range(n):
+            row = np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float64)
+            top = np.partition(row, -2)[-2:]
+            tok = int(np.argmax(row))
+            margins.append(float(top[1] - top[0]))
+            if llama_cpp.llama_vocab_is_eog(vocab, tok):
+                break  # generation ends here (the token is not printed)
+            out.append(tok)
+            self.llm.eval([tok])
+        return out, margins
+
+    def perplexity(self, text: str, n_ctx: int, chunks: int) -> float:
+        """llama-perplexity's protocol: chunks of n_ctx, BOS first when the vocab adds one, score the 2nd half."""
+        tokens = self.tokenize(text)
+        add_bos = self.llm.metadata.get("tokenizer.ggml.add_bos_token", "true") == "true"
+        nll, count = 0.0, 0
+        for c in range(min(chunks, len(tokens) // n_ctx)):
+            chunk = tokens[c * n_ctx : (c + 1) * n_ctx]
+            if add_bos:
+                chunk[0] = self.llm.token_bos()
+            lg = self.logits(chunk)[n_ctx // 2 : n_ctx - 1]
+            lg = lg - lg.max(axis=1, keepdims=True)
+            logp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+            tgt = np.asarray(chunk[n_ctx // 2 + 1 :])
+            nll -= float(logp[np.arange(tgt.size), tgt].sum())
+            count += tgt.size
+        return math.exp(nll / count)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    shared_path("vocab")  # real vocabularies needed for text
+    from tools.make_model import write_model
+
+    root = tmp_path_factory.mktemp("families-oracle")
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            spec, n_ctx = CASES[name]
+            path = root / f"{name.removesuffix('-short').removesuffix('-long')}.gguf"
+            if not path.exists():
+                write_model(path, spec)
+            cache[name] = (path, n_ctx)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", F32_CASES)
+def test_reference_equals_llamacpp_on_f32(files, name):
+    """Validates reference_forward.py itself against llama.cpp (float32 throughout)."""
+    path, n_ctx = files(name)
+    lc = LlamaCpp(path, n_ctx, exact=True)
+    ids = lc.tokenize(_text())[:160]
+    want = lc.logits(ids)
+    got = Reference(path, n_ctx=n_ctx, gelu_fp16=True).logits(ids)
+    d = float(np.abs(got - want).max())
+    rel = d / float(np.abs(want).max())
+    print(f"\nREFERENCE-vs-llama.cpp {name}: {len(ids)} tokens, max|Δlogit| {d:.2e} (relative {rel:.2e})")
+    assert rel < 1e-3, f"{name}: reference differs from llama.cpp by {d:.3g}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_teacher_forced_argmax_and_tokens(files, name):
+    import qllama
+
+    path, n_ctx = files(name)
+    lc = LlamaCpp(path, n_ctx)
+    text = _text()
+    ids = lc.tokenize(text)[:200]
+    model = qllama.load(path, n_ctx=n_ctx)
+    assert model.tokenize(text)[:200] == ids, "tokenization differs from llama.cpp"
+    want = lc.logits(ids)
+    got = model.logits(ids).astype(np.float64)
+    top2 = np.sort(want, axis=1)[:, -2:]
+    sure = (top2[:, 1] - top2[:, 0]) >= MARGIN
+    agree = np.argmax(got, axis=1) == np.argmax(want, axis=1)
+    d = float(np.abs(got - want).max())
+    print(f"\nORACLE {name}: {len(ids)} tokens, max|Δlogit| {d:.3e}, argmax agrees at {int((agree & sure).sum())}"
+          f"/{int(sure.sum())} clear positions ({int(agree.sum())}/{len(ids)} overall)")
+    assert sure.sum() > len(ids) // 2
+    assert agree[sure].all(), f"argmax differs at positions {np.flatnonzero(sure & ~agree).tolist()}"
+
+
+@pytest.mark.parametrize("name", ["llama-q4km", "qwen2-f32", "qwen3-q4km", "gemma2-f32", "gemma2-q4km",
+                                  "gemma3-q4km", "phi3-q4km", "phi3-f32-short"])
+def test_perplexity_within_0_3_percent(files, name, tmp_path):
+    path, n_ctx = files(name)
+    chunk = 128  # > 2 x the window of every file here (8 or 32)
+    lc = LlamaCpp(path, n_ctx)
+    want = lc.perplexity(_text(), chunk, chunks=3)
+    txt = tmp_path / "text.txt"
+    txt.write_text(_text())
+    out = subprocess.run([sys.executable, "-m", "qllama", "perplexity", str(path), str(txt), "-c", str(chunk),
+                          "--chunks", "3", "--json"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)["ppl"]
+    print(f"\nPPL {name}: qllama {got:.4f} llama.cpp {want:.4f} ({(got / want - 1) * 100:+.3f}%)")
+    assert abs(got / want - 1) <= PPL_TOL
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_run_greedy_text_matches_llamacpp(files, name):
+    path, n_ctx = files(name)
+    lc = LlamaCpp(path, n_ctx)
+    toks, margins = lc.greedy(lc.tokenize(PROMPT), 24)
+    k = min(next((i for i, m in enumerate(margins) if m < MARGIN), len(toks)), len(toks))  # first near-tie
+    # whole characters only: a prefix may end inside a UTF-8 sequence
+    want = lc.llm.detokenize(toks[:k]).decode("utf-8", errors="ignore")
+    out = subprocess.run([sys.executable, "-m", "qllama", "run", str(path), PROMPT, "--raw", "--temp", "0", "-n", "24",
+                          "-c", str(n_ctx)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    print(f"\nGREEDY {name}: {k} of {len(toks)} tokens before a near-tie")
+    assert out.stdout.startswith(want.rstrip("\ufffd")), f"qllama: {out.stdout[:200]!r}\nllama.cpp: {want[:200]!r}"
