@@ -313,6 +313,9 @@ def command(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat
                     repeat_last_n=repeat_last_n, seed=seed)
     chat = ChatSession(llm, system=system_prompt, chat_template=chat_template, max_tokens=max_tokens,
                        sampling=sampling, verbose=verbose)
+    from .warm import warm_up
+
+    warm_up(llm)  # a first-run compile says so here, instead of a long silent first answer
     interactive = sys.stdin.isatty()
     if verbose:
         chat.notice(f"loaded {llm!r} in {llm.load_s:.2f} s, {llm.n_threads} threads; "
