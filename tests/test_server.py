@@ -428,6 +428,22 @@ def test_a_cancelled_job_leaves_its_slot_at_the_next_step(paths):
     assert "".join(e.text for e in events["b"]) == "."  # b's prompt was done at step 5
 
 
+def test_queue_bound_counts_waiting_jobs_beyond_the_free_slots():
+    from qllama.server.scheduler import Job, QueueFull
+    from qllama.server.schemas import GenParams
+
+    class Tok:
+        eog_ids = frozenset()
+
+    sched = Scheduler(None, lambda: None, Tok(), 64, n_parallel=2, max_queue=0)
+    sched.submit(Job([1], GenParams(), print))
+    sched.submit(Job([1], GenParams(), print))  # two free slots: no waiting
+    with pytest.raises(QueueFull):
+        sched.submit(Job([1], GenParams(), print))
+    sched._queue[0].cancel()  # a cancelled job no longer counts
+    sched.submit(Job([1], GenParams(), print))
+
+
 def test_a_failing_step_fails_its_jobs_and_the_loop_goes_on(paths):
     from qllama.server.scheduler import Job
     from qllama.server.schemas import GenParams

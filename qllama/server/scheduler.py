@@ -173,9 +173,10 @@ class Scheduler:
         with self._cond:
             if self._closing:
                 raise ShuttingDown(self._closing_message)
-            if len(self._queue) >= self.max_queue:
+            room = self.max_queue + sum(s.run is None for s in self.slots)  # free slots take jobs at the next step
+            if len(self._queue) >= room:
                 self._queue = deque(j for j in self._queue if not j.cancelled)
-                if len(self._queue) >= self.max_queue:
+                if len(self._queue) >= room:
                     raise QueueFull(f"{len(self._queue)} requests are already waiting for a slot")
             self._queue.append(job)
             self._cond.notify()
