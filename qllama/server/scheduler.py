@@ -257,7 +257,8 @@ class Scheduler:
                 slot.run = _Run(job, keep, self.tokenizer, self._admitted)
 
     def step(self) -> bool:
-        """One forward pass over every busy slot; False when there was nothing to do."""
+        """One forward pass: a token of every decoding slot and up to `chunk` prompt tokens;
+        False when there was nothing to do."""
         self._admit()
         busy = []
         for slot in self.slots:
