@@ -245,6 +245,10 @@ def test_logprobs_are_the_models_hand_computed_values(hi):
         assert [x.token for x in t.top_logprobs][0] == t.token and len(t.top_logprobs) == 2
         assert t.top_logprobs[1].logprob == pytest.approx(chosen - top, abs=1e-4)
         assert bytes(t.bytes) == t.token.encode()
+    chunks = hi.client().chat.completions.create(model="x", messages=USER, temperature=0, logprobs=True,
+                                                 stream=True, stop=" the")
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert "".join(t.token for t in streamed) == "Hi! the"  # the tokens generated (the stop string's too)
     r = hi.client().completions.create(model="x", prompt="hello>", temperature=0, logprobs=1)
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == ANSWER and lp.text_offset == [0, 1, 2, 3, 7]
