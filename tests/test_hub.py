@@ -523,3 +523,56 @@ def test_list_and_rm(fake: FakeHub, cache: str, tmp_path: Path) -> None:
     assert list_models(cache) == [] and not Path(cache, "models--org--two").exists()
     with pytest.raises(HubError, match="org/two is not in the cache"):
         remove(HubRef("org/two"), cache)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 30 MB tmpfs (needs root and mount; else skip); unmounted afterwards."""
+    import shutil
+    import subprocess
+
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if not shutil.which("mount") or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mnt)],
+                                                   capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_really_full_disk(fake: FakeHub, small_fs: Path, monkeypatch) -> None:
+    """ENOSPC from the file system itself, mid-download: one clear error, the partial kept, resume later."""
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    cache = str(small_fs / "hub")
+    data = blob(24 * MB)
+    fake.add("org/repo", {"m-Q4_K_M.gguf": data})
+    sha = fake.blob_sha("org/repo", "m-Q4_K_M.gguf")
+    part = Path(cache, "models--org--repo", "blobs", f"{sha}.incomplete")
+    fake.delay = 0.002
+    filler = small_fs / "filler"
+
+    def fill_the_disk() -> None:  # once the first chunk is on disk, something else takes all the space
+        deadline = time.monotonic() + 60
+        while not (part.exists() and part.stat().st_size >= CHUNK) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            with open(filler, "wb", buffering=0) as f:
+                while True:
+                    f.write(bytes(MB))
+        except OSError:
+            pass
+
+    t = threading.Thread(target=fill_the_disk, daemon=True)
+    t.start()
+    with pytest.raises(HubError, match=r"disk full while downloading m-Q4_K_M.gguf: .* kept in .*\.incomplete; free some space"):
+        fetch(fake, "org/repo", cache)
+    t.join(10)
+    kept = part.stat().st_size
+    assert CHUNK <= kept < len(data) and part.read_bytes() == data[:kept]  # a prefix: resumable
+    assert hub.cached(HubRef("org/repo"), cache) is None and not part.with_suffix("").exists()
+    filler.unlink()
+    fake.delay = 0
+    assert Path(fetch(fake, "org/repo", cache).path).read_bytes() == data
+    assert fake.requests("GET", "/blobs/")[-1][2]["range"] == f"bytes={kept}-"
