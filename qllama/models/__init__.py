@@ -13,10 +13,11 @@ from typing import Any, Mapping
 from ..errors import QllamaError, UnsupportedError
 from .args import DEFAULT_N_CTX_CAP, ModelArgs
 from .base import ForwardStats, Transformer
-from .kvcache import KVCache
+from .kvcache import SWA_BATCH, KVCache
 from .llama import Llama
+from .qwen2 import Qwen2
 
-ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama,)}
+ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Qwen2,)}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
@@ -36,10 +37,14 @@ def read_args(md: Mapping[str, Any]) -> ModelArgs:
     return architecture(md).read_args(md)
 
 
-def build_model(gf, args: ModelArgs, n_ctx: int) -> Transformer:
-    """Load the named weights of an open GGUFFile and return its forward-pass object."""
+def build_model(gf, args: ModelArgs, n_ctx: int, batch: int = SWA_BATCH) -> Transformer:
+    """Load the named weights of an open GGUFFile and return its forward-pass object.
+
+    batch: the most tokens one forward pass stores at once; sliding-window layers keep
+    window + batch positions (llama.cpp: n_swa + n_ubatch). Longer runs go in rounds.
+    """
     cls = ARCHITECTURES[args.arch]
-    return cls(args, cls.load_weights(gf, args), n_ctx)
+    return cls(args, cls.load_weights(gf, args), n_ctx, batch)
 
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "DEFAULT_N_CTX_CAP", "ModelArgs", "KVCache", "ForwardStats",

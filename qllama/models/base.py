@@ -66,7 +66,9 @@ class Weights:
     output: QTensor  # [n_embd, n_vocab]; is token_embd when the file ties them
     tied_output: bool
     layers: list[LayerWeights]
-    rope_freqs: np.ndarray | None = None  # (n_rot/2,) frequency divisors (Llama 3.1+, or phi3's chosen LongRoPE set)
+    rope_freqs: np.ndarray | None = None  # (n_rot/2,) frequency divisors (Llama 3.1+)
+    rope_factors_long: np.ndarray | None = None  # (n_rot/2,) LongRoPE divisors (phi3), chosen by context
+    rope_factors_short: np.ndarray | None = None
 
 
 class WeightReader:
@@ -232,11 +234,12 @@ class Transformer:
         self.profile: ForwardStats | None = None  # set to a ForwardStats to time each op
         self._mark: _Marker | None = None
         tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        factors = self.rope_factors(n_ctx)
         self.rope: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: (cos, sin) (n_ctx, n_rot/2)
         for il in range(args.n_layer):
             base, scale = (args.rope_freq_base_swa, args.rope_scale_swa) if args.is_swa(il) else (args.rope_freq_base, args.rope_scale)
             if (base, scale) not in tables:
-                tables[base, scale] = rope_tables(args.n_rot, base, scale, weights.rope_freqs, args.rope_attn_factor, n_ctx)
+                tables[base, scale] = rope_tables(args.n_rot, base, scale, factors, args.rope_attn_factor, n_ctx)
             self.rope.append(tables[base, scale])
 
     # -- families fill these in --
@@ -252,6 +255,10 @@ class Transformer:
     def block(self, il: int, layer: LayerWeights, x: np.ndarray, batch: list[Segment]) -> np.ndarray:
         """One layer: x (T, n_embd) residual stream in, residual stream out (may be updated in place)."""
         raise NotImplementedError
+
+    def rope_factors(self, n_ctx: int) -> np.ndarray | None:
+        """Per-frequency RoPE divisors (n_rot/2,) or None: `rope_freqs.weight` when the file has it."""
+        return self.weights.rope_freqs
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """(T,) token ids -> (T, n_embd) float32 rows of the embedding."""
