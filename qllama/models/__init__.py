@@ -16,8 +16,9 @@ from .base import ForwardStats, Transformer
 from .kvcache import SWA_BATCH, KVCache
 from .llama import Llama
 from .qwen2 import Qwen2
+from .qwen3 import Qwen3
 
-ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Qwen2,)}
+ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Qwen2, Qwen3,)}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
