@@ -15,11 +15,12 @@ from .args import DEFAULT_N_CTX_CAP, ModelArgs
 from .base import ForwardStats, Transformer
 from .kvcache import SWA_BATCH, KVCache
 from .gemma2 import Gemma2
+from .gemma3 import Gemma3
 from .llama import Llama
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 
-ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Gemma2,)}
+ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Gemma2, Gemma3,)}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
