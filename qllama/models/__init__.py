@@ -17,10 +17,11 @@ from .kvcache import SWA_BATCH, KVCache
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
 from .llama import Llama
+from .phi3 import Phi3
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 
-ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Gemma2, Gemma3,)}
+ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Gemma2, Gemma3, Phi3)}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
