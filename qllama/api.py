@@ -63,7 +63,7 @@ class Model:
         check_context(self.args, n_ctx)  # before the KV cache or anything n_ctx-sized is allocated
         set_threads(n_threads)  # None: the physical cores
         self.n_threads = get_threads()
-        self._model = build_model(self.gguf, self.args, n_ctx)  # checks every tensor
+        self._model = build_model(self.gguf, self.args, n_ctx, batch_size)  # checks every tensor
         self.weights = self._model.weights
         self.session = Session(self._model, batch_size=batch_size)
         self.load_s = time.perf_counter() - t0
