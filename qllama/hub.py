@@ -26,21 +26,19 @@ A download goes to `blobs/<sha256>.incomplete` and is resumed from there (HTTP r
 next attempt; it becomes the blob only after its size and sha256 match what the hub announced
 (X-Linked-Etag), so an interrupted, cut or corrupt download never sits where a model is found.
 A split model (`*-00001-of-0000N.gguf`) is fetched shard by shard and resolves to its first
-shard, which `qllama.gguf.GGUFFile` opens together with the others.
+shard, which `qllama.gguf.GGUFFile` opens together with the others. (One file's download:
+`qllama.hub_download`; listing and removing cached models: `qllama.hub_cache`.)
 
 huggingface_hub is imported only when a hub reference is used: local paths stay fast.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import QllamaError
 
@@ -58,7 +56,6 @@ _FILE_RE = re.compile(rf"({_NAME})/({_NAME})(?:@([A-Za-z0-9._-]+))?/(.+\.gguf)",
 _SPLIT_RE = re.compile(r"^(.+)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _TAG_RE = re.compile(r"[-.]([A-Za-z0-9_]+)$")
 _NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")  # GGUF side files (llama.cpp's list)
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SHA1_RE = re.compile(r"[0-9a-f]{40}")
 
 
@@ -304,7 +301,7 @@ def cached(ref: HubRef, cache: str | None = None) -> CachedModel | None:
     return CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), commit, paths)
 
 
-# -- download -----------------------------------------------------------------------------------
+# -- fetching -----------------------------------------------------------------------------------
 
 
 def fetch(
@@ -321,6 +318,8 @@ def fetch(
     refresh: ask the hub even when a cached copy exists (a newer commit is fetched; identical
     blobs are not downloaded again). Offline (HF_HUB_OFFLINE=1) only the cache is used.
     """
+    from .hub_download import download, hub_errors, write_ref
+
     hf = _hf()
     endpoint = (endpoint or hf.constants.ENDPOINT).rstrip("/")
     offline = hf.constants.is_offline_mode()
@@ -330,7 +329,7 @@ def fetch(
             return hit
         if offline:
             raise HubError(f"{ref} is not in the local cache ({cache or cache_dir()}) and HF_HUB_OFFLINE is set")
-    with _hub_errors(ref, endpoint):
+    with hub_errors(ref, endpoint):
         api = hf.HfApi(endpoint=endpoint, token=token)
         info = api.model_info(ref.repo, revision=ref.revision, files_metadata=True)
         siblings = info.siblings or []
@@ -340,179 +339,8 @@ def fetch(
         sizes = {s.rfilename: (s.lfs.size if s.lfs else s.size) for s in siblings}
         model = CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), info.sha)
         for name in names:
-            path, got = _download(hf, ref, name, info.sha, storage, sizes.get(name), endpoint, token, progress)
+            path, got = download(hf, ref, name, info.sha, storage, sizes.get(name), endpoint, token, progress)
             model.paths.append(path)
             model.downloaded |= got
-        _write_ref(storage, ref.revision, info.sha)
+        write_ref(storage, ref.revision, info.sha)
     return model
-
-
-def _write_ref(storage: str, revision: str, commit: str) -> None:
-    if revision == commit:
-        return
-    path = os.path.join(storage, "refs", *revision.split("/"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(commit)
-
-
-def _download(hf, ref: HubRef, name: str, commit: str, storage: str, size_hint: int | None,
-              endpoint: str | None, token: str | None, progress: bool) -> tuple[str, bool]:
-    """One file into the cache: (snapshot path, whether bytes were fetched)."""
-    from urllib.parse import urlsplit
-
-    pointer = os.path.join(storage, "snapshots", commit, *name.split("/"))
-    if os.path.isfile(pointer):
-        return pointer, False
-    url = hf.hf_hub_url(ref.repo, name, revision=commit, endpoint=endpoint)
-    meta = hf.get_hf_file_metadata(url, token=token, endpoint=endpoint)  # HEAD: sha256, size, where
-    etag, size = meta.etag, meta.size if meta.size is not None else size_hint
-    if not etag or "/" in etag or etag.startswith("."):
-        raise HubError(f"{ref.repo}/{name}: the hub gave no usable checksum (ETag {etag!r})")
-    blob = os.path.join(storage, "blobs", etag)
-    os.makedirs(os.path.dirname(blob), exist_ok=True)
-    os.makedirs(os.path.dirname(pointer), exist_ok=True)
-    fetched = False
-    lock = os.path.join(os.path.dirname(storage), ".locks", os.path.basename(storage), f"{etag}.lock")
-    os.makedirs(os.path.dirname(lock), exist_ok=True)
-    with hf.utils.WeakFileLock(lock):
-        if not os.path.isfile(blob):
-            headers = hf.utils.build_hf_headers(token=token)
-            if urlsplit(meta.location).netloc != urlsplit(url).netloc:
-                headers.pop("authorization", None)  # a signed CDN URL: the token stays on the hub
-            _fetch_blob(hf, meta.location, blob, etag, size, headers, os.path.basename(name), progress)
-            fetched = True
-        _link(blob, pointer)
-    return pointer, fetched
-
-
-def _fetch_blob(hf, url: str, blob: str, etag: str, size: int | None, headers: dict, label: str,
-                progress: bool) -> None:
-    """Download to blob.incomplete (resuming it), verify, then rename to the blob."""
-    from huggingface_hub.file_download import http_get
-
-    part = blob + ".incomplete"
-    try:
-        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
-        with os.fdopen(fd, "r+b") as f:
-            have = f.seek(0, os.SEEK_END)
-            if size is not None and have > size:  # not a prefix of this blob: start over
-                f.truncate(0)
-                have = f.seek(0)
-            if size is not None:
-                free = shutil.disk_usage(os.path.dirname(part)).free
-                if size - have > free:
-                    raise HubError(f"not enough disk space for {label}: {_mb(size - have)} more needed, "
-                                   f"{_mb(free)} free in {os.path.dirname(part)}")
-            http_get(url, f, resume_size=have, headers=headers, expected_size=size, displayed_filename=label,
-                     tqdm_class=None if progress else hf.utils.silent_tqdm)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise HubError(f"disk full while downloading {label}: {_mb(_size_of(part))} of {_mb(size)} kept in "
-                           f"{part}; free some space and try again to resume") from None
-        if "Consistency check failed" in str(e):
-            raise HubError(f"{label}: the download stopped at {_mb(_size_of(part))} of {_mb(size)}; "
-                           "try again to resume") from None
-        raise
-    got = _file_hash(part, etag)
-    if got is not None and got != etag:
-        os.remove(part)  # a corrupt download is no use for resuming either
-        raise HubError(f"{label}: checksum mismatch (the hub says {etag[:16]}..., the download has "
-                       f"{got[:16]}...); the bad download was deleted, try again")
-    os.replace(part, blob)
-
-
-def _size_of(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _mb(n: int | None) -> str:
-    return "?" if n is None else f"{n / 1e6:.1f} MB"
-
-
-def _file_hash(path: str, etag: str) -> str | None:
-    """The file's sha256 (LFS etag) or git blob sha1 (small files), as the etag's kind; None if unknown."""
-    if _SHA256_RE.fullmatch(etag):
-        h = hashlib.sha256()
-    elif _SHA1_RE.fullmatch(etag):
-        h = hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
-    else:
-        return None
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _link(blob: str, pointer: str) -> None:
-    """snapshots/<commit>/<file> -> ../../blobs/<etag>, as huggingface_hub links it (a copy without symlinks)."""
-    if os.path.lexists(pointer):
-        os.remove(pointer)
-    try:
-        os.symlink(os.path.relpath(blob, os.path.dirname(pointer)), pointer)
-    except OSError:
-        shutil.copyfile(blob, pointer)
-
-
-class _hub_errors:
-    """Turn huggingface_hub's and the network's exceptions into one-line HubErrors."""
-
-    def __init__(self, ref: HubRef, endpoint: str | None):
-        self.ref, self.endpoint = ref, endpoint
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, typ, exc, tb) -> bool:
-        if exc is None or isinstance(exc, (QllamaError, KeyboardInterrupt)):
-            return False
-        msg = _explain(exc, self.ref, self.endpoint or _hf().constants.ENDPOINT)
-        if msg is None:
-            return False
-        raise HubError(msg) from None
-
-
-def _explain(exc: BaseException, ref: HubRef, endpoint: str) -> str | None:
-    from huggingface_hub import errors as E
-
-    repo = ref.repo
-    if isinstance(exc, E.GatedRepoError):
-        return (f"{repo} is a gated repository: accept its conditions on {endpoint}/{repo} and set HF_TOKEN "
-                "to an access token of that account")
-    if isinstance(exc, E.RepositoryNotFoundError):
-        local = f"{ref} is not a local file, and " if ref.filename else ""
-        return f"{local}no repository {repo} on {endpoint} (a private repository needs HF_TOKEN)"
-    if isinstance(exc, E.RevisionNotFoundError):
-        return f"{repo} has no revision {ref.revision}"
-    if isinstance(exc, E.EntryNotFoundError):
-        return f"{repo} has no file {ref.filename or ''}".rstrip()
-    if isinstance(exc, E.HfHubHTTPError):
-        status = getattr(getattr(exc, "response", None), "status_code", "?")
-        hint = " (is HF_TOKEN valid?)" if status in (401, 403) else ""
-        return f"the hub answered HTTP {status} for {ref}{hint}"
-    if isinstance(exc, E.OfflineModeIsEnabled):
-        return f"{ref} is not in the local cache and HF_HUB_OFFLINE is set"
-    if isinstance(exc, _network_errors()) or isinstance(exc, (ConnectionError, TimeoutError)):
-        return f"cannot reach {endpoint} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})" \
-               f" and {ref} is not in the local cache"
-    return None
-
-
-def _network_errors() -> tuple[type, ...]:
-    kinds: list[type] = []
-    for mod in ("httpx2", "httpx"):
-        try:
-            m = __import__(mod)
-        except ImportError:
-            continue
-        kinds += [m.TransportError]
-    try:
-        import requests
-
-        kinds.append(requests.ConnectionError)
-    except ImportError:
-        pass
-    return tuple(kinds)

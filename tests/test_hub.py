@@ -443,7 +443,9 @@ def test_disk_full_keeps_the_partial_for_resume(fake: FakeHub, cache: str, monke
     assert Path(fetch(fake, "org/repo", cache).path).read_bytes() == data
     assert fake.requests("GET", "/blobs/")[-1][2]["range"] == f"bytes={CHUNK}-"
     # not enough room for what is left: said before a byte is fetched
-    monkeypatch.setattr(hub.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 1000})())
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: type("Usage", (), {"free": 1000})())
     fake.add("org/other", {"o-Q4_K_M.gguf": blob(MB)})
     n = len(fake.requests("GET", "/blobs/"))
     with pytest.raises(HubError, match=r"not enough disk space for o-Q4_K_M.gguf: 1.0 MB more needed, 0.0 MB free"):
