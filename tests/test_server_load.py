@@ -173,3 +173,31 @@ def test_sigterm_ends_streams_with_an_error_event_and_exits_0(dots):
             assert "data: [DONE]" not in ev
     finally:
         srv.stop()
+
+
+def test_trained_model_concurrent_chats_equal_each_alone():
+    """SmolLM2-135M-Instruct (its own ChatML template): four chats decoded together give each
+    the greedy answer it gets alone through Model.complete."""
+    from test_server import serve
+    from tools.fetch_smollm2 import smollm2_or_skip
+
+    questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
+                 "What is 2+2?"]
+    with serve(smollm2_or_skip(), parallel=4, chunk=32, n_ctx=512) as s:
+        got = [None] * len(questions)
+
+        def ask(i):
+            r = s.client().chat.completions.create(model="x", messages=[{"role": "user", "content": questions[i]}],
+                                                   temperature=0, max_tokens=24)
+            got[i] = (r.choices[0].message.content, r.usage.completion_tokens)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT * 4)
+        assert s.scheduler.max_busy >= 2
+        alone = [s.llm.complete(s.llm.chat_tokens([{"role": "user", "content": q}]), max_tokens=24, temperature=0)
+                 for q in questions]
+    assert [g[0] for g in got] == alone
+    assert all(0 < g[1] <= 24 for g in got)
