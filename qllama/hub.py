@@ -336,10 +336,10 @@ def fetch(
         names = choose(ref, [s.rfilename for s in siblings])
         storage = repo_folder(ref.repo, cache)
         _write_listing(storage, info.sha, siblings)
-        sizes = {s.rfilename: (s.lfs.size if s.lfs else s.size) for s in siblings}
+        listed = {s.rfilename: (s.lfs.size, s.lfs.sha256) if s.lfs else (s.size, None) for s in siblings}
         model = CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), info.sha)
         for name in names:
-            path, got = download(hf, ref, name, info.sha, storage, sizes.get(name), endpoint, token, progress)
+            path, got = download(hf, ref, name, info.sha, storage, listed[name], endpoint, token, progress)
             model.paths.append(path)
             model.downloaded |= got
         write_ref(storage, ref.revision, info.sha)

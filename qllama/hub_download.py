@@ -34,9 +34,12 @@ def write_ref(storage: str, revision: str, commit: str) -> None:
         f.write(commit)
 
 
-def download(hf, ref: HubRef, name: str, commit: str, storage: str, size_hint: int | None,
-              endpoint: str | None, token: str | None, progress: bool) -> tuple[str, bool]:
-    """One file into the cache: (snapshot path, whether bytes were fetched)."""
+def download(hf, ref: HubRef, name: str, commit: str, storage: str, listed: tuple[int | None, str | None],
+             endpoint: str | None, token: str | None, progress: bool) -> tuple[str, bool]:
+    """One file into the cache: (snapshot path, whether bytes were fetched).
+
+    listed: (size, sha256) from the repo listing, used where the file's own headers lack them.
+    """
     from urllib.parse import urlsplit
 
     pointer = os.path.join(storage, "snapshots", commit, *name.split("/"))
@@ -44,7 +47,7 @@ def download(hf, ref: HubRef, name: str, commit: str, storage: str, size_hint: i
         return pointer, False
     url = hf.hf_hub_url(ref.repo, name, revision=commit, endpoint=endpoint)
     meta = hf.get_hf_file_metadata(url, token=token, endpoint=endpoint)  # HEAD: sha256, size, where
-    etag, size = meta.etag, meta.size if meta.size is not None else size_hint
+    etag, size = meta.etag, meta.size if meta.size is not None else listed[0]
     if not etag or "/" in etag or etag.startswith("."):
         raise HubError(f"{ref.repo}/{name}: the hub gave no usable checksum (ETag {etag!r})")
     blob = os.path.join(storage, "blobs", etag)
@@ -58,15 +61,20 @@ def download(hf, ref: HubRef, name: str, commit: str, storage: str, size_hint: i
             headers = hf.utils.build_hf_headers(token=token)
             if urlsplit(meta.location).netloc != urlsplit(url).netloc:
                 headers.pop("authorization", None)  # a signed CDN URL: the token stays on the hub
-            _fetch_blob(hf, meta.location, blob, etag, size, headers, os.path.basename(name), progress)
+            want = etag if _SHA256_RE.fullmatch(etag) or not listed[1] else listed[1]
+            _fetch_blob(hf, meta.location, blob, want, size, headers, os.path.basename(name), progress)
             fetched = True
         _link(blob, pointer)
     return pointer, fetched
 
 
-def _fetch_blob(hf, url: str, blob: str, etag: str, size: int | None, headers: dict, label: str,
+def _fetch_blob(hf, url: str, blob: str, checksum: str, size: int | None, headers: dict, label: str,
                 progress: bool) -> None:
-    """Download to blob.incomplete (resuming it), verify, then rename to the blob."""
+    """Download to blob.incomplete (resuming it), verify against `checksum`, then rename to the blob.
+
+    checksum: a sha256 (an LFS file) or a git blob sha1 (a small file in git); anything else is
+    a mirror's opaque ETag and cannot be checked.
+    """
     from huggingface_hub.file_download import http_get
 
     part = blob + ".incomplete"
@@ -92,10 +100,10 @@ def _fetch_blob(hf, url: str, blob: str, etag: str, size: int | None, headers: d
             raise HubError(f"{label}: the download stopped at {_mb(_size_of(part))} of {_mb(size)}; "
                            "try again to resume") from None
         raise
-    got = _file_hash(part, etag)
-    if got is not None and got != etag:
+    got = _file_hash(part, checksum)
+    if got is not None and got != checksum:
         os.remove(part)  # a corrupt download is no use for resuming either
-        raise HubError(f"{label}: checksum mismatch (the hub says {etag[:16]}..., the download has "
+        raise HubError(f"{label}: checksum mismatch (the hub says {checksum[:16]}..., the download has "
                        f"{got[:16]}...); the bad download was deleted, try again")
     os.replace(part, blob)
 

@@ -42,6 +42,7 @@ class FakeHub:
         self.cut: dict[str, int] = {}  # sha256 -> cut the next GET of that blob after this many bytes
         self.corrupt: set[str] = set()  # sha256 of blobs served with one byte flipped
         self.delay = 0.0  # seconds per 64 KiB sent by the CDN
+        self.opaque_etags = False  # a mirror: no X-Linked-Etag, an ETag that is no checksum
         self._servers: list[ThreadingHTTPServer] = []
 
     def add(self, repo: str, files: dict[str, bytes], gated: bool = False) -> str:
@@ -149,10 +150,12 @@ class _HubHandler(_Handler):
                 return self._error(404, "EntryNotFound", f"{name} does not exist", method,
                                    {"X-Repo-Commit": r["commit"]})
             data, sha = r["files"][name], r["sha"][name]
-            return self._send(302, b"Found. Redirecting", method, {
-                "Location": f"{f.cdn}/blobs/{sha}?sig=signed", "X-Repo-Commit": r["commit"],
-                "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": len(data), "ETag": f'"{_git_oid(data)}"',
-            })
+            headers = {"Location": f"{f.cdn}/blobs/{sha}?sig=signed", "X-Repo-Commit": r["commit"],
+                       "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": len(data), "ETag": f'"{_git_oid(data)}"'}
+            if f.opaque_etags:
+                headers.pop("X-Linked-Etag")
+                headers["ETag"] = f'W/"mirror-{sha[:8]}"'
+            return self._send(302, b"Found. Redirecting", method, headers)
         self._send(404, b"not found", method)
 
 
@@ -382,6 +385,19 @@ def test_checksum_mismatch_leaves_nothing_loadable(fake: FakeHub, cache: str) ->
     with pytest.raises(HubError, match="checksum mismatch"):
         fetch(fake, "org/repo", cache)
     assert Path(fetch(fake, "org/repo", cache).path).read_bytes() == blob(MB)
+
+
+def test_an_opaque_etag_is_checked_against_the_listing(fake: FakeHub, cache: str) -> None:
+    """A mirror whose ETag is no checksum: the sha256 of the repo listing is what the file must match."""
+    fake.opaque_etags = True
+    fake.add("org/repo", {"m-Q4_K_M.gguf": blob(MB)})
+    sha = fake.blob_sha("org/repo", "m-Q4_K_M.gguf")
+    fake.corrupt.add(sha)
+    with pytest.raises(HubError, match=rf"checksum mismatch \(the hub says {sha[:16]}"):
+        fetch(fake, "org/repo", cache)
+    fake.corrupt.clear()
+    m = fetch(fake, "org/repo", cache)
+    assert Path(m.path).read_bytes() == blob(MB) and os.path.basename(os.path.realpath(m.path)) == f"mirror-{sha[:8]}"
 
 
 def test_hub_errors_are_one_clear_line(fake: FakeHub, cache: str) -> None:
