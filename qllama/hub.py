@@ -8,7 +8,9 @@ A reference names a model wherever a path does (`qllama run REF`, `qllama.load(R
                               else its first GGUF model file
     org/repo:Q8_0             the file of that quant tag (case-insensitive, as llama.cpp's -hf)
     org/repo/dir/file.gguf    that file
-    hf://org/repo[...]        the same forms, never taken as a local path
+    hf://org/repo[...]        the same forms, never taken as a local path; also with hf.co/ (as
+                              ollama writes them) or https://huggingface.co/ in front, and a
+                              file's .../resolve/<rev>/<file>.gguf or .../blob/... web address
     org/repo@rev...           any of the hub forms at a branch, tag or commit (default main)
 
 Files land in huggingface_hub's cache (HF_HOME / HF_HUB_CACHE: blobs named by their sha256,
@@ -55,6 +57,9 @@ _REPO_RE = re.compile(rf"({_NAME})/({_NAME})(?:@([A-Za-z0-9._/-]+?))?(?::([A-Za-
 _FILE_RE = re.compile(rf"({_NAME})/({_NAME})(?:@([A-Za-z0-9._-]+))?/(.+\.gguf)", re.IGNORECASE)
 _SPLIT_RE = re.compile(r"^(.+)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _TAG_RE = re.compile(r"[-.]([A-Za-z0-9_]+)$")
+# prefixes that make a reference a hub reference: hf:// (huggingface_hub's), hf.co/ (ollama's), URLs
+_URL_RE = re.compile(r"(hf://|(?:https?://)?(?:www\.)?(?:hf\.co|huggingface\.co)/)")
+_WEB_FILE_RE = re.compile(rf"({_NAME}/{_NAME})/(?:resolve|blob)/([^/]+)/(.+\.gguf)(?:\?.*)?", re.IGNORECASE)
 _NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")  # GGUF side files (llama.cpp's list)
 _SHA1_RE = re.compile(r"[0-9a-f]{40}")
 
@@ -106,10 +111,13 @@ def parse(text: str) -> tuple[str, Any]:
     Anything that exists on disk is a local path; so is anything that does not look like a
     hub reference (a missing `model.gguf` keeps its "no such file" error).
     """
-    if text.startswith("hf://"):
-        ref = _hub_ref(text[5:])
+    m = _URL_RE.match(text)
+    if m:
+        rest = text[m.end():]
+        web = _WEB_FILE_RE.fullmatch(rest)  # a file's page or download link, as copied from the browser
+        ref = HubRef(web[1], filename=web[3], revision=web[2]) if web else _hub_ref(rest)
         if ref is None:
-            raise HubError(f"{text}: not a hub reference (expected hf://org/repo[:QUANT] or hf://org/repo/file.gguf)")
+            raise HubError(f"{text}: not a hub reference (expected {m[0]}org/repo[:QUANT] or {m[0]}org/repo/file.gguf)")
         return "hub", ref
     if os.path.lexists(text):
         return "local", text

@@ -259,6 +259,11 @@ def test_parse_references(tmp_path: Path, monkeypatch) -> None:
         "hf://org/here.gguf": ("hub", HubRef("org/here.gguf")),  # hf:// is never a local path
         "org/repo@v1.0:Q8_0": ("hub", HubRef("org/repo", tag="Q8_0", revision="v1.0")),
         "org/repo@dev/m.gguf": ("hub", HubRef("org/repo", filename="m.gguf", revision="dev")),
+        "hf.co/org/repo:Q8_0": ("hub", HubRef("org/repo", tag="Q8_0")),  # ollama's spelling
+        "https://huggingface.co/org/repo": ("hub", HubRef("org/repo")),
+        "https://huggingface.co/org/repo/resolve/main/d/m-Q4_0.gguf?download=true":
+            ("hub", HubRef("org/repo", filename="d/m-Q4_0.gguf")),
+        "https://hf.co/org/repo/blob/v2/m.gguf": ("hub", HubRef("org/repo", filename="m.gguf", revision="v2")),
     }
     for text, want in cases.items():
         assert hub.parse(text) == want, text
@@ -594,3 +599,22 @@ def test_a_really_full_disk(fake: FakeHub, small_fs: Path, monkeypatch) -> None:
     fake.delay = 0
     assert Path(fetch(fake, "org/repo", cache).path).read_bytes() == data
     assert fake.requests("GET", "/blobs/")[-1][2]["range"] == f"bytes={kept}-"
+
+
+def test_the_cache_is_shared_with_huggingface_hub(fake: FakeHub, cache: str) -> None:
+    """huggingface_hub's own downloader works against FakeHub, and each side finds what the other fetched."""
+    import huggingface_hub as hf
+    from qllama.hub_cache import list_models
+
+    fake.add("org/a", {"a-Q4_K_M.gguf": blob(3000), "README.md": b"# a"})
+    fake.add("org/b", {"b-Q8_0.gguf": blob(4000, 1)})
+    theirs = hf.hf_hub_download("org/a", "a-Q4_K_M.gguf", cache_dir=cache, endpoint=fake.url)
+    n = len(fake.log)
+    assert fetch(fake, "org/a", cache).path == theirs and len(fake.log) == n  # found without a request
+    ours = fetch(fake, "org/b", cache).path
+    assert hf.try_to_load_from_cache("org/b", "b-Q8_0.gguf", cache_dir=cache) == ours
+    assert hf.hf_hub_download("org/b", "b-Q8_0.gguf", cache_dir=cache, local_files_only=True) == ours
+    Path(cache, "models--org--b", "blobs", "e" * 64 + ".incomplete").write_bytes(b"partial")
+    scan = hf.scan_cache_dir(cache)
+    assert not scan.warnings and {r.repo_id for r in scan.repos} == {"org/a", "org/b"}
+    assert [m.ref for m in list_models(cache)] == ["org/a:Q4_K_M", "org/b:Q8_0"]

@@ -60,6 +60,9 @@ def test_pull_list_inspect_rm(fake: FakeHub, tmp_path: Path) -> None:
     assert p.returncode == 0 and "tiny-Q8_0.gguf" in p.stdout and len(fake.log) == n, p.stderr
     p = qllama(env, "tokenize", "hf://org/tiny/tiny-Q8_0.gguf", "hello", "--ids")
     assert p.returncode == 0 and p.stdout.strip().startswith("["), p.stderr
+    p = qllama(env, "run", "org/tiny:Q8_0", "hello", "-n", "3", "--temp", "0", "--raw")
+    assert p.returncode == 0 and p.stdout.strip(), p.stderr
+    assert len(fake.log) == n
     p = qllama(env, "pull", "org/tiny:Q8_0")  # asks the hub again, downloads nothing
     assert p.returncode == 0 and "org/tiny/tiny-Q8_0.gguf is up to date" in p.stderr
     assert len(fake.requests("GET", "/blobs/")) == 1
