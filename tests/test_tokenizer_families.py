@@ -126,6 +126,8 @@ def test_gemma_spm_without_space_prefix(files):
     turn = "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n"
     assert t.encode(turn, parse_special=True) == [G_SOT, 1792, 13, 10994, G_EOT, 13, G_SOT, 4299, 13]
     assert G_EOT not in t.encode(turn)  # control tokens are matched only with parse_special
+    # Gemma's chat template writes "<bos>" itself: one BOS, not two
+    assert t.encode("<bos>" + turn, add_bos=True, parse_special=True) == [1, *t.encode(turn, parse_special=True)]
     assert t.decode([10994, 3186]) == "Hello world"
     assert t.decode([3186]) == " world"  # no leading-space strip without the space prefix
 
