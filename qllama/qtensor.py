@@ -211,7 +211,7 @@ SUPPORTED_TYPES: frozenset[int] = frozenset(TYPES)
 INT8_TYPES: frozenset[int] = frozenset(t for t, e in TYPES.items() if e.int8_form)
 
 _OPS: dict[int, TypeOps] = {}  # type id -> its bound operations (filled on first use)
-_state = {"int8": True, "int8_types": None}  # int8_types: the answer of int8_activations(), cached
+_state = {"int8": True}  # the int8 path's switch (`set_int8_activations`)
 
 
 def type_ops(type_id: int) -> TypeOps:
@@ -262,17 +262,13 @@ def get_threads() -> int:
 def set_int8_activations(enabled: bool) -> None:
     """Enable (default) or disable the int8-activation kernels (disabled: float path everywhere)."""
     _state["int8"] = bool(enabled)
-    _state["int8_types"] = None
 
 
 def int8_activations() -> frozenset[int]:
     """The types that currently run with int8 activations (empty if disabled or no AVX2)."""
-    types = _state["int8_types"]
-    if types is None:  # cached: this is asked on every mat-vec
-        from .kernels._x86 import HAVE_AVX2
+    from .kernels._x86 import HAVE_AVX2
 
-        types = _state["int8_types"] = INT8_TYPES if (_state["int8"] and HAVE_AVX2) else frozenset()
-    return types
+    return INT8_TYPES if (_state["int8"] and HAVE_AVX2) else frozenset()
 
 
 # -- activations ----------------------------------------------------------------------------

@@ -122,6 +122,28 @@ def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep):
     return scale, -mn
 
 
+@kernel(inline="always")
+def _qx_sums(x, off, n, nmax, iscale):
+    """(sum w*x*l, sum w*l*l) with w = x^2 and l = nearest_int(iscale*x) clamped to [-nmax, nmax-1]."""
+    sumlx = _F32(0)
+    suml2 = _F32(0)
+    for i in range(n):
+        v = x[off + i]
+        l = max(-nmax, min(nmax - 1, nearest_int(iscale * v)))
+        w = v * v
+        fl = _F32(l)
+        sumlx += w * v * fl
+        suml2 += w * fl * fl
+    return sumlx, suml2
+
+
+@kernel(inline="always")
+def _qx_store(x, off, n, nmax, iscale, L):
+    """L[off:off+n] = nmax + l, the l of `_qx_sums`."""
+    for i in range(n):
+        L[off + i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[off + i])))
+
+
 @kernel
 def _make_qx_quants_rmse1(x, off, n, nmax, L):
     """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) on x[off:off+n].
@@ -141,37 +163,17 @@ def _make_qx_quants_rmse1(x, off, n, nmax, L):
             L[off + i] = 0
         return _F32(0)
     iscale = -fnmax / mx
-    sumlx = _F32(0)
-    suml2 = _F32(0)
-    for i in range(n):
-        v = x[off + i]
-        l = nearest_int(iscale * v)
-        l = max(-nmax, min(nmax - 1, l))
-        L[off + i] = l + nmax
-        w = v * v
-        fl = _F32(l)
-        sumlx += w * v * fl
-        suml2 += w * fl * fl
+    _qx_store(x, off, n, nmax, iscale, L)
+    sumlx, suml2 = _qx_sums(x, off, n, nmax, iscale)
     scale = sumlx / suml2 if suml2 != _F32(0) else _F32(0)
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
         iscale = -(fnmax + _F32(0.1) * _F32(step)) / mx
-        sumlx = _F32(0)
-        suml2 = _F32(0)
-        for i in range(n):
-            v = x[off + i]
-            l = nearest_int(iscale * v)
-            l = max(-nmax, min(nmax - 1, l))
-            w = v * v
-            fl = _F32(l)
-            sumlx += w * v * fl
-            suml2 += w * fl * fl
+        sumlx, suml2 = _qx_sums(x, off, n, nmax, iscale)
         if suml2 > _F32(0) and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                l = nearest_int(iscale * x[off + i])
-                L[off + i] = nmax + max(-nmax, min(nmax - 1, l))
+            _qx_store(x, off, n, nmax, iscale, L)
             scale = sumlx / suml2
             best = scale * sumlx
     return scale

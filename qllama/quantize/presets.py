@@ -21,24 +21,12 @@ class Preset(NamedTuple):
     default_type: int
 
 
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset("Q4_K_M", 15, Q4_K),
-        Preset("Q5_K_M", 17, Q5_K),
-        Preset("Q6_K", 18, Q6_K),
-        Preset("Q8_0", 7, Q8_0),
-        Preset("Q4_0", 2, Q4_0),
-        Preset("Q4_K_S", 14, Q4_K),
-        Preset("Q5_K_S", 16, Q5_K),
-        Preset("Q4_1", 3, Q4_1),
-        Preset("Q5_0", 8, Q5_0),
-        Preset("Q5_1", 9, Q5_1),
-        Preset("F16", 1, F16),
-        Preset("BF16", 32, BF16),
-        Preset("F32", 0, F32),
-    )
-}
+# (name, llama_ftype, default type); `get_preset` lists them in this order when a name is unknown
+PRESETS: dict[str, Preset] = {name: Preset(name, ftype, t) for name, ftype, t in (
+    ("Q4_K_M", 15, Q4_K), ("Q5_K_M", 17, Q5_K), ("Q6_K", 18, Q6_K), ("Q8_0", 7, Q8_0), ("Q4_0", 2, Q4_0),
+    ("Q4_K_S", 14, Q4_K), ("Q5_K_S", 16, Q5_K), ("Q4_1", 3, Q4_1), ("Q5_0", 8, Q5_0), ("Q5_1", 9, Q5_1),
+    ("F16", 1, F16), ("BF16", 32, BF16), ("F32", 0, F32),
+)}
 
 
 def get_preset(name: str) -> Preset:
