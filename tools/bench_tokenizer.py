@@ -3,7 +3,8 @@
     python tools/bench_tokenizer.py [--shared ../shared] [--reps 5] [--corpus shakespeare|docs]
 
 Reports medians of `--reps` repetitions (the machines are shared and noisy). Every encode
-repetition starts from empty word caches (a fresh cache is what a new text sees). With
+repetition starts from empty word caches (a fresh cache is what a new text sees). Each encode
+line ends with a digest of the ids, to check that a change kept them identical. With
 llama-cpp-python installed, llama.cpp's tokenizer runs on the same text in the same run,
 alternating with ours (A B A B), and the ratio of the medians is printed.
 

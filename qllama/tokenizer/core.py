@@ -54,6 +54,7 @@ class Tokenizer:
     add_space_prefix: bool
     clean_spaces: bool
     eog_ids: frozenset[int]
+    fim_ids: dict[str, int | None]  # fill-in-the-middle tokens: fim_pre, fim_suf, fim_mid, fim_pad, fim_rep, fim_sep
     pre: PreTokenizer | None  # BPE only
 
     # -- construction -------------------------------------------------------------------
