@@ -145,8 +145,9 @@ def test_many_special_tokens_are_found_like_one_search_each(files):
     # text holds by their first characters; it must pick exactly the tokens a search per token finds
     from qllama.tokenizer import Tokenizer
 
-    many = [(f"<unused{i}>", CTL) for i in range(1, 400)] + [(f"<h{i}>", int(TokenType.USER_DEFINED)) for i in range(80)]
-    many += [("\n\n\n", int(TokenType.USER_DEFINED)), ("zq", int(TokenType.USER_DEFINED))]
+    user = int(TokenType.USER_DEFINED)
+    many = [(f"<unused{i}>", CTL) for i in range(1, 400)] + [(f"<h{i}>", user) for i in range(80)]
+    many += [("\n\n\n", user), ("zq", user)]
     md = dict(GGUFFile(files["gemma"]).metadata)
     md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"] + [t for t, _ in many]
     md["tokenizer.ggml.token_type"] = np.concatenate([md["tokenizer.ggml.token_type"], [ty for _, ty in many]])
@@ -302,7 +303,8 @@ def write_gemma_size(path, text: str) -> str:
     control tokens, and new pieces joining two adjacent Llama 2 pieces of `text` (so that merges
     reach them), then of random pairs."""
     tokens, types, scores = _spm_with(
-        [("<pad>", CTL), ("<start_of_turn>", CTL), ("<end_of_turn>", CTL)] + [(f"<unused{i}>", CTL) for i in range(6000)],
+        [("<pad>", CTL), ("<start_of_turn>", CTL), ("<end_of_turn>", CTL)]
+        + [(f"<unused{i}>", CTL) for i in range(6000)],
         rename={1: "<bos>", 2: "<eos>"})
     base = load_tokenizer(shared_path("vocab", "ggml-vocab-llama-spm.gguf"))
     ids = base.encode(text)
