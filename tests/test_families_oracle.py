@@ -36,29 +36,56 @@ PROMPT = "The king is dead; long live the queen. Tell me, good friend, what news
 
 _F32 = dict(n_embd=64, n_ff=128, n_head=4, n_layer=2)
 _Q4 = dict(n_embd=256, n_ff=512, n_head=4, n_layer=2, preset="Q4_K_M")
+
+
+def _o(arch: str, **kw):
+    """A family spec with logits of std ~4, as peaked as a trained model's (fewer near-ties)."""
+    spec = _spec(arch, **{"n_ctx": 1024, **kw})
+    if spec.tied or arch == "gemma2":
+        spec.embd_std = 4.0 / np.sqrt(spec.n_embd)
+    else:
+        spec.output_std = 4.0 / np.sqrt(spec.n_embd)
+    return spec
+
+
 # name -> (spec, n_ctx for both runtimes). Windows of 8 (f32) and 32 (Q4_K_M); texts of 128+.
 CASES = {
-    "llama-f32": (_spec("llama", n_head_kv=2, seed=21, **_F32), 256),
-    "llama-q4km": (_spec("llama", n_head_kv=2, seed=22, **_Q4), 256),
-    "qwen2-f32": (_spec("qwen2", n_head_kv=2, seed=23, **_F32), 256),
-    "qwen2-q4km": (_spec("qwen2", n_head_kv=1, tied=False, seed=24, **_Q4), 256),
-    "qwen3-f32": (_spec("qwen3", n_head_kv=2, head_dim=32, seed=25, **_F32), 256),
-    "qwen3-q4km": (_spec("qwen3", n_head_kv=2, head_dim=128, seed=26, **_Q4), 256),
-    "gemma2-f32": (_spec("gemma2", n_head_kv=2, head_dim=32, sliding_window=8, attn_softcap=2.0, final_softcap=3.0,
-                         seed=27, **{**_F32, "n_layer": 3}), 256),
-    "gemma2-q4km": (_spec("gemma2", n_head_kv=2, head_dim=64, sliding_window=32, attn_softcap=10.0,
-                          final_softcap=10.0, seed=28, **{**_Q4, "n_layer": 3}), 256),
-    "gemma3-f32": (_spec("gemma3", n_head_kv=1, head_dim=32, sliding_window=8, seed=29, **{**_F32, "n_layer": 6}), 256),
-    "gemma3-q4km": (_spec("gemma3", n_head_kv=1, head_dim=64, sliding_window=32, seed=30, **{**_Q4, "n_layer": 6}), 256),
-    "gemma3-f32-scaled": (_spec("gemma3", n_head_kv=2, head_dim=32, sliding_window=8, rope_scale_linear=8.0,
-                                final_softcap=3.0, seed=31, **{**_F32, "n_layer": 6}), 256),
-    "phi3-f32-short": (_spec("phi3", n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, sliding_window=8, seed=32, **_F32), 256),
-    "phi3-f32-long": (_spec("phi3", n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, sliding_window=8, seed=32, **_F32), 512),
-    "phi3-q4km": (_spec("phi3", n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, seed=33, **_Q4), 512),
-    "phi3-f32-partial": (_spec("phi3", n_head_kv=2, rope_dims=12, tied=True, n_ctx=1024, rope_orig_ctx=256, seed=34,
-                               **_F32), 512),
+    "llama-f32": (_o("llama", n_head_kv=2, seed=21, **_F32), 256),
+    "llama-q4km": (_o("llama", n_head_kv=2, seed=22, **_Q4), 256),
+    "qwen2-f32": (_o("qwen2", n_head_kv=2, seed=23, **_F32), 256),
+    "qwen2-q4km": (_o("qwen2", n_head_kv=1, tied=False, seed=24, **_Q4), 256),
+    "qwen3-f32": (_o("qwen3", n_head_kv=2, head_dim=32, seed=25, **_F32), 256),
+    "qwen3-q4km": (_o("qwen3", n_head_kv=2, head_dim=128, seed=26, **_Q4), 256),
+    "gemma2-f32": (_o("gemma2", n_head_kv=2, head_dim=32, sliding_window=8, attn_softcap=2.0, final_softcap=15.0,
+                      seed=27, **{**_F32, "n_layer": 3}), 256),
+    "gemma2-q4km": (_o("gemma2", n_head_kv=2, head_dim=64, sliding_window=32, attn_softcap=10.0, final_softcap=15.0,
+                       seed=28, **{**_Q4, "n_layer": 3}), 256),
+    "gemma3-f32": (_o("gemma3", n_head_kv=1, head_dim=32, sliding_window=8, seed=29, **{**_F32, "n_layer": 6}), 256),
+    "gemma3-q4km": (_o("gemma3", n_head_kv=1, head_dim=64, sliding_window=32, seed=30, **{**_Q4, "n_layer": 6}), 256),
+    "gemma3-f32-scaled": (_o("gemma3", n_head_kv=2, head_dim=32, sliding_window=8, rope_scale_linear=8.0,
+                             final_softcap=15.0, seed=31, **{**_F32, "n_layer": 6}), 256),
+    "phi3-f32-short": (_o("phi3", n_head_kv=4, rope_orig_ctx=256, sliding_window=8, seed=32, **_F32), 256),
+    "phi3-f32-long": (_o("phi3", n_head_kv=4, rope_orig_ctx=256, sliding_window=8, seed=32, **_F32), 512),
+    "phi3-q4km": (_o("phi3", n_head_kv=4, rope_orig_ctx=256, seed=33, **_Q4), 512),
+    "phi3-f32-partial": (_o("phi3", n_head_kv=2, rope_dims=12, tied=True, rope_orig_ctx=256, seed=34, **_F32), 512),
 }
 F32_CASES = [n for n in CASES if "-f32" in n]
+# Perplexity on random weights grows with the logits' scale (NLL ~17 nats at std 4), and so does
+# its relative error: these files keep the default scale (logit std ~1-2, NLL ~10 nats).
+PPL_CASES = {
+    "llama-q4km": (_spec("llama", n_head_kv=2, n_ctx=1024, seed=42, **_Q4), 256),
+    "qwen2-f32": (_spec("qwen2", n_head_kv=2, n_ctx=1024, seed=43, **_F32), 256),
+    "qwen3-q4km": (_spec("qwen3", n_head_kv=2, head_dim=128, n_ctx=1024, seed=44, **_Q4), 256),
+    "gemma2-f32": (_spec("gemma2", n_head_kv=2, head_dim=32, sliding_window=8, attn_softcap=2.0, final_softcap=15.0,
+                         n_ctx=1024, seed=45, **{**_F32, "n_layer": 3}), 256),
+    "gemma2-q4km": (_spec("gemma2", n_head_kv=2, head_dim=64, sliding_window=32, attn_softcap=10.0,
+                          final_softcap=15.0, n_ctx=1024, seed=46, **{**_Q4, "n_layer": 3}), 256),
+    "gemma3-q4km": (_spec("gemma3", n_head_kv=1, head_dim=64, sliding_window=32, n_ctx=1024, seed=47,
+                          **{**_Q4, "n_layer": 6}), 256),
+    "phi3-q4km": (_spec("phi3", n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, seed=48, **_Q4), 512),
+    "phi3-f32-short": (_spec("phi3", n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, sliding_window=8, seed=49, **_F32),
+                       256),
+}
 
 
 def _text() -> str:
@@ -128,14 +155,16 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("families-oracle")
     cache: dict[str, tuple] = {}
 
-    def get(name: str):
-        if name not in cache:
-            spec, n_ctx = CASES[name]
-            path = root / f"{name.removesuffix('-short').removesuffix('-long')}.gguf"
+    def get(name: str, table: dict = CASES):
+        key = (name, id(table))
+        if key not in cache:
+            spec, n_ctx = table[name]
+            stem = name.removesuffix("-short").removesuffix("-long")
+            path = root / f"{stem}{'-ppl' if table is PPL_CASES else ''}.gguf"
             if not path.exists():
                 write_model(path, spec)
-            cache[name] = (path, n_ctx)
-        return cache[name]
+            cache[key] = (path, n_ctx)
+        return cache[key]
 
     return get
 
@@ -176,10 +205,9 @@ def test_teacher_forced_argmax_and_tokens(files, name):
     assert agree[sure].all(), f"argmax differs at positions {np.flatnonzero(sure & ~agree).tolist()}"
 
 
-@pytest.mark.parametrize("name", ["llama-q4km", "qwen2-f32", "qwen3-q4km", "gemma2-f32", "gemma2-q4km",
-                                  "gemma3-q4km", "phi3-q4km", "phi3-f32-short"])
+@pytest.mark.parametrize("name", list(PPL_CASES))
 def test_perplexity_within_0_3_percent(files, name, tmp_path):
-    path, n_ctx = files(name)
+    path, n_ctx = files(name, PPL_CASES)
     chunk = 128  # > 2 x the window of every file here (8 or 32)
     lc = LlamaCpp(path, n_ctx)
     want = lc.perplexity(_text(), chunk, chunks=3)

@@ -84,6 +84,7 @@ class ModelSpec:
     rope_orig_ctx: int | None = None  # phi3: rope.scaling.original_context_length
     longrope: bool = False  # phi3: rope_factors_long/short + rope.scaling.attn_factor
     embd_std: float | None = None  # std of token_embd (None: 1.0 as for llama)
+    output_std: float | None = None  # std of output.weight (None: 1/sqrt(n_embd)); sets the logits' scale
     vocab_pad: int | None = None  # pad the vocabulary to this many tokens with [PAD{i}] (unused) tokens
 
 
@@ -244,7 +245,7 @@ def write_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> di
         add(p + "ffn_down.weight", spec.n_embd, spec.n_ff, 1.0 / np.sqrt(spec.n_ff), "ffn_down")
     add_vector("output_norm.weight", 1.0 + 0.1 * rng.standard_normal(spec.n_embd))
     if not spec.tied:
-        add("output.weight", n_vocab, spec.n_embd, 1.0 / np.sqrt(spec.n_embd), "output")
+        add("output.weight", n_vocab, spec.n_embd, spec.output_std or 1.0 / np.sqrt(spec.n_embd), "output")
     if spec.rope_freqs:
         # Llama 3.1-style: high-frequency pairs untouched (1), low-frequency ones slowed down (up to 8)
         add_vector("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2))
@@ -516,7 +517,7 @@ def write_family(path: str | Path, spec: ModelSpec) -> dict[str, np.ndarray]:
             add_vector(p + "post_ffw_norm.weight", norm(n_embd))
     add_vector("output_norm.weight", norm(n_embd))
     if not tied:
-        add("output.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd), "output")
+        add("output.weight", n_vocab, n_embd, spec.output_std or 1.0 / np.sqrt(n_embd), "output")
     if long_f is not None:
         add_vector("rope_factors_long.weight", long_f)
         add_vector("rope_factors_short.weight", short_f)
