@@ -90,7 +90,8 @@ def _fetch_blob(hf, url: str, blob: str, checksum: str, size: int | None, header
                 if size - have > free:
                     raise HubError(f"not enough disk space for {label}: {_mb(size - have)} more needed, "
                                    f"{_mb(free)} free in {os.path.dirname(part)}")
-            http_get(url, f, resume_size=have, headers=headers, expected_size=size, displayed_filename=label,
+            out = _Hashing(f, checksum, have)
+            http_get(url, out, resume_size=have, headers=headers, expected_size=size, displayed_filename=label,
                      tqdm_class=None if progress else hf.utils.silent_tqdm)
     except OSError as e:
         if e.errno == errno.ENOSPC:
@@ -100,12 +101,43 @@ def _fetch_blob(hf, url: str, blob: str, checksum: str, size: int | None, header
             raise HubError(f"{label}: the download stopped at {_mb(_size_of(part))} of {_mb(size)}; "
                            "try again to resume") from None
         raise
-    got = _file_hash(part, checksum)
+    got = out.hexdigest() or _file_hash(part, checksum)
     if got is not None and got != checksum:
         os.remove(part)  # a corrupt download is no use for resuming either
         raise HubError(f"{label}: checksum mismatch (the hub says {checksum[:16]}..., the download has "
                        f"{got[:16]}...); the bad download was deleted, try again")
     os.replace(part, blob)
+
+
+class _Hashing:
+    """The partial file as http_get writes it: sha256 of the bytes on the fly, so that a large model
+    is not read back in full after its download. Any seek other than a restart from byte 0 (which
+    http_get does when the server ignores the range) leaves the hash to a re-read of the file."""
+
+    def __init__(self, f, checksum: str, have: int):
+        self.f = f
+        self.h = hashlib.sha256() if _SHA256_RE.fullmatch(checksum) else None
+        if self.h is not None and have:
+            f.seek(0)
+            while f.tell() < have and (chunk := f.read(min(1 << 22, have - f.tell()))):
+                self.h.update(chunk)
+            f.seek(have)
+
+    def write(self, b) -> int:
+        if self.h is not None:
+            self.h.update(b)
+        return self.f.write(b)
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if self.h is not None:
+            self.h = hashlib.sha256() if (pos, whence) == (0, 0) else None
+        return self.f.seek(pos, whence)
+
+    def __getattr__(self, name: str):  # tell, truncate, flush...
+        return getattr(self.f, name)
+
+    def hexdigest(self) -> str | None:
+        return self.h.hexdigest() if self.h is not None else None
 
 
 def _size_of(path: str) -> int:

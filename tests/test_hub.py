@@ -43,6 +43,7 @@ class FakeHub:
         self.corrupt: set[str] = set()  # sha256 of blobs served with one byte flipped
         self.delay = 0.0  # seconds per 64 KiB sent by the CDN
         self.opaque_etags = False  # a mirror: no X-Linked-Etag, an ETag that is no checksum
+        self.ignore_range = False  # a CDN that answers every range request with the whole file (200)
         self._servers: list[ThreadingHTTPServer] = []
 
     def add(self, repo: str, files: dict[str, bytes], gated: bool = False) -> str:
@@ -169,7 +170,7 @@ class _CdnHandler(_Handler):
         if sha in f.corrupt:
             data = bytes([data[0] ^ 1]) + data[1:]
         start = 0
-        rng = self.headers.get("Range")
+        rng = None if f.ignore_range else self.headers.get("Range")
         if rng:
             start = int(rng.split("=")[1].split("-")[0])
         body = data[start:]
@@ -349,7 +350,18 @@ def test_a_cached_model_needs_no_network(fake: FakeHub, cache: str, monkeypatch)
         hub.fetch(HubRef("other/repo"), cache=cache, endpoint=dead)
 
 
-def test_resume_after_the_server_cuts_the_connection(fake: FakeHub, cache: str) -> None:
+def no_reread(monkeypatch) -> None:
+    """Fail if a finished download is read back to hash it (it is hashed as it is written)."""
+    from qllama import hub_download
+
+    def boom(*a):
+        raise AssertionError("the download was read back to be hashed")
+
+    monkeypatch.setattr(hub_download, "_file_hash", boom)
+
+
+def test_resume_after_the_server_cuts_the_connection(fake: FakeHub, cache: str, monkeypatch) -> None:
+    no_reread(monkeypatch)
     data = blob(24 * MB)
     fake.add("org/repo", {"m-Q4_K_M.gguf": data})
     sha = fake.blob_sha("org/repo", "m-Q4_K_M.gguf")
@@ -362,7 +374,8 @@ def test_resume_after_the_server_cuts_the_connection(fake: FakeHub, cache: str) 
     assert not os.path.exists(os.path.join(cache, "models--org--repo", "blobs", sha + ".incomplete"))
 
 
-def test_resume_a_partial_left_by_an_earlier_run(fake: FakeHub, cache: str) -> None:
+def test_resume_a_partial_left_by_an_earlier_run(fake: FakeHub, cache: str, monkeypatch) -> None:
+    no_reread(monkeypatch)
     data = blob(12 * MB)
     fake.add("org/repo", {"m-Q4_K_M.gguf": data})
     sha = fake.blob_sha("org/repo", "m-Q4_K_M.gguf")
@@ -373,6 +386,15 @@ def test_resume_a_partial_left_by_an_earlier_run(fake: FakeHub, cache: str) -> N
     assert Path(m.path).read_bytes() == data
     assert fake.requests("GET", "/blobs/")[0][2]["range"] == f"bytes={5 * MB}-"
     assert not (blobs / f"{sha}.incomplete").exists()
+    # a server that ignores the range sends everything again: the partial is rewritten from byte 0
+    fake.ignore_range = True
+    fake.add("org/two", {"t-Q4_K_M.gguf": data[::-1]})
+    sha2 = fake.blob_sha("org/two", "t-Q4_K_M.gguf")
+    blobs2 = Path(cache, "models--org--two", "blobs")
+    blobs2.mkdir(parents=True)
+    (blobs2 / f"{sha2}.incomplete").write_bytes(data[::-1][: 3 * MB])
+    assert Path(fetch(fake, "org/two", cache).path).read_bytes() == data[::-1]
+    assert fake.requests("GET", "/blobs/")[-1][2]["range"] == f"bytes={3 * MB}-"
 
 
 def test_checksum_mismatch_leaves_nothing_loadable(fake: FakeHub, cache: str) -> None:
