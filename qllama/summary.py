@@ -1,8 +1,8 @@
 """What a GGUF file holds, in numbers a person wants: `summarize(GGUFFile) -> ModelSummary`.
 
-Used by `qllama inspect`. Import-light (no numba). Metadata comes from an untrusted file, so
-every value is read defensively: a key with an unexpected type is treated as absent rather
-than raising.
+Used by `qllama inspect`. Import-light (no numba: qllama.models loads its kernels lazily).
+Metadata comes from an untrusted file, so every value is read defensively: a key with an
+unexpected type is treated as absent rather than raising.
 """
 
 from __future__ import annotations
@@ -66,9 +66,26 @@ class ModelSummary:
     eos_token: str | None
     chat_template: bool
     chat_template_names: list[str] = field(default_factory=list)  # tokenizer.chat_template.<name>
-    kv_cache_bytes_per_token: int | None = None  # float32 K and V, all layers
+    kv_cache_bytes_per_token: int | None = None  # float32 K and V of the layers that keep every position
     kv_cache_bytes_per_1k: int | None = None
     kv_cache_formula: str | None = None
+    # what qllama runs (from the architecture's own reader; None for an architecture it does not run)
+    supported: bool = False
+    rope_layout: str | None = None  # "neox" (halves) or "norm" (interleaved pairs)
+    sliding_window: int | None = None  # positions a windowed layer sees
+    window_layers: list[int] | None = None  # indices of the windowed layers
+    window_pattern: str | None = None  # e.g. "5 local : 1 global"
+    rope_freq_base_swa: float | None = None  # RoPE base of the windowed layers
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    attn_scale: float | None = None  # multiplies q.k
+    qk_norm: bool | None = None  # per-head RMSNorm on Q and K
+    qkv_bias: bool | None = None  # biases on Q, K, V
+    fused_qkv: bool | None = None  # one attn_qkv matrix
+    rope_factors: str | None = None  # per-frequency factors: rope_freqs, or LongRoPE long/short
+    kv_cache_window_bytes: int | None = None  # fixed bytes of the windowed layers' rings (window + 512 positions)
+    kv_cache_default_ctx: int | None = None  # the context `run` uses by default (min(context_length, 4096))
+    kv_cache_bytes_default_ctx: int | None = None  # the whole cache at that context
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -204,7 +221,7 @@ def summarize(f: GGUFFile) -> ModelSummary:
     prefix = CHAT_TEMPLATE_KEY + "."
     names = sorted(k[len(prefix):] for k, v in md.items() if k.startswith(prefix) and isinstance(v, str))
 
-    return ModelSummary(
+    summary = ModelSummary(
         version=f.version,
         file_size=f.file_size,
         n_metadata=len(md),
@@ -239,3 +256,57 @@ def summarize(f: GGUFFile) -> ModelSummary:
         kv_cache_bytes_per_1k=None if kv_tok is None else kv_tok * KV_CACHE_TOKENS,
         kv_cache_formula=formula,
     )
+    _family_fields(f, summary)
+    return summary
+
+
+def _family_fields(f: GGUFFile, s: ModelSummary) -> None:
+    """The fields of an architecture qllama runs, read as the runtime reads them (qllama.models,
+    which imports no Numba until a forward pass), and the KV cache as the runtime allocates it:
+    windowed layers hold a ring of window + SWA_BATCH positions, not the whole context."""
+    from .models import read_args
+    from .models.kvcache import SWA_BATCH
+
+    try:
+        a = read_args(f.metadata)
+    except Exception:  # an unsupported or damaged file: the generic fields above are all we say
+        return
+    t = f.tensors
+    s.supported = True
+    s.head_dim = a.head_dim
+    s.rope_layout = "neox" if a.rope_neox else "norm"
+    s.attn_scale = a.attn_scale
+    s.attn_softcap = a.attn_softcap or None
+    s.final_softcap = a.final_softcap or None
+    s.qk_norm = "blk.0.attn_q_norm.weight" in t
+    s.qkv_bias = "blk.0.attn_q.bias" in t or "blk.0.attn_qkv.bias" in t
+    s.fused_qkv = "blk.0.attn_qkv.weight" in t
+    if "rope_freqs.weight" in t:
+        s.rope_factors = "rope_freqs.weight"
+    elif "rope_factors_long.weight" in t:
+        s.rope_factors = (f"LongRoPE: rope_factors_long when n_ctx > {a.n_ctx_orig}, else rope_factors_short"
+                          + (f"; cos/sin x {a.rope_attn_factor:g}" if a.rope_attn_factor != 1.0 else ""))
+    windowed = [il for il in range(a.n_layer) if a.is_swa(il)]
+    if windowed:
+        s.sliding_window = a.n_swa
+        s.window_layers = windowed
+        s.rope_freq_base_swa = a.rope_freq_base_swa
+        local = len(windowed)
+        period = next((p for p in range(2, a.n_layer + 1) if all(a.is_swa(i) == (i % p < p - 1) for i in range(a.n_layer))), None)
+        s.window_pattern = f"{period - 1} local : 1 global" if period else f"{local} of {a.n_layer} layers local"
+    per_pos = 2 * a.n_head_kv * a.head_dim * KV_CACHE_ELEMENT_BYTES  # K and V of one layer, one position
+    n_global = a.n_layer - len(windowed)
+    ring = a.n_swa + SWA_BATCH
+    s.kv_cache_bytes_per_token = n_global * per_pos
+    s.kv_cache_bytes_per_1k = s.kv_cache_bytes_per_token * KV_CACHE_TOKENS
+    ctx = a.default_n_ctx()
+    s.kv_cache_default_ctx = ctx
+    s.kv_cache_bytes_default_ctx = n_global * ctx * per_pos + len(windowed) * min(ctx, ring) * per_pos
+    dims = f"{a.n_head_kv} KV heads x {a.head_dim} dims x {KV_CACHE_ELEMENT_BYTES} B (float32)"
+    if windowed:
+        s.kv_cache_window_bytes = len(windowed) * ring * per_pos
+        s.kv_cache_formula = (f"2 (K,V) x {n_global} global layers x {dims} = {s.kv_cache_bytes_per_token} B/token; "
+                              f"the {len(windowed)} windowed layers hold {a.n_swa} + {SWA_BATCH} positions each "
+                              f"({s.kv_cache_window_bytes} B at any longer context)")
+    else:
+        s.kv_cache_formula = f"2 (K,V) x {a.n_layer} layers x {dims} = {s.kv_cache_bytes_per_token} B/token"

@@ -244,3 +244,68 @@ def test_inspect_never_imports_numba(synth: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "HEAVY []" in r.stderr
     json.loads(r.stdout)
+
+
+# -- each family's own fields, as qllama runs it -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tools.make_model import ModelSpec, family_spec, write_model
+
+    root = tmp_path_factory.mktemp("families")
+    small = dict(n_embd=64, n_ff=128, n_head=4)
+    specs = {
+        "llama": ModelSpec(n_layer=2, n_head_kv=2, **small),
+        "qwen2": family_spec("qwen2", n_layer=2, n_head_kv=2, **small),
+        "qwen3": family_spec("qwen3", n_layer=2, n_head_kv=2, head_dim=32, **small),
+        "gemma2": family_spec("gemma2", n_layer=4, n_head_kv=2, head_dim=32, sliding_window=64, **small),
+        "gemma3": family_spec("gemma3", n_layer=12, n_head_kv=1, head_dim=32, sliding_window=512, n_ctx=32768, **small),
+        "phi3": family_spec("phi3", n_layer=2, n_head_kv=4, n_ctx=1024, rope_orig_ctx=256, **small),
+    }
+    out = {}
+    for name, spec in specs.items():
+        out[name] = root / f"{name}.gguf"
+        write_model(out[name], spec)
+    return out
+
+
+def test_family_fields(family_files: dict[str, Path]) -> None:
+    s = {name: summarize(GGUFFile(p)) for name, p in family_files.items()}
+    assert all(x.supported for x in s.values())
+    assert [s[n].rope_layout for n in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")] == ["norm"] + ["neox"] * 5
+    assert s["qwen2"].qkv_bias and not s["qwen3"].qkv_bias and not s["llama"].qkv_bias
+    assert s["qwen3"].qk_norm and s["gemma3"].qk_norm and not s["gemma2"].qk_norm
+    assert s["qwen3"].head_dim == 32 and s["qwen3"].attn_scale == pytest.approx(32 ** -0.5)  # 4 x 32 != n_embd 64
+    assert (s["gemma2"].attn_softcap, s["gemma2"].final_softcap) == (50.0, 30.0)  # the file's (llama.cpp's defaults)
+    assert s["gemma3"].attn_softcap is None and s["gemma3"].final_softcap is None
+    assert s["gemma2"].window_layers == [0, 2] and s["gemma2"].window_pattern == "1 local : 1 global"
+    assert s["phi3"].fused_qkv and s["phi3"].sliding_window is None  # llama.cpp ignores Phi's window
+    assert s["phi3"].rope_factors.startswith("LongRoPE: rope_factors_long when n_ctx > 256")
+    g3 = s["gemma3"]
+    assert (g3.sliding_window, g3.window_layers, g3.window_pattern) == (512, [0, 1, 2, 3, 4, 6, 7, 8, 9, 10], "5 local : 1 global")
+    assert g3.rope_freq_base_swa == 10000.0
+    # KV cache: only the 2 global layers grow with the context; the 10 windowed ones hold 512 + 512 positions
+    per_pos = 2 * 1 * 32 * 4
+    assert g3.kv_cache_bytes_per_token == 2 * per_pos and g3.kv_cache_bytes_per_1k == 2 * per_pos * 1024
+    assert g3.kv_cache_window_bytes == 10 * 1024 * per_pos
+    assert g3.kv_cache_default_ctx == 4096 and g3.kv_cache_bytes_default_ctx == (2 * 4096 + 10 * 1024) * per_pos
+    assert g3.kv_cache_bytes_default_ctx < 12 * 4096 * per_pos / 2  # vs every layer holding every position
+
+
+def test_family_fields_in_text_output(family_files: dict[str, Path]) -> None:
+    out = run(str(family_files["gemma3"])).output
+    assert "NeoX halves" in out
+    assert "sliding window    512 positions on 10 of 12 layers (5 local : 1 global); their RoPE base 10000" in out
+    assert "attention         scale 0.176777, no logit softcap, Q/K norm" in out
+    out = run(str(family_files["gemma2"])).output
+    assert "logit softcap 50" in out and "final softcap     30" in out
+    assert "interleaved pairs" in run(str(family_files["llama"])).output
+    assert "fused attn_qkv" in run(str(family_files["phi3"])).output
+
+
+def test_unsupported_architecture_says_so(tmp_path: Path) -> None:
+    kvs = [("general.architecture", VT.STRING, "mamba"), ("mamba.block_count", VT.UINT32, 2)]
+    p = tmp_path / "mamba.gguf"
+    p.write_bytes(make_gguf(kvs))
+    assert "runs in qllama    no (architecture mamba is not supported)" in run(str(p)).output

@@ -113,11 +113,15 @@ def summary_lines(f: GGUFFile, s: ModelSummary) -> list[str]:
     if s.rope_dimension_count is not None:
         rope += f", {s.rope_dimension_count} dims"
     rope += f", scaling {s.rope_scaling or 'none'}"
+    if s.rope_layout:
+        rope += ", " + ("NeoX halves" if s.rope_layout == "neox" else "interleaved pairs")
     heads = f"{_layers(s.head_count)} / {_layers(s.head_count_kv)}"
     if s.head_dim:
         heads += f" (head dim {s.head_dim})"
     if s.kv_cache_bytes_per_1k is not None:
         kv = f"{human_bytes(s.kv_cache_bytes_per_1k)} per 1K ({KV_CACHE_TOKENS}) tokens: {s.kv_cache_formula}"
+        if s.kv_cache_bytes_default_ctx is not None:
+            kv += f"; {human_bytes(s.kv_cache_bytes_default_ctx)} at the default context of {s.kv_cache_default_ctx}"
     else:
         kv = "? (layers, KV heads or head size missing)"
     if s.chat_template:
@@ -146,9 +150,35 @@ def summary_lines(f: GGUFFile, s: ModelSummary) -> list[str]:
         ("BOS / EOS", f"{token(s.bos_token_id, s.bos_token)} / {token(s.eos_token_id, s.eos_token)}"),
         ("chat template", tmpl),
         ("KV cache", kv),
-    ]
+    ] + family_rows(s)
     w = max(len(k) for k, _ in rows)
     return [f"  {k.ljust(w)}  {v}" for k, v in rows]
+
+
+def family_rows(s: ModelSummary) -> list[tuple[str, str]]:
+    """What qllama runs for this architecture: attention details, window, softcaps, tensors present."""
+    if not s.supported:
+        return [("runs in qllama", f"no (architecture {opt_str(s.architecture)} is not supported)")]
+    attn = f"scale {s.attn_scale:.6g}"
+    attn += f", logit softcap {s.attn_softcap:g}" if s.attn_softcap else ", no logit softcap"
+    attn += ", Q/K norm" if s.qk_norm else ""
+    attn += ", Q/K/V bias" if s.qkv_bias else ""
+    attn += ", fused attn_qkv" if s.fused_qkv else ""
+    rows = [("attention", attn)]
+    if s.sliding_window:
+        layers = s.window_layers or []
+        rows.append(("sliding window", f"{s.sliding_window} positions on {len(layers)} of {opt_str(s.block_count)} layers "
+                                        f"({s.window_pattern}); their RoPE base {s.rope_freq_base_swa:g}"))
+    else:
+        rows.append(("sliding window", "none"))
+    rows.append(("final softcap", f"{s.final_softcap:g}" if s.final_softcap else "none"))
+    if s.rope_factors:
+        rows.append(("RoPE factors", s.rope_factors))
+    return rows
+
+
+def opt_str(v: Any) -> str:
+    return "?" if v is None else show_scalar(v)
 
 
 def quant_mix_lines(s: ModelSummary) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from ..errors import QllamaError, UnsupportedError
 
 DEFAULT_N_CTX_CAP = 4096  # n_ctx defaults to min(context_length, this)
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: per-layer tables are sized by block_count
 _REQUIRED = object()
 
 
@@ -131,6 +132,8 @@ def read_common_args(md: Mapping[str, Any], arch: str, *, neox: bool) -> ModelAr
     n_ff = key.int("feed_forward_length")
     if min(n_embd, n_head, n_head_kv, n_layer, n_ff) <= 0:
         raise QllamaError("model dimensions must be positive")
+    if n_layer > MAX_LAYERS:
+        raise QllamaError(f"block_count {n_layer} is more than {MAX_LAYERS} (llama.cpp's limit)")
     if n_head % n_head_kv:
         raise QllamaError(f"inconsistent heads: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     if not key.has("attention.key_length") and n_embd % n_head:

@@ -20,13 +20,27 @@ import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
 from ..gguf import GGUFFile
-from ..kernels import layer_ops as ops
 from ..qtensor import QTensor, get_threads, quantize_activation
 from .args import ModelArgs
 from .kvcache import SWA_BATCH, KVCache
 
-ACT_SILU = ops.ACT_SILU
-ACT_GELU = ops.ACT_GELU
+ACT_SILU = 0  # gated FFN activations, as kernels.layer_ops numbers them
+ACT_GELU = 1
+
+
+class _Kernels:
+    """`ops`: kernels.layer_ops, imported on first use. Importing it imports Numba (~1.5 s), which
+    `qllama inspect` (it reads ModelArgs through this package) never needs. The first access
+    replaces this placeholder by the module itself, so the forward pass pays nothing."""
+
+    def __getattr__(self, name: str):
+        from ..kernels import layer_ops
+
+        globals()["ops"] = layer_ops
+        return getattr(layer_ops, name)
+
+
+ops = _Kernels()
 
 
 # -- weights --------------------------------------------------------------------------------
