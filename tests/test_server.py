@@ -539,3 +539,33 @@ def test_serve_warns_when_listening_beyond_loopback_without_a_key(tmp_path, caps
     lines = err.splitlines()
     assert code == 1 and lines[0].startswith("warning: listening on 0.0.0.0 without --api-key")
     assert lines[1].startswith("error:") and len(lines) == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_other_families_batched_and_reused_equal_alone(arch, tmp_path):
+    """NeoX RoPE and biases (qwen2); a sliding window of 8 with its ring cache (gemma3): batched
+    steps, and prompts that share a prefix with what a slot holds, still answer as alone."""
+    from tools.make_model import family_spec
+
+    path = tmp_path / f"{arch}.gguf"
+    kw = {"sliding_window": 8} if arch == "gemma3" else {}
+    write_model(path, family_spec(arch, n_embd=64, n_layer=2, n_ctx=256, weight_type="q8_0", seed=3, **kw))
+    prompts = ["the cat sat on the mat", "the cat sat on the mat and then it", "a dog", "the cat sat on a hat"]
+    with serve(path, parallel=2, chunk=5) as s:
+        got = [None] * len(prompts)
+
+        cached = [None] * len(prompts)
+
+        def ask(i):
+            r = s.client().completions.create(model="x", prompt=prompts[i], max_tokens=20, temperature=0)
+            got[i], cached[i] = r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+        for group in (prompts[:2], prompts[2:]):  # the second pair finds the first pair's tokens in the slots
+            threads = [threading.Thread(target=ask, args=(prompts.index(p),)) for p in group]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(TIMEOUT)
+        alone = [s.llm.complete(s.llm.tokenize(p, parse_special=True), max_tokens=20, temperature=0) for p in prompts]
+    assert got == alone
+    assert cached[3] > len(s.llm.tokenize("the cat sat on")) - 2  # "the cat sat on" came from a slot
