@@ -307,6 +307,12 @@ def test_n_above_one_is_400(hi):
     assert e.value.body["param"] == "n"
 
 
+def test_integral_floats_count_as_integers(hi):
+    r = hi.post("/v1/completions", {"prompt": "hello>", "max_tokens": 2.0, "top_k": 40.0, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hi"
+    assert error_of(hi.post("/v1/completions", {"prompt": "x", "max_tokens": 2.5}), 400)["param"] == "max_tokens"
+
+
 def test_unknown_fields_are_ignored(hi):
     r = hi.post("/v1/chat/completions", {"messages": USER, "temperature": 0, "frobnicate": {"a": [1]},
                                          "tools": None, "user": "me"})

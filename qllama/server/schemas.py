@@ -81,6 +81,8 @@ def _number(body: dict, key: str, default, *, integer: bool = False, lo=None, hi
     v = body.get(key, _MISSING)
     if v is _MISSING or v is None:
         return default
+    if integer and isinstance(v, float) and v.is_integer():
+        v = int(v)  # 100.0 is 100, as JSON libraries that know no integers write it
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         kind = "an integer" if integer else "a number"
         raise bad_request(f"'{key}' must be {kind}, got {type(v).__name__ if v is not None else 'null'}", key)
