@@ -9,6 +9,8 @@
                (which serve mat-vec too), for every quantized type
 - `_x86.py`    the AVX2 intrinsics (pmaddubsw / pmaddwd) used by `int8.py`
 - `quantize_k.py` the k-quant block quantizers (q4_K, q5_K, q6_K) of `qllama.quantize`
+- `layer_ops.py` the non-matmul parts of a transformer layer (norms, RoPE, attention, FFN gates)
+- `scan.py`    scans of packed data for non-finite floats (`qllama inspect --check`)
 - `jit.py`     `kernel`, the one decorator every kernel is compiled with (cache=True,
                error_model="numpy": float arithmetic never raises)
 
