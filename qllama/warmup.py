@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 import time
 from pathlib import Path
 

@@ -279,7 +279,7 @@ def test_kernel_types_name_the_matrices(models):
 def test_perplexity_draws_no_progress_when_piped(models):
     text = models["dir"] / "text.txt"
     text.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
-    r = python_m("perplexity", models["plain"], "-f", text, "-c", "32", "--chunks", "3", "-t", "1")
+    r = python_m("perplexity", models["plain"], text, "-c", "32", "--chunks", "3", "-t", "1")
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "[1/" not in r.stderr
     assert r.stdout.startswith("perplexity: ")

@@ -116,6 +116,7 @@ def test_errors_at_a_terminal(models, case):
 def test_perplexity_progress_on_a_terminal(models):
     text = models["dir"] / "text.txt"
     text.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
-    status, shown = finish(spawn("perplexity", models["plain"], text, "-c", "32", "--chunks", "3", "-t", "1"))
+    # (llama-perplexity's spellings: -m MODEL -f FILE)
+    status, shown = finish(spawn("perplexity", "-m", models["plain"], "-f", text, "-c", "32", "--chunks", "3", "-t", "1"))
     assert status == 0, shown
     assert "\r[1/3] perplexity" in shown and "[3/3] perplexity" in shown
