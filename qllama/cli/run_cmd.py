@@ -14,8 +14,8 @@ import sys
 
 import click
 
-from .model_ref import ModelRef
 from ..chat import NoChatTemplateError
+from .model_ref import ModelRef
 from .options import read_prompt, sampling_options
 from .prompt_format import chat_template_option, describe, no_template_error
 
