@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,8 +236,18 @@ def _hf():
 
 
 def cache_dir() -> str:
-    """huggingface_hub's cache folder (HF_HUB_CACHE, else HF_HOME/hub)."""
-    return _hf().constants.HF_HUB_CACHE
+    """huggingface_hub's cache folder (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).
+
+    Worked out as huggingface_hub.constants does, without importing it (a cached model then
+    starts as fast as a local path); once it is imported, its value is the one used.
+    """
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        return constants.HF_HUB_CACHE
+    expand = lambda p: os.path.expandvars(os.path.expanduser(p))  # noqa: E731
+    xdg = os.getenv("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    home = expand(os.getenv("HF_HOME", os.path.join(xdg, "huggingface")))
+    return expand(os.getenv("HF_HUB_CACHE", os.getenv("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))))
 
 
 def repo_folder(repo: str, cache: str | None = None) -> str:
@@ -328,15 +339,18 @@ def fetch(
     """
     from .hub_download import download, hub_errors, write_ref
 
+    if not refresh:
+        hit = cached(ref, cache)  # before importing huggingface_hub: a cached model needs nothing else
+        if hit is not None:
+            return hit
     hf = _hf()
     endpoint = (endpoint or hf.constants.ENDPOINT).rstrip("/")
     offline = hf.constants.is_offline_mode()
-    if not refresh or offline:
+    if offline:
         hit = cached(ref, cache)
         if hit is not None:
             return hit
-        if offline:
-            raise HubError(f"{ref} is not in the local cache ({cache or cache_dir()}) and HF_HUB_OFFLINE is set")
+        raise HubError(f"{ref} is not in the local cache ({cache or cache_dir()}) and HF_HUB_OFFLINE is set")
     with hub_errors(ref, endpoint):
         api = hf.HfApi(endpoint=endpoint, token=token)
         info = api.model_info(ref.repo, revision=ref.revision, files_metadata=True)

@@ -337,6 +337,14 @@ def test_a_cached_model_needs_no_network(fake: FakeHub, cache: str, monkeypatch)
         m = hub.fetch(hub.parse(ref)[1], cache=cache, endpoint=dead, progress=False)
         assert not m.downloaded
     assert hub.fetch(HubRef("org/repo"), cache=cache, endpoint=dead).path.endswith("m-Q4_K_M.gguf")  # same choice
+    # a cache hit does not even import huggingface_hub (it starts as fast as a local path)
+    import subprocess
+    import sys
+
+    code = "import sys, qllama.hub as h; print(h.resolve('org/repo:Q8_0'), 'huggingface_hub' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_HUB_CACHE": cache}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout.split()
+    assert out == [fetch(fake, "org/repo:Q8_0", cache).path, "False"]
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
     assert hub.fetch(HubRef("org/repo"), cache=cache, endpoint=fake.url, refresh=True).path.endswith("m-Q4_K_M.gguf")
     assert len(fake.log) == n
