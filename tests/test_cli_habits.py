@@ -311,3 +311,30 @@ def test_ctrl_c_inside_a_numba_compile_exits_130_without_traceback(models, tmp_p
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr
     assert "compiling kernels for f32 (first run only)..." in r.stderr
     assert r.stderr.rstrip().endswith("interrupted")
+
+
+def test_warmup_compiles_everything_a_generation_then_uses(tmp_path):
+    """After Model.warmup(), a long prompt (batched prefill, attention long enough to go parallel)
+    and decoding compile nothing more: the compile never leaks into the prompt or eval times."""
+    import qllama
+    from numba.core.registry import CPUDispatcher
+
+    def compiled() -> dict[str, int]:
+        seen = {}
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("qllama.") and mod is not None:
+                for attr, obj in vars(mod).items():
+                    if isinstance(obj, CPUDispatcher):
+                        seen[f"{name}.{attr}"] = len(obj.overloads)
+        return seen
+
+    path = tmp_path / "heads.gguf"  # 32 query heads as real models have: long attention is parallel work
+    write_model(path, ModelSpec(n_embd=128, n_head=32, n_head_kv=8, n_ff=256, n_ctx=512, seed=9))
+    llm = qllama.load(path)
+    llm.warmup()
+    before = compiled()
+    prompt = "the cat sat on the mat and the dog " * 12  # ~100 tokens: one prefill batch of many tokens
+    llm.complete(prompt, max_tokens=6, temperature=0.8, seed=1)
+    after = compiled()
+    grown = {k: (before.get(k, 0), n) for k, n in after.items() if n != before.get(k, 0)}
+    assert not grown, f"compiled after the warm-up: {grown}"
