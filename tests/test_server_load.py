@@ -144,14 +144,15 @@ def test_32_clients_with_random_disconnects(dots):
         srv.stop()
 
 
-def test_sigterm_ends_streams_with_an_error_event_and_exits_0(dots):
-    srv = ServerProcess(dots, "--parallel", "2", "-c", "512")
+def test_sigterm_ends_streams_with_an_error_event_and_exits_0(tmp_path):
+    dots = scripted_model(tmp_path / "dots.gguf", n_ctx=4096)  # streams that cannot end before the signal
+    srv = ServerProcess(dots, "--parallel", "2")
     try:
         events = [[] for _ in range(3)]  # two decoding, one waiting for a slot
         started = threading.Barrier(4, timeout=TIMEOUT)
 
         def reader(i):
-            body = {"prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True}
+            body = {"prompt": "hello", "max_tokens": 4000, "temperature": 0, "stream": True}
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
                 lines = (line for line in r.iter_lines() if line)
                 if i < 2:
@@ -168,6 +169,7 @@ def test_sigterm_ends_streams_with_an_error_event_and_exits_0(dots):
         for t in threads:
             t.join(TIMEOUT)
         for ev in events:
+            assert ev and ev[-1] != "data: [DONE]", [e[:60] for e in ev[-3:]]
             last = json.loads(ev[-1][len("data: "):])
             assert last["error"]["type"] == "unavailable_error" and "shutting down" in last["error"]["message"]
             assert "data: [DONE]" not in ev

@@ -82,6 +82,9 @@ def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queu
         err(warning)
     llm = load(model, n_ctx=ctx_size or None, n_threads=threads)
     template = llm.chat_template(chat_template)  # a bad NAME or FILE fails here, before serving
+    from .warm import warm_up
+
+    warm_up(llm)  # compile (first run) or load the kernels now, not in the first client's request
     forward, new_cache, batched = model_forward(llm)
     scheduler = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=parallel,
                           max_queue=max_queue, chunk=batch_size, n_threads=llm.n_threads)
