@@ -137,7 +137,7 @@ class Scheduler:
     """The batching loop over one model. `start()` runs it in a worker thread; `submit` queues.
 
     `forward(segments)` takes [(token ids, cache)] and returns, per segment, the logits
-    (n_vocab,) of its last token; see forward.py for how it reaches the model.
+    (n_vocab,) of its last token; engine.py builds it from a loaded model.
     """
 
     def __init__(self, forward, new_cache, tokenizer, n_ctx: int, *, n_parallel: int = 4,
