@@ -69,6 +69,10 @@ class HubError(QllamaError):
     """A reference that cannot be resolved or downloaded (one line; the hub's reason included)."""
 
 
+class HubUnreachable(HubError):
+    """The hub could not be asked (no network, offline mode, a timeout)."""
+
+
 @dataclass(frozen=True)
 class HubRef:
     """A model on the hub: repo id, and a quant tag or a file path (or neither), at a revision."""
@@ -302,22 +306,30 @@ def _snapshot_files(snap: str) -> list[str]:
     return out
 
 
-def cached(ref: HubRef, cache: str | None = None) -> CachedModel | None:
-    """The cached files of `ref`, or None (no network, no error)."""
+def cached(ref: HubRef, cache: str | None = None, any_quant: bool = False) -> CachedModel | None:
+    """The cached files of `ref`, or None (no network, no error).
+
+    `org/repo` names the file the repo listing prefers; with any_quant (the hub is out of reach)
+    it may also name the best of the files that are cached, as llama.cpp does offline.
+    """
     storage = repo_folder(ref.repo, cache)
     commit = _read_ref(storage, ref.revision)
     if commit is None:
         return None
     snap = os.path.join(storage, "snapshots", commit)
-    listing = _read_listing(storage, commit) or _snapshot_files(snap)
-    try:
-        names = choose(ref, listing)
-    except HubError:
-        return None
-    paths = [os.path.join(snap, *n.split("/")) for n in names]
-    if not all(os.path.isfile(p) for p in paths):
-        return None
-    return CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), commit, paths)
+    present = _snapshot_files(snap)
+    listings = [_read_listing(storage, commit) or present]
+    if any_quant and ref.tag is None and ref.filename is None:
+        listings.append(present)
+    for listing in listings:
+        try:
+            names = choose(ref, listing)
+        except HubError:
+            continue
+        paths = [os.path.join(snap, *n.split("/")) for n in names]
+        if all(os.path.isfile(p) for p in paths):
+            return CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), commit, paths)
+    return None
 
 
 # -- fetching -----------------------------------------------------------------------------------
@@ -347,22 +359,28 @@ def fetch(
     endpoint = (endpoint or hf.constants.ENDPOINT).rstrip("/")
     offline = hf.constants.is_offline_mode()
     if offline:
-        hit = cached(ref, cache)
+        hit = cached(ref, cache, any_quant=True)
         if hit is not None:
             return hit
-        raise HubError(f"{ref} is not in the local cache ({cache or cache_dir()}) and HF_HUB_OFFLINE is set")
-    with hub_errors(ref, endpoint):
-        api = hf.HfApi(endpoint=endpoint, token=token)
-        info = api.model_info(ref.repo, revision=ref.revision, files_metadata=True)
-        siblings = info.siblings or []
-        names = choose(ref, [s.rfilename for s in siblings])
-        storage = repo_folder(ref.repo, cache)
-        _write_listing(storage, info.sha, siblings)
-        listed = {s.rfilename: (s.lfs.size, s.lfs.sha256) if s.lfs else (s.size, None) for s in siblings}
-        model = CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), info.sha)
-        for name in names:
-            path, got = download(hf, ref, name, info.sha, storage, listed[name], endpoint, token, progress)
-            model.paths.append(path)
-            model.downloaded |= got
-        write_ref(storage, ref.revision, info.sha)
+        raise HubUnreachable(f"{ref} is not in the local cache ({cache or cache_dir()}) and HF_HUB_OFFLINE is set")
+    try:
+        with hub_errors(ref, endpoint):
+            api = hf.HfApi(endpoint=endpoint, token=token)
+            info = api.model_info(ref.repo, revision=ref.revision, files_metadata=True)
+            siblings = info.siblings or []
+            names = choose(ref, [s.rfilename for s in siblings])
+            storage = repo_folder(ref.repo, cache)
+            _write_listing(storage, info.sha, siblings)
+            listed = {s.rfilename: (s.lfs.size, s.lfs.sha256) if s.lfs else (s.size, None) for s in siblings}
+            model = CachedModel(HubRef(ref.repo, filename=names[0], revision=ref.revision), info.sha)
+            for name in names:
+                path, got = download(hf, ref, name, info.sha, storage, listed[name], endpoint, token, progress)
+                model.paths.append(path)
+                model.downloaded |= got
+            write_ref(storage, ref.revision, info.sha)
+    except HubUnreachable:
+        hit = None if refresh else cached(ref, cache, any_quant=True)
+        if hit is None:
+            raise
+        return hit
     return model

@@ -19,7 +19,7 @@ import re
 import shutil
 
 from .errors import QllamaError
-from .hub import HubError, HubRef, _hf
+from .hub import HubError, HubRef, HubUnreachable, _hf
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SHA1_RE = re.compile(r"[0-9a-f]{40}")
@@ -190,7 +190,8 @@ class hub_errors:
         msg = _explain(exc, self.ref, self.endpoint or _hf().constants.ENDPOINT)
         if msg is None:
             return False
-        raise HubError(msg) from None
+        unreachable = isinstance(exc, (_hf().errors.OfflineModeIsEnabled, ConnectionError, TimeoutError, *_network_errors()))
+        raise (HubUnreachable if unreachable else HubError)(msg) from None
 
 
 def _explain(exc: BaseException, ref: HubRef, endpoint: str) -> str | None:

@@ -648,3 +648,23 @@ def test_the_cache_is_shared_with_huggingface_hub(fake: FakeHub, cache: str) -> 
     scan = hf.scan_cache_dir(cache)
     assert not scan.warnings and {r.repo_id for r in scan.repos} == {"org/a", "org/b"}
     assert [m.ref for m in list_models(cache)] == ["org/a:Q4_K_M", "org/b:Q8_0"]
+
+
+def test_out_of_reach_org_repo_takes_the_best_cached_quant(fake: FakeHub, cache: str, monkeypatch) -> None:
+    """Only Q8_0 cached, the listing prefers Q4_K_M: without the hub, `org/repo` runs the Q8_0 (as llama.cpp does)."""
+    import huggingface_hub.constants as hc
+
+    fake.add("org/repo", {"m-Q4_K_M.gguf": blob(2000), "m-Q8_0.gguf": blob(3000, 1)})
+    q8 = fetch(fake, "org/repo:Q8_0", cache).path
+    dead = "http://127.0.0.1:9"
+    assert hub.fetch(HubRef("org/repo"), cache=cache, endpoint=dead, progress=False).path == q8
+    with pytest.raises(HubError, match="cannot reach"):  # `pull` must say it could not ask
+        hub.fetch(HubRef("org/repo"), cache=cache, endpoint=dead, refresh=True, progress=False)
+    with pytest.raises(HubError, match="cannot reach"):  # a tag is a tag
+        hub.fetch(HubRef("org/repo", tag="Q4_K_M"), cache=cache, endpoint=dead, progress=False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    assert hub.fetch(HubRef("org/repo"), cache=cache, endpoint=fake.url).path == q8
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    n = len(fake.requests("GET", "/blobs/"))
+    assert hub.fetch(HubRef("org/repo"), cache=cache, endpoint=fake.url, progress=False).path.endswith("m-Q4_K_M.gguf")
+    assert len(fake.requests("GET", "/blobs/")) == n + 1  # online, the preferred file is fetched
