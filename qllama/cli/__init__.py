@@ -48,7 +48,7 @@ IGNORED_FLAGS = {
     "--no-mmap": (False, "qllama always memory-maps the model"),
 }
 # commands whose first argument is MODEL, so that `-m MODEL` may stand for it
-MODEL_FIRST = {"run", "chat", "perplexity", "bench", "inspect", "tokenize"}
+MODEL_FIRST = {"run", "chat", "perplexity", "bench", "inspect", "tokenize", "serve"}
 # llama.cpp spellings of options a command spells differently (where click cannot simply alias)
 OPTION_ALIASES = {"chat": {"--n-predict": "--max-tokens"}}
 

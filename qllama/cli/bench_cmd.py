@@ -56,6 +56,7 @@ def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, 
 
     err = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))  # noqa: E731
     depths = sorted({0, *depths})
+    _say_if_compiling(model, threads, err)
     doc = run_bench(model, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=reps, depths=depths,
                     batch_size=batch_size, progress=err)
     prof = None
@@ -72,3 +73,16 @@ def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, 
         if prof is not None:
             click.echo("")
             click.echo(format_profile(prof))
+
+
+def _say_if_compiling(model: str, threads: list[int], err) -> None:
+    """The first run's notice (as `run` prints it): bench's own warm-up then compiles, timed apart."""
+    from ..gguf import GGUFFile
+    from ..qtensor import physical_cores
+    from ..warmup import is_warm, kernel_types
+
+    with GGUFFile(model) as g:
+        types = kernel_types(g)
+    n_threads = max(threads) if threads else physical_cores()
+    if not is_warm(types, n_threads):
+        err(f"compiling kernels for {', '.join(types)} (first run only)...")
