@@ -166,3 +166,20 @@ def test_registry_lists_the_families():
         read_args({"general.architecture": "mamba"})
     msg = str(e.value)
     assert "'mamba'" in msg and "\n" not in msg and all(a in msg for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_session_prefix_reuse_over_a_ring(files, float_path):
+    """A chat-like Session reuses the cached prefix when the ring still holds its window, and
+    evaluates everything again when it does not; the logits equal a fresh evaluation either way."""
+    from qllama.generate import Session
+
+    m = _model(files["gemma3"], batch=4)
+    session = Session(m, batch_size=4)
+    v = m.args.n_vocab
+    first = _ids(18, v, seed=7)
+    session.prefill(first)
+    for prompt, evaluated in ((first + _ids(5, v, seed=8), 5), (first[:6] + _ids(6, v, seed=9), 12)):
+        logits, n_eval = session.prefill(prompt)
+        assert n_eval == evaluated  # 18 cached positions reused; then position 6 needs 0..5, overwritten: all 12 again
+        fresh = m.forward(prompt, m.new_cache())[-1]
+        np.testing.assert_allclose(logits, fresh, rtol=0, atol=1e-5 * np.abs(fresh).max())
