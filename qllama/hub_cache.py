@@ -40,9 +40,14 @@ def list_models(cache: str | None = None) -> list[ListedModel]:
     for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
         if repo.repo_type != "model":
             continue
-        for rev in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
+        seen: set[str] = set()  # files of the revisions a branch points to
+        for rev in sorted(repo.revisions, key=lambda r: (bool(r.refs), r.last_modified), reverse=True):
             files = {os.path.relpath(f.file_path, rev.snapshot_path).replace(os.sep, "/"): f for f in rev.files}
             firsts = sorted(p for p in files if _is_model(p) and _shard_info(p)[1] == 1)
+            if rev.refs:
+                seen.update(firsts)
+            else:  # a superseded commit: only what the current one lacks
+                firsts = [p for p in firsts if p not in seen]
             tags = [quant_tag(p) for p in firsts]
             at = "" if "main" in rev.refs else f"@{sorted(rev.refs)[0]}" if rev.refs else f"@{rev.commit_hash}"
             for name, tag in zip(firsts, tags):

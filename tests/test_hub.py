@@ -561,6 +561,16 @@ def test_list_and_rm(fake: FakeHub, cache: str, tmp_path: Path) -> None:
                     ("org/two/a/x.gguf", None, 500, "x.gguf"), ("org/two/b/x.gguf", None, 600, "x.gguf")]
     for m in list_models(cache):  # every listed reference resolves to the listed file
         assert fetch(fake, m.ref, cache).path == m.path
+    # a new commit of org/two that keeps a/x.gguf: `pull` links the same blob, `list` shows it once
+    old = fake.repos["org/two"]["commit"]
+    fake.add("org/two", {"a/x.gguf": blob(500, 2), "c/new.gguf": blob(100, 4)})
+    before = len(fake.requests("GET", "/blobs/"))
+    assert not fetch(fake, "org/two/a/x.gguf", cache, refresh=True).downloaded
+    assert len(fake.requests("GET", "/blobs/")) == before
+    now = list_models(cache)
+    assert [m.ref for m in now] == [r[0] for r in rows[:3]] + [f"org/two@{old}/b/x.gguf"]  # only in the old commit
+    assert now[2].commit == fake.repos["org/two"]["commit"] and now[3].commit == old
+    assert fetch(fake, now[3].ref, cache).path == now[3].path
     sha8 = fake.blob_sha("org/repo", "m-Q8_0.gguf")
     Path(cache, "models--org--repo", "blobs", "f" * 64 + ".incomplete").write_bytes(b"partial")
     assert partial_downloads(cache) == [("org/repo", "f" * 64 + ".incomplete", 7)]
