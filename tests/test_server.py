@@ -575,3 +575,18 @@ def test_other_families_batched_and_reused_equal_alone(arch, tmp_path):
         alone = [s.llm.complete(s.llm.tokenize(p, parse_special=True), max_tokens=20, temperature=0) for p in prompts]
     assert got == alone
     assert cached[3] > len(s.llm.tokenize("the cat sat on")) - 2  # "the cat sat on" came from a slot
+
+
+def test_a_port_in_use_is_one_clear_error():
+    from qllama.cli.serve_cmd import bind_socket
+    from qllama.errors import QllamaError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(QllamaError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_socket("127.0.0.1", port).close()
+    sock = bind_socket("127.0.0.1", 0)  # port 0: any free port
+    assert sock.getsockname()[1] > 0
+    sock.close()
