@@ -338,3 +338,28 @@ def test_warmup_compiles_everything_a_generation_then_uses(tmp_path):
     after = compiled()
     grown = {k: (before.get(k, 0), n) for k, n in after.items() if n != before.get(k, 0)}
     assert not grown, f"compiled after the warm-up: {grown}"
+
+
+SWALLOW = textwrap.dedent("""
+    # A Ctrl-C during the warm-up that some code swallows with a bare `except:`.
+    import os, signal, sys, time
+    from qllama import api
+    def warmup(self):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+        except BaseException:
+            pass
+        return 0.0
+    api.Model.warmup = warmup
+    from qllama.cli import main
+    main(sys.argv[1:])
+""")
+
+
+def test_ctrl_c_swallowed_during_the_warm_up_still_stops(models):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", SWALLOW, "run", str(models["plain"]), "the", "-n", "2", "-t", "1"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 130, r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr and r.stderr.rstrip().endswith("interrupted")

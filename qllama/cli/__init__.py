@@ -15,6 +15,7 @@ as `-n gl`), which are dropped with a one-line notice.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 import warnings
 
@@ -146,22 +147,36 @@ def cli(ctx: click.Context, debug: bool) -> None:
 # as if nothing happened. Numba then finds no object code for the library it just compiled and
 # raises `RuntimeError: no compiled object yet for <Library ...>` while saving it to its cache.
 # The hook below records such a swallowed interrupt (silently), and main turns the error that
-# follows (or the next check, `reraise_lost_interrupt`) back into a clean exit 130.
+# follows (or the next check, `reraise_lost_interrupt`) back into a clean exit 130. main's SIGINT
+# handler also counts the signals, so that an interrupt swallowed anywhere else (a bare
+# `except:` in a library) is noticed too.
 
-_lost = {"interrupt": False}
-_saved = {"showwarning": warnings.showwarning}
+_lost = {"interrupt": False, "sigints": 0}
+_saved = {"showwarning": warnings.showwarning, "unraisablehook": sys.unraisablehook}
 
 
 def _unraisable_hook(unraisable) -> None:
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
         _lost["interrupt"] = True
         return
-    sys.__unraisablehook__(unraisable)
+    _saved["unraisablehook"](unraisable)
 
 
-def reraise_lost_interrupt() -> None:
-    """Raise KeyboardInterrupt if a Ctrl-C was swallowed by a C callback (e.g. during a compile)."""
-    if _lost["interrupt"]:
+def _on_sigint(signum, frame) -> None:
+    _lost["sigints"] += 1
+    raise KeyboardInterrupt
+
+
+def sigint_count() -> int:
+    """How many SIGINTs (Ctrl-C) this command has received so far."""
+    return _lost["sigints"]
+
+
+def reraise_lost_interrupt(since: int | None = None) -> None:
+    """Raise KeyboardInterrupt if a Ctrl-C was swallowed: reported to sys.unraisablehook by a C
+    callback (e.g. during a compile), or, given `since` (a `sigint_count()` taken before the
+    work), a SIGINT arrived meanwhile although the work returned normally."""
+    if _lost["interrupt"] or (since is not None and _lost["sigints"] > since):
         raise KeyboardInterrupt
 
 
@@ -196,10 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     args, notices = rewrite_argv(args)
     for note in notices:
         click.echo(note, err=True)
-    old_hook, old_show = sys.unraisablehook, warnings.showwarning
-    _saved["showwarning"] = old_show
+    old_hook, old_show, old_sigint = sys.unraisablehook, warnings.showwarning, signal.getsignal(signal.SIGINT)
+    _saved["showwarning"], _saved["unraisablehook"] = old_show, old_hook
     sys.unraisablehook, warnings.showwarning = _unraisable_hook, _show_warning
-    _lost["interrupt"] = False
+    if old_sigint is signal.default_int_handler:  # (not when SIGINT is ignored, e.g. a background job)
+        signal.signal(signal.SIGINT, _on_sigint)
+    _lost["interrupt"], _lost["sigints"] = False, 0
     try:
         if not args:  # like git and ollama: the help, on stdout, and success
             with click.Context(cli, info_name="qllama") as ctx:
@@ -225,11 +242,13 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: {_error_message(e)}", err=True)
         sys.exit(1)
     except Exception:
-        if _lost["interrupt"]:  # e.g. Numba's RuntimeError after a swallowed Ctrl-C (see above)
+        if _lost["interrupt"] or _lost["sigints"]:  # e.g. Numba's RuntimeError after a swallowed Ctrl-C (see above)
             _interrupted()
         raise
     finally:
         sys.unraisablehook, warnings.showwarning = old_hook, old_show
+        if old_sigint is signal.default_int_handler:
+            signal.signal(signal.SIGINT, old_sigint)
 
 
 def _interrupted() -> None:

@@ -54,15 +54,16 @@ def warm_up(llm, *, quiet: bool = False) -> float:
 
     Returns the seconds spent. A Ctrl-C that Numba's compile swallowed is raised again here.
     """
-    from . import reraise_lost_interrupt
+    from . import reraise_lost_interrupt, sigint_count
 
     cold = not llm.kernels_cached()
     say = cold and not quiet
     if say:
         click.echo(f"compiling kernels for {', '.join(llm.kernel_types())} (first run only)...", err=True)
+    before = sigint_count()
     with Spinner("compiling", enabled=say and sys.stderr.isatty()):
         seconds = llm.warmup()
-    reraise_lost_interrupt()
+    reraise_lost_interrupt(since=before)  # a Ctrl-C that the compile swallowed still stops us
     if say:
         click.echo(f"kernels compiled in {seconds:.1f} s", err=True)
     return seconds
