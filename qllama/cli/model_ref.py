@@ -7,8 +7,6 @@ the file into the Hugging Face cache with a progress bar on stderr when it is no
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import click
@@ -52,7 +50,3 @@ def fetch_model(ref: "hub.HubRef", refresh: bool = False) -> "hub.CachedModel":
         click.echo(f"downloaded {model.ref} ({model.size / 1e6:.1f} MB{shards}) in {time.perf_counter() - t0:.1f} s",
                    err=True)
     return model
-
-
-def is_tty() -> bool:
-    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
