@@ -6,6 +6,7 @@ errors, Ctrl-C during a download, the progress bar in a terminal, and the bundle
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +72,9 @@ def test_pull_list_inspect_rm(fake: FakeHub, tmp_path: Path) -> None:
     assert lines[0].split() == ["REFERENCE", "QUANT", "SIZE", "PATH"]
     assert lines[1].split()[0] == "demo"
     assert lines[2].split() == ["org/tiny:Q8_0", "Q8_0", f"{len(data) / 1e6:.1f}", "MB", path]
+    doc = json.loads(qllama(env, "list", "--json").stdout)
+    assert doc["cache"] == str(tmp_path / "home" / "hub")
+    assert doc["models"][1] == dict(ref="org/tiny:Q8_0", quant="Q8_0", size=len(data), path=path, complete=True)
     p = qllama(env, "rm", "org/tiny:Q8_0")
     assert p.returncode == 0 and p.stdout.startswith("removed org/tiny: tiny-Q8_0.gguf ("), p.stderr
     assert not os.path.exists(path)
