@@ -205,6 +205,7 @@ for _tid, _family, _form, _kernel, _shared in (
     (Q6_K, "kquants", "q8_K", "matmul_q6_k", False),
 ):
     _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared))
+del _tid, _family, _form, _kernel, _shared
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(TYPES)
 # types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)
@@ -375,9 +376,10 @@ class QTensor:
     @classmethod
     def from_bytes(cls, type_id: int, raw: np.ndarray, shape: tuple[int, int], *, name: str = "tensor") -> "QTensor":
         """Wrap packed bytes (any C-contiguous buffer) of a `shape` = (ne0, ne1) matrix of `type_id`."""
-        if type_id not in SUPPORTED_TYPES:
+        entry = TYPES.get(type_id)
+        if entry is None:
             raise UnsupportedError(f"{name} has type {type_name(type_id)}, which qllama cannot run yet")
-        t = GGML_TYPES[type_id]
+        t = entry.ggml
         if len(shape) != 2 or any(int(d) < 1 for d in shape):
             raise QllamaError(f"{name}: shape must be two positive sizes (ne0, ne1), got {tuple(shape)}")
         ne0, ne1 = int(shape[0]), int(shape[1])
