@@ -81,7 +81,10 @@ def all_cases() -> list[Case]:
              kv={"llama.attention.layer_norm_rms_epsilon": (math.nan, "FLOAT32")}),
         Case("rope-base-zero", "load-error", key="llama.rope.freq_base",
              kv={"llama.rope.freq_base": (0.0, "FLOAT32")}),
-        Case("rope-scale-zero", "load-error", key="llama.rope.scaling.factor",
+        Case("rope-scale-negative", "load-error", key="llama.rope.scaling.factor",
+             kv={"llama.rope.scaling.type": ("linear", "STRING"), "llama.rope.scaling.factor": (-2.0, "FLOAT32")}),
+        # llama.cpp reads a factor of 0 as "no scaling": so does qllama
+        Case("rope-scale-zero", "runs",
              kv={"llama.rope.scaling.type": ("linear", "STRING"), "llama.rope.scaling.factor": (0.0, "FLOAT32")}),
         # positions / 1e30 are ~0 everywhere: odd text, but finite, and llama.cpp accepts it too
         Case("rope-scale-huge", "runs",

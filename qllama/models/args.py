@@ -59,9 +59,24 @@ class Keys:
             out = float(value)
         except (TypeError, ValueError):
             raise QllamaError(f"metadata key {self.arch}.{name} should be a number, got {value!r}") from None
-        if not math.isfinite(out):
-            raise QllamaError(f"metadata key {self.arch}.{name} is not finite ({out})")
+        rule, holds = FLOAT_RULES.get(name, ("finite", lambda v: True))
+        if not (math.isfinite(out) and holds(out)):
+            raise QllamaError(f"{self.arch}.{name} = {value!r}: must be {rule}")
         return out
+
+
+# What a hyper-parameter must satisfy besides being finite (checked when it is read, for every
+# family). A scaling factor of exactly 0 means "no scaling", as llama.cpp reads it.
+FLOAT_RULES: dict[str, tuple[str, Any]] = {
+    "attention.layer_norm_rms_epsilon": ("finite and >= 0", lambda v: v >= 0),
+    "rope.freq_base": ("finite and > 0", lambda v: v > 0),
+    "rope.freq_base_swa": ("finite and > 0", lambda v: v > 0),
+    "rope.scaling.factor": ("finite and > 0 (or 0: no scaling)", lambda v: v >= 0),
+    "rope.scale_linear": ("finite and > 0 (or 0: no scaling)", lambda v: v >= 0),
+    "rope.scaling.attn_factor": ("finite and > 0", lambda v: v > 0),
+    "attn_logit_softcapping": ("finite and >= 0", lambda v: v >= 0),
+    "final_logit_softcapping": ("finite and >= 0", lambda v: v >= 0),
+}
 
 
 @dataclass(frozen=True)
@@ -159,8 +174,6 @@ def read_common_args(md: Mapping[str, Any], arch: str, *, neox: bool) -> ModelAr
         pass  # the factors are tensors (rope_freqs.weight, rope_factors_long/short.weight)
     else:
         raise UnsupportedError(f"RoPE scaling type {scaling_type!r} is not supported (qllama runs: linear)")
-    if rope_scale <= 0:
-        raise QllamaError(f"RoPE scaling factor must be positive, got {rope_scale}")
 
     n_vocab = key.int("vocab_size", None)
     if n_vocab is None:

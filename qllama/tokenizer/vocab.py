@@ -6,12 +6,14 @@ Also the small typed readers of single metadata values that the rest of the pack
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 
 import numpy as np
 
-from ..errors import QllamaError, UnsupportedError
+from ..errors import QllamaError, QllamaWarning, UnsupportedError
 
 KEY = "tokenizer.ggml."
 MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece-style BPE
@@ -168,4 +170,10 @@ def md_token_id(md: dict, key: str, default: int | None, n: int) -> int | None:
         return default
     if isinstance(v, (bool, float, str)) or not isinstance(v, (int, np.integer)):
         raise QllamaError(f"tokenizer.ggml.{key} must be an integer")
-    return int(v) if 0 <= int(v) < n else default
+    if not 0 <= int(v) < n:
+        # llama.cpp: "bad special token ... using default id"
+        warnings.warn(f"tokenizer.ggml.{key} = {int(v)} is outside the vocabulary of {n} tokens: "
+                      f"ignored ({'using the default id ' + str(default) if default is not None else 'unset'})",
+                      QllamaWarning, stacklevel=2)
+        return default
+    return int(v)
