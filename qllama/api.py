@@ -158,6 +158,7 @@ class Model:
         stop: Sequence[str] | str = (),
         add_bos: bool = True,
         parse_special: bool = False,
+        lookup: int = 0,
     ) -> Iterator[Chunk]:
         """Like `generate`, but yields `Chunk`s (text, token ids, finish_reason on the last one)."""
         if isinstance(prompt, str):
@@ -166,6 +167,8 @@ class Model:
             ids = [int(i) for i in prompt]
         if max_tokens < 0:
             raise QllamaError(f"max_tokens must be >= 0, got {max_tokens}")
+        if lookup < 0:
+            raise QllamaError(f"lookup must be >= 0 draft tokens, got {lookup}")
         if isinstance(stop, str):
             stop = [stop]
         params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
@@ -173,7 +176,7 @@ class Model:
         timings = Timings(load_s=self.load_s, compile_s=self.compile_s)
         self.last_timings = timings
         set_threads(self.n_threads)
-        return stream_generate(self.session, self.tokenizer, ids, sampler, max_tokens, stop, timings)
+        return stream_generate(self.session, self.tokenizer, ids, sampler, max_tokens, stop, timings, lookup=lookup)
 
     def generate(
         self,
@@ -190,16 +193,20 @@ class Model:
         stop: Sequence[str] | str = (),
         add_bos: bool = True,
         parse_special: bool = False,
+        lookup: int = 0,
     ) -> Iterator[str]:
         """Stream the continuation of `prompt` (text, or token ids as given) as text chunks.
 
         temperature 0 is greedy; seed None is random; `stop` strings end generation and are not
         included; BOS is added when `add_bos` and the model asks for it; `parse_special` reads
-        control tokens written in the prompt text. Timings are in `last_timings` afterwards.
+        control tokens written in the prompt text. `lookup` N > 0 drafts up to N tokens per forward
+        from n-gram matches in the prompt and output (prompt-lookup decoding, `qllama.lookup`):
+        greedy output is unchanged, sampling keeps its distribution; faster when the output copies
+        from the prompt. Timings are in `last_timings` afterwards.
         """
         chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
-                             stop=stop, add_bos=add_bos, parse_special=parse_special)
+                             stop=stop, add_bos=add_bos, parse_special=parse_special, lookup=lookup)
         for chunk in chunks:
             if chunk.text:
                 yield chunk.text
@@ -219,11 +226,13 @@ class Model:
         stop: Sequence[str] | str = (),
         add_bos: bool = True,
         parse_special: bool = False,
+        lookup: int = 0,
     ) -> str:
         """The whole continuation of `prompt` as one string (the options of `generate`)."""
         return "".join(self.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                      min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                                     seed=seed, stop=stop, add_bos=add_bos, parse_special=parse_special))
+                                     seed=seed, stop=stop, add_bos=add_bos, parse_special=parse_special,
+                                     lookup=lookup))
 
     # -- chat ------------------------------------------------------------------------------
 
@@ -243,7 +252,7 @@ class Model:
         """
         from .chat import ChatTemplate
 
-        key = os.fspath(spec) if spec is not None else ""
+        key = (isinstance(spec, str), os.fspath(spec)) if spec is not None else None  # a Path is always a file
         cached = getattr(self, "_chat_templates", {})
         if key not in cached:
             cached[key] = ChatTemplate.from_spec(spec) if spec is not None else ChatTemplate.from_metadata(self.metadata)

@@ -264,6 +264,7 @@ def test_from_spec_takes_a_builtin_name_or_a_file(tmp_path, monkeypatch):
     (tmp_path / "chatml").write_text("a file named like a built-in")
     assert ChatTemplate.from_spec("chatml").name == "builtin:chatml"  # the name wins
     assert ChatTemplate.from_spec("./chatml").name == "file:chatml"
+    assert ChatTemplate.from_spec(Path("chatml")).name == "file:chatml"  # a Path is always a file
 
 
 @pytest.mark.parametrize("spec, message", [

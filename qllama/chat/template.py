@@ -8,6 +8,7 @@ runs as plain completion. A built-in template or a Jinja file is used only when 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -178,14 +179,14 @@ class ChatTemplate:
         return cls(source, f"file:{p}", **opts)
 
     @classmethod
-    def from_spec(cls, spec: str | Path, **opts: Any) -> "ChatTemplate":
+    def from_spec(cls, spec: str | os.PathLike, **opts: Any) -> "ChatTemplate":
         """The template a user asked for: a built-in name (`llama-3`, `chatml`, ...) or a Jinja file.
 
         A built-in name wins over a file of the same name in the working directory; anything
         else must be a readable file. Both failures list the built-in names.
         """
-        text = str(spec)
-        if not isinstance(spec, Path) and builtin_family(text) is not None:
+        text = os.fspath(spec)
+        if isinstance(spec, str) and builtin_family(text) is not None:  # a Path is always a file
             return cls.builtin(text, **opts)
         p = Path(text)
         if not p.is_file():
