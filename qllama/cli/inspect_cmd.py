@@ -318,7 +318,21 @@ def _echo(text: str) -> None:
 @click.argument("model", type=ModelRef())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (version, metadata, tensors, summary).")
 @click.option("--metadata", "with_metadata", is_flag=True, help="Also print every metadata key (long arrays summarised).")
-def command(model: str, as_json: bool, with_metadata: bool) -> None:
-    """Show what a GGUF file holds: summary, quant mix, tensors (and metadata)."""
+@click.option("--check", is_flag=True,
+              help="Scan every tensor for NaN and Inf (quantized blocks' scales, float values); exit 1 if any is found.")
+def command(model: str, as_json: bool, with_metadata: bool, check: bool) -> int:
+    """Show what a GGUF file holds: summary, quant mix, tensors (and metadata).
+
+    With --check, scan the tensors for non-finite numbers instead (one line per bad tensor).
+    """
     with GGUFFile(model) as f:
+        if check:
+            from .check_report import check_json, run_check
+
+            if as_json:
+                doc = check_json(f)
+                _echo(json.dumps(doc, indent=2))
+                return 0 if doc["ok"] else 1
+            return 0 if run_check(f) else 1
         _echo(render_json(f) if as_json else render_text(f, with_metadata))
+    return 0
