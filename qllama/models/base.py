@@ -12,8 +12,7 @@ the one-segment case.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -23,6 +22,7 @@ from ..gguf import GGUFFile
 from ..qtensor import QTensor, get_threads, quantize_activation
 from .args import ModelArgs
 from .kvcache import SWA_BATCH, KVCache
+from .points import attention_numpy, attention_points
 
 ACT_SILU = 0  # gated FFN activations, as kernels.layer_ops numbers them
 ACT_GELU = 1
@@ -185,34 +185,6 @@ def rope_tables(n_rot: int, base: float, scale: float, factors: np.ndarray | Non
     return cos.astype(np.float32), sin.astype(np.float32)
 
 
-# -- profiling ------------------------------------------------------------------------------
-
-
-@dataclass
-class ForwardStats:
-    """Accumulated wall time per operation (seconds), filled when profiling is on."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def add(self, name: str, dt: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + dt
-
-
-class _Marker:
-    """Adds the time since the previous mark to a ForwardStats entry (profiling only)."""
-
-    __slots__ = ("stats", "last")
-
-    def __init__(self, stats: ForwardStats):
-        self.stats = stats
-        self.last = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.stats.add(name, now - self.last)
-        self.last = now
-
-
 # -- the forward pass -----------------------------------------------------------------------
 
 
@@ -245,8 +217,12 @@ class Transformer:
         self.weights = weights
         self.n_ctx = n_ctx
         self.batch = batch  # ring slots of window layers beyond the window
-        self.profile: ForwardStats | None = None  # set to a ForwardStats to time each op
-        self._mark: _Marker | None = None
+        self._probe = None  # a points.Probe while anything is traced, hooked or timed (see models/points.py)
+        self._il = 0  # the block being run (for the points fired by the building blocks)
+        self._threads = 1  # threads of the current forward pass (asked once per pass: the call is not free)
+        self._scale = np.float32(args.attn_scale)  # kernel arguments, converted once
+        self._softcap = np.float32(args.attn_softcap)
+        self._window = [args.n_swa if args.is_swa(il) else 0 for il in range(args.n_layer)]
         tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         factors = self.rope_factors(n_ctx)
         self.rope: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: (cos, sin) (n_ctx, n_rot/2)
@@ -294,7 +270,21 @@ class Transformer:
 
         Returns logits float32: (T, n_vocab) if all_logits, else (1, n_vocab) for the last token.
         """
+        tokens = self._check(tokens, cache)
+        if tokens.shape[0] <= cache.max_batch:  # the common case, without forward_many's bookkeeping
+            return self._forward_round([(tokens, cache)], [True], all_logits)[0]
         return self.forward_many([(tokens, cache)], all_logits)[0]
+
+    def _check(self, tokens, cache: KVCache) -> np.ndarray:
+        """Token ids as an int64 array, checked against the vocabulary and the cache's room."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.shape[0] == 0:
+            raise QllamaError("forward needs at least one token")
+        if cache.n_past + tokens.shape[0] > cache.n_ctx:
+            raise QllamaError(f"context overflow: {cache.n_past} + {tokens.shape[0]} tokens > n_ctx {cache.n_ctx}")
+        if tokens.min() < 0 or tokens.max() >= self.args.n_vocab:
+            raise QllamaError(f"token id out of range [0, {self.args.n_vocab})")
+        return tokens
 
     def forward_many(self, segments: Sequence[tuple[Sequence[int], KVCache]], all_logits: bool = False) -> list[np.ndarray]:
         """Run several token runs, each at its own cache's n_past, in one pass over the weights.
@@ -302,17 +292,7 @@ class Transformer:
         Returns one logits array per segment: (T_i, n_vocab) if all_logits, else (1, n_vocab).
         Runs longer than a cache's max_batch are evaluated in rounds.
         """
-        a = self.args
-        runs = []
-        for tokens, cache in segments:
-            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-            if tokens.shape[0] == 0:
-                raise QllamaError("forward needs at least one token")
-            if cache.n_past + tokens.shape[0] > cache.n_ctx:
-                raise QllamaError(f"context overflow: {cache.n_past} + {tokens.shape[0]} tokens > n_ctx {cache.n_ctx}")
-            if tokens.min() < 0 or tokens.max() >= a.n_vocab:
-                raise QllamaError(f"token id out of range [0, {a.n_vocab})")
-            runs.append((tokens, cache))
+        runs = [(self._check(tokens, cache), cache) for tokens, cache in segments]
         if len({id(c) for _, c in runs}) != len(runs):
             raise QllamaError("each segment of a forward pass needs its own cache")
 
@@ -331,17 +311,23 @@ class Transformer:
         return [o[0] if len(o) == 1 else np.concatenate(o) for o in outs]
 
     def _forward_round(self, runs, want: list[bool], all_logits: bool) -> list[np.ndarray | None]:
-        self._mark = mark = _Marker(self.profile) if self.profile is not None else None
+        probe = self._probe
+        if probe:
+            probe.start()
+        self._threads = get_threads()
         batch, off = [], 0
         for tokens, cache in runs:
             batch.append(Segment(cache, cache.n_past, off, off + len(tokens)))
             off += len(tokens)
         tokens = runs[0][0] if len(runs) == 1 else np.concatenate([t for t, _ in runs])
         x = self.embed(tokens)  # (T, n_embd) residual stream
-        if mark:
-            mark("embedding")
+        if probe:
+            x = probe.fire("embed", None, x)
         for il, layer in enumerate(self.weights.layers):
+            self._il = il
             x = self.block(il, layer, x, batch)
+            if probe:
+                x = probe.fire("resid", il, x)
         for seg in batch:
             seg.cache.stored(seg.start, seg.hi - seg.lo)
             seg.cache.n_past = seg.start + seg.hi - seg.lo
@@ -357,18 +343,17 @@ class Transformer:
             return result
         hn = np.empty_like(rows)
         ops.rmsnorm(np.ascontiguousarray(rows), self.weights.output_norm, self.args.rms_eps, hn)
-        if mark:
-            mark("rmsnorm")
+        if probe:
+            hn = probe.fire("result_norm", None, hn)
         logits = self.final_logits(project(self.weights.output, quantize_activation(hn)))
-        if mark:
-            mark("matvec output (+quantize x)")
+        if probe:
+            logits = probe.fire("logits", None, logits)
         r = 0
         for i, (seg, w) in enumerate(zip(batch, want)):
             if w:
                 n = seg.hi - seg.lo if all_logits else 1
                 result[i] = logits[r : r + n]
                 r += n
-        self._mark = None
         return result
 
     # -- building blocks for `block` --
@@ -377,33 +362,25 @@ class Transformer:
         """RMSNorm of each row: (T, d) -> new (T, d)."""
         out = np.empty_like(x)
         ops.rmsnorm(x, weight, self.args.rms_eps, out)
-        if self._mark:
-            self._mark("rmsnorm")
         return out
 
     def qkv(self, layer: LayerWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q (T, H, D), K and V (T, Hkv, D) from the normed input h (T, n_embd): separate or
         fused projections, plus biases when the file has them."""
-        a, mark = self.args, self._mark
+        a = self.args
         n_tok = h.shape[0]
+        if self._probe:
+            h = self._probe.fire("attn_norm", self._il, h)
         hq = quantize_activation(h)  # quantized once (int8 path) for Q, K and V
         if layer.attn_qkv is not None:
             qkv = project(layer.attn_qkv, hq)  # (T, q_dim + 2 kv_dim)
             q = qkv[:, : a.q_dim]
             k = qkv[:, a.q_dim : a.q_dim + a.kv_dim]
             v = qkv[:, a.q_dim + a.kv_dim :]
-            if mark:
-                mark("matvec attn_qkv (+quantize x)")
         else:
             q = project(layer.attn_q, hq)  # (T, q_dim)
-            if mark:
-                mark("matvec attn_q (+quantize x)")
             k = project(layer.attn_k, hq)  # (T, kv_dim)
-            if mark:
-                mark("matvec attn_k")
             v = project(layer.attn_v, hq)  # (T, kv_dim)
-            if mark:
-                mark("matvec attn_v")
         if layer.attn_q_b is not None:
             q = q + layer.attn_q_b
             k = k + layer.attn_k_b
@@ -416,67 +393,63 @@ class Transformer:
         """RMSNorm over each head's D values, in place: x (T, heads, D), weight (D,)."""
         flat = x.reshape(-1, x.shape[2])
         ops.rmsnorm(flat, weight, self.args.rms_eps, flat)
-        if self._mark:
-            self._mark("q/k norm")
         return x
 
     def attend(self, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: list[Segment]) -> np.ndarray:
         """RoPE on q and k, k and v into each segment's cache, attention: -> (T, H * D)."""
-        a, mark = self.args, self._mark
+        a, probe = self.args, self._probe
         n_tok = q.shape[0]
         cos, sin = self.rope[il]
-        window = a.n_swa if a.is_swa(il) else 0
-        softcap = np.float32(a.attn_softcap)
-        scale = np.float32(a.attn_scale)
+        window, softcap, scale, n_threads = self._window[il], self._softcap, self._scale, self._threads
         out = np.empty((n_tok, a.n_head, a.head_dim), dtype=np.float32)  # (T, H, D)
-        n_threads = get_threads()
+        one = len(batch) == 1
         for seg in batch:
             c = seg.cache
-            one = len(batch) == 1
             qs = q if one else q[seg.lo : seg.hi]
             ks = k if one else k[seg.lo : seg.hi]
             vs = v if one else v[seg.lo : seg.hi]
             os_ = out if one else out[seg.lo : seg.hi]
             ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.k[il], c.vt[il], a.rope_neox)
-            if mark:
-                mark("rope + kv store")
+            if probe:  # attn_q/k/v (after RoPE); attn_scores/probs need the NumPy path
+                qs = attention_points(probe, il, qs, c.k[il], c.vt[il], seg.start)
+                if probe.wants("attn_scores", il) or probe.wants("attn_probs", il):
+                    os_[...] = attention_numpy(probe, il, qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap)
+                    continue
             # decode-sized work runs on this thread: waking the pool would cost more than it saves
             parallel = ops.attention_parallel_pays(seg.hi - seg.lo, seg.start, a.n_head, n_threads)
             attention = ops.attention if parallel else ops.attention_serial
             attention(qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap, os_)
-            if mark:
-                mark("attention")
         return out.reshape(n_tok, a.q_dim)
 
     def out_proj(self, layer: LayerWeights, attn: np.ndarray) -> np.ndarray:
         """The attention output projection: (T, q_dim) -> (T, n_embd)."""
+        probe = self._probe
+        if probe:
+            a = self.args
+            attn = probe.fire("attn_z", self._il, attn.reshape(-1, a.n_head, a.head_dim)).reshape(-1, a.q_dim)
         y = project(layer.attn_output, quantize_activation(attn))
-        if self._mark:
-            self._mark("matvec attn_output (+quantize x)")
+        if probe:
+            y = probe.fire("attn_out", self._il, y)
         return y
 
     def ffn(self, layer: LayerWeights, h: np.ndarray, act: int) -> np.ndarray:
         """Gated FFN: down(act(gate h) * up h), (T, n_embd) -> (T, n_embd). act: ACT_SILU or ACT_GELU.
         A fused ffn_up holds gate|up (gate first, as llama.cpp's swiglu splits it)."""
-        mark, n_ff = self._mark, self.args.n_ff
+        probe, n_ff = self._probe, self.args.n_ff
+        if probe:
+            h = probe.fire("ffn_in", self._il, h)
         hq = quantize_activation(h)  # shared by gate and up
         if layer.ffn_gate is None:
             gu = project(layer.ffn_up, hq)  # (T, 2 n_ff)
             gate, up = np.ascontiguousarray(gu[:, :n_ff]), np.ascontiguousarray(gu[:, n_ff:])
-            if mark:
-                mark("matvec ffn_up (gate|up, +quantize x)")
         else:
             gate = project(layer.ffn_gate, hq)  # (T, n_ff)
-            if mark:
-                mark("matvec ffn_gate (+quantize x)")
             up = project(layer.ffn_up, hq)  # (T, n_ff)
-            if mark:
-                mark("matvec ffn_up")
         glu = ops.glu if h.shape[0] > 1 else ops.glu_serial
         glu(gate, up, gate, act)
-        if mark:
-            mark("swiglu" if act == ACT_SILU else "geglu")
+        if probe:
+            gate = probe.fire("ffn_act", self._il, gate)
         y = project(layer.ffn_down, quantize_activation(gate))
-        if mark:
-            mark("matvec ffn_down (+quantize x)")
+        if probe:
+            y = probe.fire("ffn_out", self._il, y)
         return y
