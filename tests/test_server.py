@@ -498,11 +498,27 @@ def test_prefix_reuse(hi):
     assert r.usage.prompt_tokens_details.cached_tokens == common and r.choices[0].message.content == ANSWER
 
 
+def hold_first_step(sched, n):
+    """Make the scheduler's first forward pass wait until n requests have arrived, so that they
+    surely run side by side (however fast the machine)."""
+    forward, held = sched.forward, [True]
+
+    def gated(segments):
+        end = time.monotonic() + TIMEOUT
+        while held[0] and sched.n_busy + sched.n_waiting < n and time.monotonic() < end:
+            time.sleep(0.01)
+        held[0] = False
+        return forward(segments)
+
+    sched.forward = gated
+
+
 def test_concurrent_greedy_output_equals_each_request_alone(paths):
     prompts = ["the cat sat", "on the mat and then", "a", "is it the end of the world as we know it"]
     max_tokens = [60, 25, 47, 70]
     with serve(paths["random"], parallel=4, chunk=3) as s:
         got = [None] * len(prompts)
+        hold_first_step(s.scheduler, len(prompts))
 
         def ask(i):
             got[i] = s.client().completions.create(model="x", prompt=prompts[i], max_tokens=max_tokens[i],
@@ -566,7 +582,8 @@ def test_other_families_batched_and_reused_equal_alone(arch, tmp_path):
             r = s.client().completions.create(model="x", prompt=prompts[i], max_tokens=20, temperature=0)
             got[i], cached[i] = r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
 
-        for group in (prompts[:2], prompts[2:]):  # the second pair finds the first pair's tokens in the slots
+        # three at once on two slots, then one that finds "the cat sat on" in a slot
+        for group in (prompts[:3], prompts[3:]):
             threads = [threading.Thread(target=ask, args=(prompts.index(p),)) for p in group]
             for t in threads:
                 t.start()

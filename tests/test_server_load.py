@@ -180,13 +180,14 @@ def test_sigterm_ends_streams_with_an_error_event_and_exits_0(tmp_path):
 def test_trained_model_concurrent_chats_equal_each_alone():
     """SmolLM2-135M-Instruct (its own ChatML template): four chats decoded together give each
     the greedy answer it gets alone through Model.complete."""
-    from test_server import serve
+    from test_server import hold_first_step, serve
     from tools.fetch_smollm2 import smollm2_or_skip
 
     questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
                  "What is 2+2?"]
     with serve(smollm2_or_skip(), parallel=4, chunk=32, n_ctx=512) as s:
         got = [None] * len(questions)
+        hold_first_step(s.scheduler, len(questions))
 
         def ask(i):
             r = s.client().chat.completions.create(model="x", messages=[{"role": "user", "content": questions[i]}],
