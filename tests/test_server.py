@@ -393,6 +393,8 @@ def open_stream(s, max_tokens=10_000, prompt="hello"):
 
 def test_queue_bound_503_with_retry_after_and_disconnect_frees_the_slot(paths):
     with serve(paths["long"], parallel=1, max_queue=1) as s:
+        forward = s.scheduler.forward
+        s.scheduler.forward = lambda segments: (time.sleep(0.005), forward(segments))[1]  # the stream outlasts the test
         busy, _ = open_stream(s)
         queued = {}
         t = threading.Thread(target=lambda: queued.setdefault("r", s.client().completions.create(
