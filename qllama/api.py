@@ -141,6 +141,33 @@ class Model:
             out[start : start + bs] = self._model.forward(ids[start : start + bs], cache, all_logits=True)
         return out
 
+    # -- inside the forward pass: named points (qllama.models.points) ----------------------
+
+    @property
+    def hooks(self):
+        """Hooks at the named points of every forward pass (logits, generate, stream, chat):
+        `h = model.hooks.add("blk.5.ffn_out", fn)`, `fn(name, array, layer)` may return a
+        replacement array; `h.remove()`. Point names and shapes: `qllama.models.points`."""
+        from .models.points import Hooks, probe_of
+
+        return Hooks(probe_of(self._model))
+
+    def trace(self, capture: str | Sequence[str] = "*"):
+        """Capture points while the block runs: `with model.trace(capture=["blk.*.resid"]) as t:
+        model.logits(ids)`, then `t["blk.3.resid"]` (forward calls concatenated along tokens,
+        `t.calls(name)` one array per call). Capturing attn_scores/attn_probs runs that layer's
+        attention through NumPy (slower)."""
+        from .models.points import Trace, probe_of
+
+        return Trace(probe_of(self._model), capture)
+
+    def logit_lens(self, prompt: str | Sequence[int], top_k: int = 5, position: int = -1):
+        """For the embedding and each block, the top_k tokens the residual stream at `position`
+        would predict through the final norm and output matrix (`qllama.lens.LensResult`)."""
+        from .lens import logit_lens
+
+        return logit_lens(self, prompt, top_k=top_k, position=position)
+
     # -- generation --------------------------------------------------------------------------
 
     def stream(

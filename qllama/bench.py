@@ -9,7 +9,9 @@
 
 `run_bench` returns the `qllama bench --json` document:
 `{"model", "n_threads": [...], "results": [{"test", "threads", "mean_tps", "sd_tps", "reps"}], "compile_s"}`.
-`profile_decode` times each operation of decode steps (the `--profile` table).
+`profile_decode` times each operation and each layer of decode steps (the `--profile` tables),
+through the forward pass's named points (`qllama.models.points.Timer`: the wall time between
+consecutive points, labelled with what ran in between).
 """
 
 from __future__ import annotations
@@ -247,9 +249,11 @@ def format_table(doc: dict, extra: dict | None = None) -> str:
 
 @dataclass
 class DecodeProfile:
-    """Mean milliseconds per decode step, per operation; `total_ms` is the measured wall time per step."""
+    """Mean milliseconds per decode step, per operation (`ms`) and per block (`layer_ms`, the
+    operations between the block's first point and its resid); `total_ms` is the measured wall time per step."""
 
     ms: dict[str, float] = field(default_factory=dict)
+    layer_ms: dict[int, float] = field(default_factory=dict)
     total_ms: float = 0.0
     steps: int = 0
     depth: int = 0
@@ -257,7 +261,8 @@ class DecodeProfile:
     weight_bytes: int = 0
 
     def as_dict(self) -> dict:
-        return {"ms_per_token": self.ms, "total_ms": self.total_ms, "steps": self.steps, "depth": self.depth,
+        return {"ms_per_token": self.ms, "layer_ms_per_token": {str(k): v for k, v in self.layer_ms.items()},
+                "total_ms": self.total_ms, "steps": self.steps, "depth": self.depth,
                 "threads": self.threads, "weight_bytes": self.weight_bytes}
 
 
@@ -267,7 +272,7 @@ def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128
 
     "python overhead" is the wall time of a step minus everything measured inside it.
     """
-    from .models import ForwardStats
+    from .models.points import Timer, probe_of
     from .sampling import Sampler, SamplingParams
 
     own = runner is None
@@ -282,8 +287,9 @@ def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128
     # one untimed step at this depth, so that nothing below is a first call
     model.forward([token], runner.cache)
     runner.cache.n_past = depth
-    stats = ForwardStats()
-    model.profile = stats
+    timer = Timer()
+    probe = probe_of(model)
+    probe.set_timer(timer)
     sample_s = 0.0
     clock = time.perf_counter
     try:
@@ -295,16 +301,20 @@ def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128
             sample_s += clock() - ts
         wall = clock() - t0
     finally:
-        model.profile = None
+        probe.set_timer(None)
         runner.cache.n_past = depth
-    ms = {name: 1000.0 * s / steps for name, s in sorted(stats.seconds.items(), key=lambda kv: -kv[1])}
+    ms = {name: 1000.0 * s / steps for name, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1])}
+    layer_ms: dict[int, float] = {}
+    for (il, _), s in timer.per_layer.items():
+        if il is not None:
+            layer_ms[il] = layer_ms.get(il, 0.0) + 1000.0 * s / steps
     ms["sampling"] = 1000.0 * sample_s / steps
     measured = sum(ms.values())
     total_ms = 1000.0 * wall / steps
     ms["python overhead (unmeasured)"] = max(0.0, total_ms - measured)
     w = runner.llm.weights
-    prof = DecodeProfile(ms=ms, total_ms=total_ms, steps=steps, depth=depth, threads=threads,
-                         weight_bytes=_weight_bytes(w))
+    prof = DecodeProfile(ms=ms, layer_ms=dict(sorted(layer_ms.items())), total_ms=total_ms, steps=steps, depth=depth,
+                         threads=threads, weight_bytes=_weight_bytes(w))
     if own:
         runner.close()
     return prof
@@ -333,4 +343,9 @@ def format_profile(p: DecodeProfile) -> str:
     for name, v in p.ms.items():
         share = 100.0 * v / p.total_ms if p.total_ms else math.nan
         lines.append(f"| {name} | {v:.3f} | {share:.1f}% |")
+    if p.layer_ms:
+        lines += ["", "| block | ms/token | share |", "| ---: | ---: | ---: |"]
+        for il, v in p.layer_ms.items():
+            share = 100.0 * v / p.total_ms if p.total_ms else math.nan
+            lines.append(f"| {il} | {v:.3f} | {share:.1f}% |")
     return "\n".join(lines)

@@ -246,26 +246,25 @@ def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: fl
     return out
 
 
-def attention(q, k, v, pos, h: HParams, swa: bool) -> np.ndarray:
-    """q (T, n_head, d), k/v (T, n_head_kv, d) -> (T, n_head * d); causal (+ window) mask."""
+def attention(q, k, v, pos, h: HParams, swa: bool, tap=None) -> np.ndarray:
+    """q (T, n_head, d), k/v (T, n_head_kv, d) -> (T, n_head * d); causal (+ window) mask.
+    tap(point, array): optional, sees (and may replace) attn_scores, attn_probs (T, n_head, T)
+    and attn_z (T, n_head, d)."""
     T = q.shape[0]
     rep = h.n_head // h.n_head_kv
     diff = pos[:, None] - pos[None, :]  # p1 - p0
     masked = diff < 0
     if swa:
         masked = masked | (diff >= h.n_swa)
-    out = np.empty((T, h.n_head, q.shape[2]))
-    for hh in range(h.n_head):
-        kv = hh // rep
-        s = (q[:, hh, :] @ k[:, kv, :].T) * h.kq_scale
-        if h.attn_softcap:
-            s = h.attn_softcap * np.tanh(s / h.attn_softcap)
-        s = np.where(masked, -np.inf, s)
-        s = s - s.max(axis=1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(axis=1, keepdims=True)
-        out[:, hh, :] = p @ v[:, kv, :]
-    return out.reshape(T, -1)
+    tap = tap or (lambda name, a: a)
+    kk, vv = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)  # query head hh reads KV head hh // rep
+    s = np.einsum("thd,shd->ths", q, kk) * h.kq_scale
+    if h.attn_softcap:
+        s = h.attn_softcap * np.tanh(s / h.attn_softcap)
+    s = tap("attn_scores", np.where(masked[:, None, :], -np.inf, s))
+    p = np.exp(s - s.max(axis=2, keepdims=True))
+    p = tap("attn_probs", p / p.sum(axis=2, keepdims=True))
+    return tap("attn_z", np.einsum("ths,shd->thd", p, vv)).reshape(T, -1)
 
 
 class Reference:
@@ -286,17 +285,26 @@ class Reference:
             key = "long" if n_ctx > self.h.n_ctx_orig else "short"
             self.factors = self.w[f"rope_factors_{key}.weight"]
 
-    def logits(self, ids) -> np.ndarray:
+    def logits(self, ids, hook=None) -> np.ndarray:
+        """hook(name, array, layer): optional, called at qllama's named points (qllama.models.points)
+        with the float64 intermediate; it may return a replacement (ablation, steering)."""
         h, w = self.h, self.w
         ids = np.asarray(ids, dtype=np.int64)
         T, d = len(ids), h.head_dim
         pos = np.arange(T, dtype=np.float64)
-        x = w["token_embd.weight"][ids] * h.embd_scale
+
+        def tap(name, a, il=None):
+            if hook is None:
+                return a
+            r = hook(name if il is None else f"blk.{il}.{name}", a, il)
+            return a if r is None else np.asarray(r, dtype=np.float64)
+
+        x = tap("embed", w["token_embd.weight"][ids] * h.embd_scale)
         neox = h.arch in NEOX
         for il in range(h.n_layer):
             p = f"blk.{il}."
             swa = h.is_swa[il]
-            cur = rmsnorm(x, w[p + "attn_norm.weight"], h.rms_eps)
+            cur = tap("attn_norm", rmsnorm(x, w[p + "attn_norm.weight"], h.rms_eps), il)
             if p + "attn_qkv.weight" in w:
                 qkv = cur @ w[p + "attn_qkv.weight"].T
                 nq, nk = h.n_head * d, h.n_head_kv * d
@@ -312,28 +320,30 @@ class Reference:
             base, scale = (h.rope_base_swa, h.freq_scale_swa) if swa else (h.rope_base, h.freq_scale)
             q = rope(q, pos, h.n_rot, base, scale, self.factors, h.attn_factor, neox)
             k = rope(k, pos, h.n_rot, base, scale, self.factors, h.attn_factor, neox)
-            att = attention(q, k, v, pos, h, swa) @ w[p + "attn_output.weight"].T
+            q, k, v = tap("attn_q", q, il), tap("attn_k", k, il), tap("attn_v", v, il)
+            att = attention(q, k, v, pos, h, swa, lambda name, a: tap(name, a, il)) @ w[p + "attn_output.weight"].T
+            att = tap("attn_out", att, il)
             if p + "post_attention_norm.weight" in w:
                 att = rmsnorm(att, w[p + "post_attention_norm.weight"], h.rms_eps)
             x = x + att
-            cur = rmsnorm(x, w[p + "ffn_norm.weight"], h.rms_eps)
+            cur = tap("ffn_in", rmsnorm(x, w[p + "ffn_norm.weight"], h.rms_eps), il)
             if p + "ffn_gate.weight" in w:
                 gate, up = cur @ w[p + "ffn_gate.weight"].T, cur @ w[p + "ffn_up.weight"].T
             else:  # phi3: fused gate|up
                 gu = cur @ w[p + "ffn_up.weight"].T
                 gate, up = gu[:, : gu.shape[1] // 2], gu[:, gu.shape[1] // 2 :]
             act = gelu_tanh(gate, self.gelu_fp16) if h.arch in ("gemma2", "gemma3") else silu(gate)
-            ffn = (act * up) @ w[p + "ffn_down.weight"].T
+            ffn = tap("ffn_out", tap("ffn_act", act * up, il) @ w[p + "ffn_down.weight"].T, il)
             if p + "post_ffw_norm.weight" in w:
                 ffn = rmsnorm(ffn, w[p + "post_ffw_norm.weight"], h.rms_eps)
-            x = x + ffn
-        x = rmsnorm(x, w["output_norm.weight"], h.rms_eps)
+            x = tap("resid", x + ffn, il)
+        x = tap("result_norm", rmsnorm(x, w["output_norm.weight"], h.rms_eps))
         out = x @ w["output.weight"].T
         if "output.bias" in w:
             out = out + w["output.bias"]
         if h.final_softcap:
             out = h.final_softcap * np.tanh(out / h.final_softcap)
-        return out
+        return tap("logits", out)
 
 
 def reference_logits(path: str | Path, ids, n_ctx: int | None = None, gelu_fp16: bool = False) -> np.ndarray:

@@ -79,9 +79,13 @@ def test_cli_table_and_profile(tiny):
 def test_profile_accounts_for_the_step(tiny):
     p = profile_decode(tiny, steps=3, depth=5, n_threads=1)
     assert p.steps == 3 and p.depth == 5 and p.threads == 1
-    for name in ("matvec attn_q (+quantize x)", "matvec attn_k", "matvec attn_v", "matvec ffn_gate (+quantize x)",
-                 "matvec ffn_up", "attention", "rmsnorm", "swiglu", "sampling", "python overhead (unmeasured)"):
+    from qllama.models.points import OPS
+
+    # every operation between the forward pass's named points (qllama.models.points.OPS)
+    for name in (*set(OPS.values()), "sampling", "python overhead (unmeasured)"):
         assert name in p.ms, name
+    assert sorted(p.layer_ms) == [0, 1] and all(v > 0 for v in p.layer_ms.values())  # the tiny model's two blocks
+    assert sum(p.layer_ms.values()) < p.total_ms
     assert all(v >= 0 for v in p.ms.values())
     # the parts add up to the measured wall time per step (overhead is the remainder); parts that
     # were timed twice or outside the step would exceed it (the overhead is clamped at zero)

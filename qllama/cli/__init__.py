@@ -35,6 +35,8 @@ COMMANDS = {
     "list": "list_cmd",
     "rm": "rm_cmd",
     "version": "version_cmd",
+    "lens": "lens_cmd",
+    "attention": "attention_cmd",
     "pull": "pull_cmd",
     "list": "list_cmd",
     "rm": "rm_cmd",
@@ -49,7 +51,7 @@ IGNORED_FLAGS = {
     "--no-mmap": (False, "qllama always memory-maps the model"),
 }
 # commands whose first argument is MODEL, so that `-m MODEL` may stand for it
-MODEL_FIRST = {"run", "chat", "perplexity", "bench", "inspect", "tokenize", "serve"}
+MODEL_FIRST = {"run", "chat", "perplexity", "bench", "inspect", "tokenize", "serve", "lens", "attention"}
 # llama.cpp spellings of options a command spells differently (where click cannot simply alias)
 OPTION_ALIASES = {"chat": {"--n-predict": "--max-tokens"}}
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ..errors import QllamaError, UnsupportedError
 from .args import DEFAULT_N_CTX_CAP, ModelArgs
-from .base import ForwardStats, Transformer
+from .base import Transformer
 from .kvcache import SWA_BATCH, KVCache
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
@@ -51,5 +51,5 @@ def build_model(gf, args: ModelArgs, n_ctx: int, batch: int = SWA_BATCH) -> Tran
     return cls(args, cls.load_weights(gf, args), n_ctx, batch)
 
 
-__all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "DEFAULT_N_CTX_CAP", "ModelArgs", "KVCache", "ForwardStats",
+__all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "DEFAULT_N_CTX_CAP", "ModelArgs", "KVCache",
            "Transformer", "architecture", "read_args", "build_model"]

@@ -1,0 +1,388 @@
+"""Named points in the forward pass: capture (trace), hooks that may replace an array, timing.
+
+Every family's forward pass fires the same points (TransformerLens's hook points, named after
+GGUF tensors). T is the tokens of the forward call, H/Hkv the query/KV heads, D head_dim,
+P = n_past + T the positions in the cache after the call.
+
+| point | shape | meaning |
+| --- | --- | --- |
+| `embed` | (T, n_embd) | token embedding rows (Gemma: times sqrt(n_embd)), the residual stream before block 0 |
+| `blk.{i}.attn_norm` | (T, n_embd) | RMSNorm of the residual stream: the attention's input |
+| `blk.{i}.attn_q` | (T, H, D) | queries after bias, Q-norm (qwen3, gemma3) and RoPE |
+| `blk.{i}.attn_k` | (T, Hkv, D) | keys of the new tokens after bias, K-norm and RoPE (as stored in the KV cache) |
+| `blk.{i}.attn_v` | (T, Hkv, D) | values of the new tokens (as stored in the KV cache) |
+| `blk.{i}.attn_scores` | (T, H, P) | scaled (and Gemma-2 softcapped) query-key scores over every cached position; -inf where masked (future, outside the sliding window) |
+| `blk.{i}.attn_probs` | (T, H, P) | softmax of the scores: attention weights over the cached positions (0 where masked) |
+| `blk.{i}.attn_z` | (T, H, D) | per-head attention output (probs @ values), before the output projection (TransformerLens's hook_z) |
+| `blk.{i}.attn_out` | (T, n_embd) | the attention output projection (Gemma: before post_attention_norm) |
+| `blk.{i}.ffn_in` | (T, n_embd) | RMSNorm of the residual stream: the FFN's input |
+| `blk.{i}.ffn_act` | (T, n_ff) | act(gate) * up: the input of ffn_down |
+| `blk.{i}.ffn_out` | (T, n_embd) | ffn_down's output (Gemma: before post_ffw_norm) |
+| `blk.{i}.resid` | (T, n_embd) | the residual stream after block i |
+| `result_norm` | (R, n_embd) | final RMSNorm of the rows whose logits are computed (R = T for `Model.logits`, else the last row) |
+| `logits` | (R, n_vocab) | output projection, after the family's final softcap |
+
+`attn_scores` and `attn_probs` are not produced by the fused attention kernel: for a layer in
+which one of them is captured or hooked, that layer's attention runs through a NumPy path
+(`attention_numpy`) from the same rotated queries and cached keys/values, with GQA, the
+sliding window and the softcap as the kernel has them; the output then follows from the
+(possibly replaced) probabilities. Every other point costs nothing beyond a copy when captured.
+
+A forward pass over several sequences at once (the server's batched steps) fires the
+attention points (attn_q .. attn_z) once per sequence, with that sequence's rows.
+
+When nothing is traced, hooked or timed, the model's `_probe` is None and each point is one
+attribute test.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from ..errors import QllamaError
+
+BLOCK_POINTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_scores", "attn_probs", "attn_z", "attn_out",
+                "ffn_in", "ffn_act", "ffn_out", "resid")
+ATTN_WEIGHTS = ("attn_scores", "attn_probs")  # need the NumPy attention path
+
+# what ran since the previous point, for the timer (per-operation profile)
+OPS = {
+    "embed": "embedding",
+    "attn_norm": "rmsnorm",
+    "attn_q": "q/k/v matvecs (+quantize x, q/k norm) + rope + kv store",
+    "attn_k": "q/k/v matvecs (+quantize x, q/k norm) + rope + kv store",
+    "attn_v": "q/k/v matvecs (+quantize x, q/k norm) + rope + kv store",
+    "attn_scores": "attention",
+    "attn_probs": "attention",
+    "attn_z": "attention",
+    "attn_out": "matvec attn_output (+quantize x)",
+    "ffn_in": "residual add + rmsnorm",
+    "ffn_act": "matvec ffn_gate + ffn_up (+quantize x) + glu",
+    "ffn_out": "matvec ffn_down (+quantize x)",
+    "resid": "residual add",
+    "result_norm": "rmsnorm (output)",
+    "logits": "matvec output (+quantize x)",
+}
+
+HookFn = Callable[[str, np.ndarray, "int | None"], "np.ndarray | None"]
+
+
+def point_names(n_layer: int) -> list[str]:
+    """Every point of an n_layer model, in the order a forward pass fires them."""
+    return ["embed"] + [f"blk.{i}.{p}" for i in range(n_layer) for p in BLOCK_POINTS] + ["result_norm", "logits"]
+
+
+def full_name(point: str, il: int | None) -> str:
+    return point if il is None else f"blk.{il}.{point}"
+
+
+def _patterns(spec: str | Iterable[str]) -> tuple[str, ...]:
+    pats = (spec,) if isinstance(spec, str) else tuple(spec)
+    if not pats or not all(isinstance(p, str) and p for p in pats):
+        raise QllamaError("point patterns must be non-empty strings such as 'blk.*.resid'")
+    return pats
+
+
+def _check_known(pats: Sequence[str], n_layer: int) -> None:
+    names = point_names(n_layer)
+    for p in pats:
+        if not fnmatch.filter(names, p):
+            raise QllamaError(f"no point matches {p!r} (points: embed, blk.N.{{{','.join(BLOCK_POINTS)}}}, "
+                              f"result_norm, logits; N < {n_layer})")
+
+
+class HookHandle:
+    """Returned by `Hooks.add`; `remove()` takes the hook out (idempotent). Also a context manager."""
+
+    def __init__(self, probe: "Probe", hook: "_Hook"):
+        self._probe, self._hook = probe, hook
+
+    def remove(self) -> None:
+        self._probe._remove(self._hook)
+
+    def __enter__(self) -> "HookHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+@dataclass(eq=False)
+class _Hook:
+    patterns: tuple[str, ...]
+    fn: HookFn
+
+
+class Hooks:
+    """`model.hooks`: functions called at named points, in the order they were added.
+
+    `fn(name, array, layer)` gets the full point name, the array (a view of the model's own
+    buffer: copy it to keep it) and the block index (None for embed/result_norm/logits). It may
+    return a replacement of the same shape (ablation, activation patching, steering) or None
+    to leave the array as it is. Hooks stay until removed and apply to every forward pass:
+    `logits`, `generate`/`stream` (prompt and each decoding step), chat.
+    """
+
+    def __init__(self, probe: "Probe"):
+        self._probe = probe
+
+    def add(self, pattern: str | Iterable[str], fn: HookFn) -> HookHandle:
+        """Call fn at every point matching the glob pattern(s), e.g. "blk.5.ffn_out", "blk.*.resid"."""
+        if not callable(fn):
+            raise QllamaError("a hook must be callable as fn(name, array, layer)")
+        pats = _patterns(pattern)
+        _check_known(pats, self._probe.n_layer)
+        hook = _Hook(pats, fn)
+        self._probe._add(hook)
+        return HookHandle(self._probe, hook)
+
+    def clear(self) -> None:
+        """Remove every hook."""
+        for h in list(self._probe.hooks):
+            self._probe._remove(h)
+
+    def __len__(self) -> int:
+        return len(self._probe.hooks)
+
+
+class Trace:
+    """Arrays captured at the points matching `capture`, over every forward call of the block.
+
+    - `t[name]`: the calls' arrays concatenated along the token axis (axis 0); attn_scores and
+      attn_probs are padded on the position axis to the longest call (-inf / 0), so that the
+      rows of a generation form one (T_total, H, P_max) map over absolute positions.
+    - `t.calls(name)`: the list of arrays, one per firing (one per forward call).
+    - `name in t`, `t.names()`, `t.keys()`.
+    Arrays are copies, in float32, as the model used them (after any hooks).
+    """
+
+    def __init__(self, probe: "Probe", capture: str | Iterable[str]):
+        self._probe = probe
+        self.patterns = _patterns(capture)
+        _check_known(self.patterns, probe.n_layer)
+        self._data: dict[str, list[np.ndarray]] = {}
+
+    def _store(self, name: str, arr: np.ndarray) -> None:
+        self._data.setdefault(name, []).append(np.array(arr, dtype=np.float32, copy=True))
+
+    def names(self) -> list[str]:
+        return list(self._data)
+
+    keys = names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._data
+
+    def calls(self, name: str) -> list[np.ndarray]:
+        if name not in self._data:
+            raise KeyError(name)
+        return self._data[name]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        parts = self.calls(name)
+        if len(parts) == 1:
+            return parts[0]
+        if name.rsplit(".", 1)[-1] in ATTN_WEIGHTS:
+            width = max(p.shape[-1] for p in parts)
+            fill = -np.inf if name.endswith("scores") else 0.0
+            parts = [np.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, width - p.shape[-1])], constant_values=fill)
+                     for p in parts]
+        return np.concatenate(parts, axis=0)
+
+    def __enter__(self) -> "Trace":
+        self._probe._add(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._probe._remove(self)
+
+
+@dataclass
+class Timer:
+    """Wall time between consecutive points, summed per operation (`OPS`) and per (layer, op)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    per_layer: dict[tuple[int | None, str], float] = field(default_factory=dict)
+    last: float = 0.0
+
+    def start(self) -> None:
+        self.last = time.perf_counter()
+
+    def tick(self, point: str, il: int | None, now: float) -> None:
+        op = OPS[point]
+        dt = now - self.last
+        self.seconds[op] = self.seconds.get(op, 0.0) + dt
+        key = (il, op)
+        self.per_layer[key] = self.per_layer.get(key, 0.0) + dt
+        self.last = now
+
+
+class Probe:
+    """The hooks, traces and timer of one Transformer. It is set as the model's `_probe` only while
+    one of them is active; each point then calls `fire`."""
+
+    def __init__(self, model):
+        self.model = model
+        self.n_layer = model.args.n_layer
+        self.hooks: list[_Hook] = []
+        self.traces: list[Trace] = []
+        self.timer: Timer | None = None
+        self._route: dict[tuple[str, int | None], tuple[list, list, str]] = {}
+
+    # -- registry --
+
+    def _add(self, item) -> None:
+        (self.hooks if isinstance(item, _Hook) else self.traces).append(item)
+        self._changed()
+
+    def _remove(self, item) -> None:
+        items = self.hooks if isinstance(item, _Hook) else self.traces
+        if item in items:
+            items.remove(item)
+        self._changed()
+
+    def set_timer(self, timer: Timer | None) -> None:
+        self.timer = timer
+        self._changed()
+
+    def _changed(self) -> None:
+        self._route.clear()
+        self.model._probe = self if (self.hooks or self.traces or self.timer is not None) else None
+
+    def _consumers(self, point: str, il: int | None) -> tuple[list, list, str]:
+        key = (point, il)
+        r = self._route.get(key)
+        if r is None:
+            name = full_name(point, il)
+            hooks = [h for h in self.hooks if any(fnmatch.fnmatchcase(name, p) for p in h.patterns)]
+            traces = [t for t in self.traces if any(fnmatch.fnmatchcase(name, p) for p in t.patterns)]
+            r = self._route[key] = (hooks, traces, name)
+        return r
+
+    # -- called by the forward pass --
+
+    def wants(self, point: str, il: int | None) -> bool:
+        """Whether a hook or trace reads this point (the attention weights need their own path)."""
+        hooks, traces, _ = self._consumers(point, il)
+        return bool(hooks or traces)
+
+    def start(self) -> None:
+        if self.timer is not None:
+            self.timer.start()
+
+    def fire(self, point: str, il: int | None, arr: np.ndarray) -> np.ndarray:
+        """Run the hooks on arr, capture the result; returns the array the model goes on with."""
+        timer = self.timer
+        if timer is not None:
+            timer.tick(point, il, time.perf_counter())
+        hooks, traces, name = self._consumers(point, il)
+        for h in hooks:
+            out = h.fn(name, arr, il)
+            if out is not None:
+                out = np.asarray(out)
+                if out.shape != arr.shape:
+                    raise QllamaError(f"hook on {name} returned shape {out.shape}, expected {arr.shape}")
+                arr = np.ascontiguousarray(out, dtype=np.float32)
+        for t in traces:
+            t._store(name, arr)
+        if timer is not None and (hooks or traces):
+            timer.last = time.perf_counter()  # the hooks' own time is not the model's
+        return arr
+
+
+def probe_of(model) -> Probe:
+    """The Probe of a Transformer (created on first use)."""
+    p = getattr(model, "_probe_obj", None)
+    if p is None:
+        p = model._probe_obj = Probe(model)
+    return p
+
+
+# -- the NumPy attention path (attn_scores / attn_probs) -------------------------------------
+
+
+def attention_numpy(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, vt_cache: np.ndarray, start: int,
+                    n_rep: int, scale: float, window: int, softcap: float) -> np.ndarray:
+    """Attention of one segment as `kernels.layer_ops.attention` computes it, with the scores and
+    probabilities fired as points. q: (T, H, D) roped; caches of one layer (Hkv, ring, D) and
+    (Hkv, D, ring) already holding positions start..start+T-1. Returns (T, H, D) float32."""
+    n_tok, n_head, head_dim = q.shape
+    ring = k_cache.shape[1]
+    n_pos = start + n_tok
+    first = max(0, n_pos - ring)  # the oldest position the ring still holds
+    kpos = np.arange(first, n_pos)
+    slots = kpos % ring
+    k = np.repeat(k_cache[:, slots, :], n_rep, axis=0)  # (H, P', D)
+    v = np.repeat(vt_cache[:, :, slots].transpose(0, 2, 1), n_rep, axis=0)  # (H, P', D)
+    s = np.matmul(q.transpose(1, 0, 2), k.transpose(0, 2, 1)) * np.float32(scale)  # (H, T, P')
+    if softcap > 0:
+        s = np.tanh(s * np.float32(1.0 / softcap)) * np.float32(softcap)
+    qpos = np.arange(start, n_pos)
+    diff = qpos[:, None] - kpos[None, :]  # (T, P')
+    masked = diff < 0
+    if window > 0:
+        masked |= diff >= window
+    scores = np.full((n_tok, n_head, n_pos), -np.inf, np.float32)
+    scores[:, :, first:] = np.where(masked[:, None, :], np.float32(-np.inf), s.transpose(1, 0, 2))
+    scores = probe.fire("attn_scores", il, scores)
+    best = scores.max(axis=2, keepdims=True)
+    e = np.exp(scores - best)
+    probs = (e / e.sum(axis=2, keepdims=True)).astype(np.float32)
+    probs = probe.fire("attn_probs", il, probs)
+    out = np.matmul(probs[:, :, first:].transpose(1, 0, 2), v)  # (H, T, D)
+    return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
+
+
+def attention_points(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, vt_cache: np.ndarray,
+                     start: int) -> np.ndarray:
+    """Fire attn_q, attn_k, attn_v for one segment after RoPE and the cache store; a replaced key
+    or value is written back into the cache. Returns the queries to attend with (T, H, D)."""
+    q = probe.fire("attn_q", il, q)
+    n_tok = q.shape[0]
+    slots = None
+    if probe.wants("attn_k", il) or probe.wants("attn_v", il):
+        slots = np.arange(start, start + n_tok) % k_cache.shape[1]
+        k = np.ascontiguousarray(k_cache[:, slots, :].transpose(1, 0, 2))  # (T, Hkv, D) as roped and stored
+        k2 = probe.fire("attn_k", il, k)
+        if k2 is not k:
+            k_cache[:, slots, :] = k2.transpose(1, 0, 2)
+        v = np.ascontiguousarray(vt_cache[:, :, slots].transpose(2, 0, 1))  # (T, Hkv, D)
+        v2 = probe.fire("attn_v", il, v)
+        if v2 is not v:
+            vt_cache[:, :, slots] = v2.transpose(1, 2, 0)
+    return q
+
+
+def first_nonfinite(model, run: Callable[[], object]) -> tuple[int | None, str, int] | None:
+    """Call `run()` (e.g. one forward step of `model`, a Transformer) with every point checked;
+    return (layer, full point name, token row) of the first point holding a NaN or Inf, or None.
+
+    attn_scores and attn_probs are not checked (masked scores are -inf by design, and reading
+    them would switch the attention path); attn_z shows a bad attention as well.
+    """
+    found: list[tuple[int | None, str, int]] = []
+
+    def check(name, arr, il):
+        if not found and not np.isfinite(arr).all():
+            rows = np.nonzero(~np.isfinite(arr.reshape(arr.shape[0], -1)).all(axis=1))[0]
+            found.append((il, name, int(rows[0]) if rows.size else 0))
+        return None
+
+    probe = probe_of(model)
+    pats = ["embed", "result_norm", "logits"] + [f"blk.*.{p}" for p in BLOCK_POINTS if p not in ATTN_WEIGHTS]
+    hook = _Hook(tuple(pats), check)
+    probe._add(hook)
+    try:
+        run()
+    finally:
+        probe._remove(hook)
+    return found[0] if found else None
+
+
+__all__ = ["BLOCK_POINTS", "OPS", "Hooks", "HookHandle", "Trace", "Timer", "Probe", "probe_of", "point_names",
+           "attention_numpy", "attention_points", "first_nonfinite"]
