@@ -26,6 +26,10 @@ from reference_forward import Reference
 from tools.make_model import ModelSpec, family_spec, family_template, write_model
 
 INT8_TOL = 3e-2  # as tests/test_model.py: 8-bit activations per block, compounded over the layers
+# Files on which llama.cpp's own int8 path is farther than 3e-2 from the exact (float64) result
+# (measured with llama-cpp-python 0.3.36, f32 KV cache: qwen3-q4km 3.07e-2, gemma2-q4km 4.35e-2;
+# tests/test_families_oracle.py::test_int8_error_no_worse_than_llamacpp checks it live).
+INT8_TOL_CASE = {"qwen3-q4km": 4e-2, "gemma2-q4km": 6e-2}
 FLOAT_TOL = 1e-4
 N_TOKENS = 40
 
@@ -125,7 +129,7 @@ def test_logits_match_reference(files, name, int8_mode):
     assert err <= FLOAT_TOL, f"{name}: float path relative error {err:.2e}"
     int8_mode(True)
     err8 = rel_err(model.logits(ids), ref)
-    assert err8 <= INT8_TOL, f"{name}: int8 path relative error {err8:.2e}"
+    assert err8 <= INT8_TOL_CASE.get(name, INT8_TOL), f"{name}: int8 path relative error {err8:.2e}"
 
 
 @pytest.mark.parametrize("name", ["qwen3-q4km", "gemma2-f32", "gemma3-q4km", "phi3-f32-long"])

@@ -5,6 +5,7 @@ templates, in f32 and llama.cpp's Q4_K_M mix. For each:
 - the float64 reference (reference_forward.py) equals llama.cpp on the f32 files (this checks
   the reference itself; llama.cpp runs with an f32 KV cache and no flash attention here, and the
   reference mimics its fp16 GELU table);
+- qllama's int8 path is no farther from the exact result than llama.cpp's own int8 path;
 - qllama's teacher-forced argmax equals llama.cpp's wherever llama.cpp's top-2 margin is
   >= 0.1 (llama.cpp as users run it: f16 KV cache, default attention); max |Δlogit| printed;
 - `qllama perplexity` is within 0.3% of llama.cpp's (llama-perplexity's protocol) at a
@@ -19,6 +20,8 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,6 +184,36 @@ def test_reference_equals_llamacpp_on_f32(files, name):
     rel = d / float(np.abs(want).max())
     print(f"\nREFERENCE-vs-llama.cpp {name}: {len(ids)} tokens, max|Δlogit| {d:.2e} (relative {rel:.2e})")
     assert rel < 1e-3, f"{name}: reference differs from llama.cpp by {d:.3g}"
+
+
+@pytest.mark.parametrize("name", ["llama-q4km", "qwen2-q4km-untied", "qwen3-q4km", "gemma2-q4km", "gemma3-q4km",
+                                  "phi3-q4km"])
+def test_int8_error_no_worse_than_llamacpp(name):
+    """qllama's int8 path is as close to the exact result as llama.cpp's own int8 path (test_families' files)."""
+    import qllama
+    from qllama.qtensor import int8_activations, set_int8_activations
+    from test_families import CASES as UNIT_CASES, _ids
+    from tools.make_model import write_model
+
+    spec, n_ctx = UNIT_CASES[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{name}.gguf"
+        write_model(path, spec)
+        model = qllama.load(path, n_ctx=n_ctx)
+        ids = _ids(model)
+        ref = Reference(path, n_ctx=n_ctx).logits(ids)
+        was = bool(int8_activations())
+        set_int8_activations(True)
+        try:
+            ours = model.logits(ids).astype(np.float64)
+        finally:
+            set_int8_activations(was)
+        theirs = LlamaCpp(path, n_ctx, exact=True).logits(ids)
+    scale = float(np.abs(ref).max())
+    e_ours, e_theirs = np.abs(ours - ref).max() / scale, np.abs(theirs - ref).max() / scale
+    e_cross = np.abs(ours - theirs).max() / scale
+    print(f"\nINT8 {name}: qllama {e_ours:.2e}, llama.cpp {e_theirs:.2e} from exact; qllama vs llama.cpp {e_cross:.2e}")
+    assert e_ours <= 1.25 * e_theirs + 1e-3
 
 
 @pytest.mark.parametrize("name", list(CASES))
