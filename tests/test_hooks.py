@@ -29,6 +29,9 @@ CASES = {
     "gemma3": family_spec("gemma3", n_layer=6, n_head_kv=1, head_dim=32, sliding_window=8, seed=9, **_F32),
     "gemma2": family_spec("gemma2", n_layer=3, n_head_kv=2, head_dim=32, sliding_window=8, attn_softcap=2.0,
                           final_softcap=3.0, seed=7, **_F32),
+    "qwen2": family_spec("qwen2", n_layer=2, n_head_kv=2, seed=3, **_F32),  # Q/K/V biases
+    "phi3": family_spec("phi3", n_layer=2, n_head_kv=2, rope_dims=12, tied=True, n_ctx=1024, rope_orig_ctx=256,
+                        seed=14, **_F32),  # fused qkv and gate|up, partial rotary
 }
 
 
@@ -74,11 +77,11 @@ def _reference_points(path, ids, hook=None):
         got[name] = np.array(a if out is None else out)
         return out
 
-    logits = Reference(path).logits(ids, hook=tap)
+    logits = Reference(path, n_ctx=128).logits(ids, hook=tap)  # the context the tests load with (LongRoPE)
     return got, logits
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2", "qwen2", "phi3"])
 def test_every_point_equals_the_reference(files, name, float_path):
     path = files(name)
     model = qllama.load(path, n_ctx=128)
@@ -120,7 +123,8 @@ def _zero_head(head):
 
 
 @pytest.mark.parametrize("name,layer,point", [("llama", 1, "attn_probs"), ("llama", 0, "attn_z"),
-                                              ("gemma3", 2, "attn_probs"), ("gemma3", 5, "attn_z")])
+                                              ("gemma3", 2, "attn_probs"), ("gemma3", 5, "attn_z"),
+                                              ("llama", 0, "attn_v"), ("llama", 1, "attn_k"), ("llama", 1, "attn_q")])
 def test_head_ablation_matches_reference(files, name, layer, point, float_path):
     path = files(name)
     model = qllama.load(path, n_ctx=128)
