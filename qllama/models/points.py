@@ -122,9 +122,10 @@ class Hooks:
     """`model.hooks`: functions called at named points, in the order they were added.
 
     `fn(name, array, layer)` gets the full point name, the array (a view of the model's own
-    buffer: copy it to keep it) and the block index (None for embed/result_norm/logits). It may
-    return a replacement of the same shape (ablation, activation patching, steering) or None
-    to leave the array as it is. Hooks stay until removed and apply to every forward pass:
+    buffer: copy it to keep it; editing it in place is not guaranteed to take effect) and the
+    block index (None for embed/result_norm/logits). It may return a replacement of the same
+    shape (ablation, activation patching, steering) or None to leave the array as it is; a
+    replaced attn_k/attn_v is written into the KV cache, so later tokens see it too. Hooks stay until removed and apply to every forward pass:
     `logits`, `generate`/`stream` (prompt and each decoding step), chat.
     """
 
