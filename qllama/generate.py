@@ -37,6 +37,11 @@ class Timings:
     cached_tokens: int = 0  # prompt tokens reused from the KV cache
     gen_tokens: int = 0  # tokens sampled
     gen_s: float = 0.0
+    lookup: int = 0  # prompt-lookup drafts per forward (0: off; see qllama.lookup)
+    lookup_note: str = ""  # why lookup did not draft, if it did not
+    draft_tokens: int = 0  # tokens drafted from n-gram matches
+    draft_accepted: int = 0  # drafts the model agreed with
+    gen_forwards: int = 0  # forward passes while generating with lookup
 
     @property
     def prompt_tps(self) -> float:
@@ -60,6 +65,13 @@ class Timings:
         lines.append(line("       eval time =", self.gen_s, self.gen_tokens, "runs  "))
         if self.cached_tokens:
             lines.append(f"(reused {self.cached_tokens} cached prompt tokens)")
+        if self.lookup:
+            rate = 100.0 * self.draft_accepted / self.draft_tokens if self.draft_tokens else 0.0
+            per = self.gen_tokens / self.gen_forwards if self.gen_forwards else 0.0
+            lines.append(f"lookup           = {self.draft_accepted} of {self.draft_tokens} drafts accepted ({rate:.1f}%), "
+                         f"{per:.2f} tokens per forward ({self.gen_forwards} forwards)")
+        elif self.lookup_note:
+            lines.append(f"lookup           = {self.lookup_note}")
         return "\n".join(lines)
 
 
@@ -130,6 +142,25 @@ class Session:
         return self.cache.n_past >= self.n_ctx
 
 
+class _PlainSteps:
+    """The token source of `stream_generate`: one sampled token per one-token forward."""
+
+    def __init__(self, session: Session, sampler: Sampler, logits: np.ndarray):
+        self.session, self.sampler, self.logits = session, sampler, logits
+
+    @property
+    def full(self) -> bool:
+        return self.session.full
+
+    def next_token(self) -> int:
+        token = self.sampler.sample(self.logits)
+        self.sampler.accept(token)
+        return token
+
+    def advance(self, token: int) -> None:
+        self.logits = self.session.decode(token)
+
+
 def _held_back(text: str, stops: Iterable[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
     hold = 0
@@ -149,12 +180,15 @@ def stream_generate(
     max_tokens: int = 256,
     stop: Iterable[str] = (),
     timings: Timings | None = None,
+    lookup: int = 0,
 ) -> Iterator[Chunk]:
     """Evaluate the prompt, then sample up to max_tokens tokens, yielding text chunks.
 
     Multi-byte characters are never split (the tokenizer's streaming decoder holds back
     incomplete UTF-8). Text that may be the start of a stop string is held back until it is
     known not to be one. The last chunk has a finish_reason (possibly with empty text).
+    lookup > 0 drafts that many tokens per forward from n-gram matches (`qllama.lookup`): the
+    same tokens (greedy) or the same distribution (sampling), fewer passes over the weights.
     """
     stops = [s for s in stop if s]
     timings = timings if timings is not None else Timings()
@@ -168,6 +202,12 @@ def stream_generate(
     timings.cached_tokens = len(prompt_ids) - n_eval
     for t in prompt_ids:
         sampler.accept(t)
+    if lookup:
+        from .lookup import LookupSteps
+
+        steps = LookupSteps(session, sampler, logits, list(prompt_ids), lookup, eog, max_tokens, timings)
+    else:
+        steps = _PlainSteps(session, sampler, logits)
 
     # The generated ids continue the prompt: keep the leading space of the first one
     # (llama.cpp's detokenizer would strip it only at the start of a text).
@@ -181,8 +221,7 @@ def stream_generate(
             if timings.gen_tokens >= max_tokens:
                 reason = FINISH_LENGTH
                 break
-            token = sampler.sample(logits)
-            sampler.accept(token)
+            token = steps.next_token()
             timings.gen_tokens += 1
             if token in eog:
                 reason = FINISH_EOG
@@ -199,10 +238,10 @@ def stream_generate(
             if emit > 0:
                 yield Chunk(pending[:emit], pending_ids)
                 pending, pending_ids = pending[emit:], []
-            if session.full:
+            if steps.full:
                 reason = FINISH_CONTEXT
                 break
-            logits = session.decode(token)
+            steps.advance(token)
     finally:
         timings.gen_s = clock() - t_gen
     if reason != FINISH_STOP:

@@ -113,15 +113,23 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """Choose a token id from logits (n_vocab,) float32; does not modify its input."""
+        ids, probs = self.distribution(logits)
+        if self.params.temperature <= 0.0:
+            return int(ids[0])  # greedy: no draw
+        return int(ids[self.rng.choice(probs.shape[0], p=probs)])
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The chain's final distribution for logits (n_vocab,): (candidate ids (K,), their
+        probabilities (K,) float64 summing to 1); tokens outside `ids` have probability 0.
+        Greedy (temperature <= 0) is the argmax with probability 1."""
         prm = self.params
         logits = np.array(logits, dtype=np.float32)  # copy: penalties write into it
         if prm.repeat_penalty != 1.0 and self.recent:
             apply_repeat_penalty(logits, np.fromiter(self.recent, dtype=np.int64), prm.repeat_penalty)
         if prm.temperature <= 0.0:
-            return int(np.argmax(logits))
+            return np.array([np.argmax(logits)]), np.ones(1)
         ids = np.arange(logits.shape[0])
         ids, cand = top_k_filter(ids, logits, prm.top_k)
         ids, cand = top_p_filter(ids, cand, prm.top_p)
         ids, cand = min_p_filter(ids, cand, prm.min_p)
-        probs = softmax(cand / prm.temperature)
-        return int(ids[self.rng.choice(probs.shape[0], p=probs)])
+        return ids, softmax(cand / prm.temperature)

@@ -32,6 +32,9 @@ from .prompt_format import chat_template_option, describe, no_template_error
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
 @click.option("-b", "--batch-size", type=click.IntRange(min=1), default=512, show_default=True, help="Prompt tokens per prefill batch.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
+@click.option("--lookup", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Prompt-lookup decoding: draft up to N tokens per forward from n-gram matches in the prompt "
+                   "and output (same greedy output, same sampling distribution; faster when copying). 0 = off.")
 @click.option("--no-bos", is_flag=True, help="Do not add the BOS token.")
 @click.option("--raw", is_flag=True, help="Completion mode: never wrap the prompt in the chat template.")
 @click.option("--system", "--system-prompt", "system_prompt", help="System message (chat-template mode; ignored with --raw).")
@@ -41,7 +44,7 @@ from .prompt_format import chat_template_option, describe, no_template_error
 @click.option("-v", "--verbose", is_flag=True, help="Print load details and the chosen prompt format on stderr.")
 @click.pass_context
 def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-            repeat_last_n, seed, ctx_size, threads, batch_size, stop, no_bos, raw, system_prompt, chat_template,
+            repeat_last_n, seed, ctx_size, threads, batch_size, stop, lookup, no_bos, raw, system_prompt, chat_template,
             as_json, verbose):
     """Generate text from MODEL, streaming it to stdout.
 
@@ -77,7 +80,8 @@ def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k
     warm_up(llm)  # before the timed part: a first-run compile is not the prompt's speed
 
     chunks = llm.stream(ids, max_tokens=max_tokens, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=list(stop))
+                        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=list(stop),
+                        lookup=lookup)
     out = sys.stdout
     reason = None
     texts: list[str] = []
