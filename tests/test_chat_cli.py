@@ -437,6 +437,23 @@ def test_answer_cut_by_a_full_context(models):
     assert "dropped the 2 oldest messages" in chat.err.getvalue()
 
 
+def test_prompt_ids_alignment_by_hand():
+    """Hand-made tokens: 0 is a control token; held splits "ab" as a+b and ends in the byte 0x8c
+    that, decoded, came back as U+FFFD (3 bytes) in the canonical ids."""
+    from qllama.chat import aligned_prefix, prompt_ids
+
+    pieces = {0: b"", 1: b"<u>", 2: b"a", 3: b"b", 4: b"ab", 5: b"\x8c", 6: "\ufffd".encode(), 7: b"q"}
+    tb = pieces.__getitem__
+    held = [1, 0, 2, 3, 5]  # <u> </s> a b \x8c
+    ids = [1, 0, 4, 6, 0, 1, 7, 0]  # <u> </s> ab \ufffd </s> <u> q </s>
+    assert aligned_prefix(held, ids, tb) == (4, 3)  # a+b kept; the bytes part at \x8c vs \ufffd
+    assert prompt_ids(ids, held, tb) == [1, 0, 2, 3, 6, 0, 1, 7, 0]
+    # same runs: taken whole up to the control token after them
+    assert aligned_prefix([1, 0, 2, 3], [1, 0, 4, 0, 7], tb) == (4, 3)
+    # nothing in common beyond the shared tokens: the canonical ids, unchanged
+    assert prompt_ids([7, 0], [1, 0], tb) == [7, 0] and prompt_ids(ids, ids[:3], tb) is ids
+
+
 def test_drop_oldest_turn_keeps_roles_alternating():
     from qllama.chat import Conversation
 

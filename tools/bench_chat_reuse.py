@@ -9,6 +9,7 @@
    whose cache is emptied before every turn; the median prompt-evaluation time of each, per turn.
 
     python tools/bench_chat_reuse.py                       # a synthetic model (written to a temp dir)
+    python tools/bench_chat_reuse.py --small --seed 12 --reps 0 --answer 8   # the splice at work
     python tools/bench_chat_reuse.py MODEL.gguf [--chat-template NAME|FILE] --turns 8 --answer 32 --reps 3
     python tools/bench_chat_reuse.py ../shared/models/shakespeare-spm-Q4_K_M.gguf --chat-template llama-2
 """
@@ -82,6 +83,9 @@ def main() -> int:
     ap.add_argument("--answer", type=int, default=32, help="tokens per answer")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (0: token counts only)")
     ap.add_argument("--seed", type=int, default=0, help="weights of the synthetic model")
+    ap.add_argument("--small", action="store_true",
+                    help="a tiny synthetic model (64-dim, 2 layers, f32) whose random answers split non-canonically "
+                         "(with --seed 12), so the splice shows")
     ap.add_argument("-c", "--ctx-size", type=int, default=0)
     ap.add_argument("-t", "--threads", type=int)
     a = ap.parse_args()
@@ -95,8 +99,9 @@ def main() -> int:
         from tools.make_model import ModelSpec, write_model
 
         model = str(Path(tmp.name) / "bench-chat.gguf")
-        write_model(model, ModelSpec(n_embd=512, n_layer=8, n_head=8, n_head_kv=4, n_ff=1536, n_ctx=4096,
-                                     weight_type="q8_0", chat_template=PLAIN_TEMPLATE, name="bench-chat", seed=a.seed))
+        shape = dict(n_embd=64, n_layer=2, weight_type="f32") if a.small else \
+            dict(n_embd=512, n_layer=8, n_head=8, n_head_kv=4, n_ff=1536, weight_type="q8_0")
+        write_model(model, ModelSpec(**shape, n_ctx=4096, chat_template=PLAIN_TEMPLATE, name="bench-chat", seed=a.seed))
 
     llm = qllama.load(model, n_ctx=a.ctx_size or None, n_threads=a.threads)
     chat = ChatSession(llm, chat_template=a.chat_template, max_tokens=a.answer,

@@ -90,11 +90,10 @@ def prompt_ids(ids: list[int], held: Sequence[int], token_bytes: TokenBytes) -> 
     """The ids to evaluate for a conversation whose canonical ids are `ids`, given the cached `held`.
 
     `ids` is the rendered conversation tokenized afresh; the cache then keeps its longest common
-    prefix with `held`. Tokenization restarts at every control token, so both sequences are runs
-    of text tokens between the same control tokens: where the held runs spell the same bytes as
-    the canonical ones, the held tokens are kept and the canonical ids continue from the next
-    control token. Same text, only the model's own split of its answers (as llama.cpp's
-    interactive mode keeps them). With nothing to gain, `ids` is returned unchanged.
+    prefix with `held`. Where held tokens spell the same bytes as the start of `ids` (see
+    `aligned_prefix`), they are kept and `ids` continues from the matching point: the same
+    text, only the model's own split of its answers (as llama.cpp's interactive mode keeps
+    them). With nothing to gain, `ids` is returned unchanged.
     """
     common = 0
     for a, b in zip(held, ids):
@@ -108,7 +107,13 @@ def prompt_ids(ids: list[int], held: Sequence[int], token_bytes: TokenBytes) -> 
 
 
 def aligned_prefix(held: Sequence[int], ids: Sequence[int], token_bytes: TokenBytes) -> tuple[int, int]:
-    """The largest (k, j) with held[:k] the same text as ids[:j] and ids[j] a control token (or j == len(ids))."""
+    """The largest (k, j) with held[:k] spelling the same bytes as ids[:j], found run by run.
+
+    Runs between the same control tokens that spell the same bytes are taken whole. In the first
+    run that differs (an answer whose bytes were not valid UTF-8 comes back as U+FFFD; an
+    answer cut short), the alignment stops at the last token boundary the two share before the
+    first differing byte: ids[j:] then spells the rest of the text, whatever held's split was.
+    """
 
     def run_end(seq: Sequence[int], i: int) -> int:  # end of the text run starting at i
         while i < len(seq) and token_bytes(seq[i]) != b"":
@@ -123,13 +128,40 @@ def aligned_prefix(held: Sequence[int], ids: Sequence[int], token_bytes: TokenBy
     while i < len(held) and j < len(ids):
         i2, j2 = run_end(held, i), run_end(ids, j)
         if text(held, i, i2) != text(ids, j, j2):
-            break
-        best = (i2, j2)  # ids[j2:] starts at a control token (or is empty): tokenization restarts there
+            return max(best, _shared_boundary(held, i, i2, ids, j, j2, token_bytes))
+        best = (i2, j2)  # ids[j2:] starts at a control token (or is empty)
         if i2 == len(held) or j2 == len(ids) or held[i2] != ids[j2]:
             break
         i, j = i2 + 1, j2 + 1  # the same control token
         best = (i, j)
     return best
+
+
+def _shared_boundary(held: Sequence[int], i: int, i_end: int, ids: Sequence[int], j: int, j_end: int,
+                     token_bytes: TokenBytes) -> tuple[int, int]:
+    """The furthest (k, m), i <= k <= i_end and j <= m <= j_end, where held[i:k] and ids[j:m] spell the
+    same bytes (a token boundary of both inside two runs that differ somewhere)."""
+    a, b = bytearray(), bytearray()  # the bytes of held[i:k] and of ids[j:m]
+    k, m = i, j
+    same = 0  # a[:same] == b[:same], checked
+    best = (i, j)
+    while True:
+        n = min(len(a), len(b))
+        if a[same:n] != b[same:n]:
+            return best
+        same = n
+        if len(a) == len(b):
+            best = (k, m)
+        if len(a) <= len(b):
+            if k == i_end:
+                return best
+            a += token_bytes(held[k])
+            k += 1
+        else:
+            if m == j_end:
+                return best
+            b += token_bytes(ids[m])
+            m += 1
 
 
 def answer_room(n_ctx: int, max_tokens: int) -> int:
