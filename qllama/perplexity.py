@@ -1,7 +1,7 @@
 """Perplexity with llama-perplexity's exact chunking.
 
-Tokenize the whole text with BOS; cut consecutive chunks of n_ctx tokens (the first
-`chunks`); replace each chunk's first token with BOS; evaluate each chunk from an empty
+Tokenize the whole text with BOS (when the vocabulary adds one); cut consecutive chunks of
+n_ctx tokens (the first `chunks`); replace each chunk's first token with that BOS; evaluate each chunk from an empty
 cache; score positions n_ctx/2 .. n_ctx-2, each predicting the next token; PPL = exp(mean NLL).
 """
 
@@ -40,7 +40,8 @@ def perplexity(model, text: str, n_ctx: int = 512, chunks: int | None = None,
         raise QllamaError("perplexity needs a context of at least 4 tokens")
     if n_ctx > model.n_ctx:
         raise QllamaError(f"-c {n_ctx} is larger than the model's context {model.n_ctx} (load it with a larger n_ctx)")
-    bos = model.tokenizer.bos_id
+    # as llama-perplexity: BOS only when the vocabulary adds one (Qwen has a bos_token_id but adds none)
+    bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
     tokens = model.tokenizer.encode(text, add_bos=bos is not None)
     n_avail = len(tokens) // n_ctx
     if n_avail == 0:
