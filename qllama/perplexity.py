@@ -1,8 +1,9 @@
 """Perplexity with llama-perplexity's exact chunking.
 
 Tokenize the whole text with BOS (when the vocabulary adds one); cut consecutive chunks of
-n_ctx tokens (the first `chunks`); replace each chunk's first token with that BOS; evaluate each chunk from an empty
-cache; score positions n_ctx/2 .. n_ctx-2, each predicting the next token; PPL = exp(mean NLL).
+n_ctx tokens (the first `chunks`); replace each chunk's first token with that BOS; evaluate
+each chunk from an empty cache; score positions n_ctx/2 .. n_ctx-2, each predicting the next
+token; PPL = exp(mean NLL).
 """
 
 from __future__ import annotations
