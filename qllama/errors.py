@@ -17,5 +17,13 @@ class ContextSizeError(QllamaError):
     """A context size that cannot be used: its KV cache would not fit in memory."""
 
 
+class ContextOverflowError(QllamaError):
+    """A prompt does not fit in the context window."""
+
+
+class OutputExistsError(QllamaError):
+    """A command would overwrite an existing file without being told to."""
+
+
 class QllamaWarning(UserWarning):
     """Something works but is probably not what the user wants (e.g. a context beyond training)."""

@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .errors import QllamaError
+from .errors import ContextOverflowError, QllamaError
 from .models import KVCache, Transformer
 from .sampling import Sampler
 
@@ -20,10 +20,6 @@ FINISH_EOG = "eog"  # an end-of-generation token (eos, eot, <|im_end|>...)
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_STOP = "stop"  # a stop string appeared (it is not part of the text)
 FINISH_CONTEXT = "context"  # the KV cache is full (n_ctx positions)
-
-
-class ContextOverflowError(QllamaError):
-    """A prompt does not fit in the context window."""
 
 
 @dataclass
@@ -113,7 +109,7 @@ class Session:
             raise QllamaError("the prompt is empty (no tokens)")
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(
-                f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx} (raise -c/--ctx-size)"
+                f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}"
             )
         common = 0
         for a, b in zip(self.tokens, ids):

@@ -192,15 +192,19 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def _error_message(e: BaseException) -> str:
-    from ..errors import ContextSizeError
+    from ..errors import ContextOverflowError, ContextSizeError, OutputExistsError
 
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, FileNotFoundError) and e.filename:
         msg = f"{e.filename}: no such file"
     elif isinstance(e, OSError) and e.filename and e.strerror:
         msg = f"{e.filename}: {e.strerror.lower()}"
-    if isinstance(e, ContextSizeError):
-        msg += " (lower -c/--ctx-size)"
+    # library errors name no flags: the CLI adds the one that helps
+    hints = {ContextSizeError: "lower -c/--ctx-size", ContextOverflowError: "raise -c/--ctx-size",
+             OutputExistsError: "use --force to overwrite it"}
+    for cls, hint in hints.items():
+        if isinstance(e, cls):
+            msg += f" ({hint})"
     return msg
 
 

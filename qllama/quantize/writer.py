@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import GGUFError, QllamaError, UnsupportedError
+from ..errors import GGUFError, OutputExistsError, QllamaError, UnsupportedError
 from ..ggml_types import BF16, GGML_TYPES, type_name
 from .blocks import CHUNK_ELEMENTS, FLOAT_TYPES, bf16_to_f32, quantize_array
 from .presets import choose_tensor_type, get_preset
@@ -174,7 +174,7 @@ def quantize_gguf(
         if os.path.samefile(src_path, dst_path):
             raise QllamaError(f"{dst_path}: the output would overwrite the input")
         if not force:
-            raise QllamaError(f"{dst_path} exists (use --force to overwrite it)")
+            raise OutputExistsError(f"{dst_path} exists")
         if os.path.isdir(dst_path):
             raise QllamaError(f"{dst_path}: is a directory")
 
