@@ -13,7 +13,7 @@ templates, in f32 and llama.cpp's Q4_K_M mix. For each:
 - `qllama perplexity` is within 0.3% of llama.cpp's (llama-perplexity's protocol) at a
   context of more than twice the sliding window;
 - `qllama run --temp 0` prints llama.cpp's greedy text up to its first near-tie (margin < 0.1).
-Run with `-s` to see the measured numbers.
+Run with `python -m pytest -m oracle tests/test_families_oracle.py -s` to see the measured numbers.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from reference_forward import Reference
 from test_families import _spec
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
-pytestmark = pytest.mark.oracle
+pytestmark = [pytest.mark.oracle, pytest.mark.slow]  # ~15 min on 2 cores: `python -m pytest -m oracle ... -s`
 
 MARGIN = 0.1
 PPL_TOL = 3e-3
