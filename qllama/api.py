@@ -60,7 +60,7 @@ class Model:
             raise QllamaError(f"thread count must be >= 1, got {n_threads}")
         from .memory import check_context
 
-        check_context(self.args, n_ctx)  # before the KV cache or anything n_ctx-sized is allocated
+        check_context(self.args, n_ctx, batch_size)  # before the KV cache or anything n_ctx-sized is allocated
         set_threads(n_threads)  # None: the physical cores
         self.n_threads = get_threads()
         self._model = build_model(self.gguf, self.args, n_ctx, batch_size)  # checks every tensor

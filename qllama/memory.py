@@ -14,10 +14,13 @@ from .errors import ContextSizeError, QllamaWarning
 KV_BYTES_PER_ELEMENT = 4  # the KV cache holds float32 keys and values
 
 
-def kv_cache_bytes(n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
-                   bytes_per_element: int = KV_BYTES_PER_ELEMENT) -> int:
-    """Bytes of a KV cache: keys and values (2) for every layer, KV head, position and head dimension."""
-    return 2 * n_layer * n_ctx * n_head_kv * head_dim * bytes_per_element
+def kv_cache_bytes(args, n_ctx: int, batch: int, bytes_per_element: int = KV_BYTES_PER_ELEMENT) -> int:
+    """Bytes of a model's KV cache: keys and values (2) for every layer's slots (a window layer
+    keeps only a ring, see `models.kvcache`), KV head and head dimension."""
+    from .models.kvcache import ring_slots
+
+    windows = [args.n_swa if args.is_swa(il) else 0 for il in range(args.n_layer)]
+    return 2 * sum(ring_slots(n_ctx, windows, batch)) * args.n_head_kv * args.head_dim * bytes_per_element
 
 
 def available_memory() -> int | None:
@@ -39,13 +42,14 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def check_context(args, n_ctx: int, *, available: int | None = None) -> None:
+def check_context(args, n_ctx: int, batch: int, *, available: int | None = None) -> None:
     """Refuse a context whose KV cache cannot fit in memory; warn when it exceeds the training length.
 
-    `args` is the model's ModelArgs (n_layer, n_head_kv, head_dim, n_ctx_train). Raises
+    `args` is the model's ModelArgs; `batch` the tokens per forward (window layers keep
+    window + batch positions). Raises
     ContextSizeError naming both sizes; warns (QllamaWarning) when n_ctx > n_ctx_train.
     """
-    need = kv_cache_bytes(args.n_layer, args.n_head_kv, args.head_dim, n_ctx)
+    need = kv_cache_bytes(args, n_ctx, batch)
     have = available_memory() if available is None else available
     if have is not None and need > have:
         raise ContextSizeError(

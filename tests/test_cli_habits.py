@@ -175,13 +175,36 @@ def test_context_check_is_in_the_library():
     from qllama.memory import check_context, kv_cache_bytes
 
     class Args:
-        n_layer, n_head_kv, head_dim, n_ctx_train = 16, 8, 64, 131072
+        n_layer, n_head_kv, head_dim, n_ctx_train, n_swa = 16, 8, 64, 131072, 0
 
-    assert kv_cache_bytes(16, 8, 64, 4096) == 2 * 16 * 4096 * 8 * 64 * 4 == 268435456
-    check_context(Args, 4096, available=268435456)  # exactly fits
+        @staticmethod
+        def is_swa(il):
+            return False
+
+    assert kv_cache_bytes(Args, 4096, 512) == 2 * 16 * 4096 * 8 * 64 * 4 == 268435456
+    check_context(Args, 4096, 512, available=268435456)  # exactly fits
     with pytest.raises(ContextSizeError, match=r"4096 tokens needs 256 MiB .* only 255 MiB") as e:
-        check_context(Args, 4096, available=268435456 - 2**20)
+        check_context(Args, 4096, 512, available=268435456 - 2**20)
     assert "-c" not in str(e.value)  # library errors name no CLI flags
+
+
+def test_context_check_counts_window_layers_as_rings():
+    """Gemma 3's pattern: 5 window layers keep window + batch positions, 1 global layer keeps n_ctx;
+    the estimate equals what a KVCache of that shape really allocates."""
+    from qllama.memory import kv_cache_bytes
+    from qllama.models.kvcache import KVCache
+
+    class Args:
+        n_layer, n_head_kv, head_dim, n_ctx_train, n_swa = 6, 1, 256, 32768, 512
+
+        @staticmethod
+        def is_swa(il):
+            return il % 6 < 5
+
+    need = kv_cache_bytes(Args, 32768, 512)
+    assert need == 2 * (5 * (512 + 512) + 32768) * 1 * 256 * 4 == 77594624
+    cache = KVCache(6, 1, 256, 32768, [512] * 5 + [0], 512)
+    assert cache.nbytes == need
 
 
 def test_context_beyond_training_warns_once(models):

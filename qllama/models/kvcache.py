@@ -18,6 +18,11 @@ from ..errors import QllamaError
 SWA_BATCH = 512  # ring slots beyond the window (llama.cpp: n_ubatch); the most tokens per forward chunk
 
 
+def ring_slots(n_ctx: int, windows: list[int], batch: int = SWA_BATCH) -> list[int]:
+    """Positions each layer's cache holds: n_ctx for full attention, window + batch for a window layer."""
+    return [n_ctx if w <= 0 else min(n_ctx, w + batch) for w in windows]
+
+
 class KVCache:
     """Per layer: keys (Hkv, ring, D) row-major and values (Hkv, D, ring) d-major, float32.
 
@@ -32,7 +37,7 @@ class KVCache:
         self.n_ctx = n_ctx
         self.n_past = 0
         self.window = list(windows)  # per layer: 0 = full attention
-        self.ring = [n_ctx if w <= 0 else min(n_ctx, w + batch) for w in windows]  # slots per layer
+        self.ring = ring_slots(n_ctx, windows, batch)  # slots per layer
         self.k = [_lazy_zeros((n_head_kv, r, head_dim)) for r in self.ring]  # L x (Hkv, ring, D)
         self.vt = [_lazy_zeros((n_head_kv, head_dim, r)) for r in self.ring]  # L x (Hkv, D, ring)
         # the most tokens one forward may store: a window layer must keep the window of its first query
