@@ -41,11 +41,13 @@ from .prompt_format import chat_template_option, describe, no_template_error
 @chat_template_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document at the end (text, tokens, finish reason, timings) instead of streaming.")
+@click.option("--check-tensors", is_flag=True,
+              help="Scan every tensor for NaN and Inf before running (as llama.cpp's flag); exit 1 if any.")
 @click.option("-v", "--verbose", is_flag=True, help="Print load details and the chosen prompt format on stderr.")
 @click.pass_context
 def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
             repeat_last_n, seed, ctx_size, threads, batch_size, stop, lookup, no_bos, raw, system_prompt, chat_template,
-            as_json, verbose):
+            as_json, check_tensors, verbose):
     """Generate text from MODEL, streaming it to stdout.
 
     The prompt comes from PROMPT (or -p), -f FILE, or standard input; with none of them on a
@@ -70,6 +72,11 @@ def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k
     llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size)
     if verbose:
         err(f"loaded {llm!r} in {llm.load_s:.2f} s, {llm.n_threads} threads")
+    if check_tensors:
+        from .check_report import run_check
+
+        if not run_check(llm.gguf, quiet_ok=not verbose):
+            ctx.exit(1)
     try:
         ids, mode = llm.prepare_prompt(text, raw=raw, system=system_prompt, add_bos=not no_bos,
                                        chat_template=chat_template)
