@@ -99,3 +99,77 @@ def test_check_names_exactly_the_broken_tensor(corpus, name):
         else:  # the element poked, as an index into the tensor's values
             expected_first = case.poke_f32[1] if case.poke_f32 else case.poke[1] // 2
         assert (f.count, f.first) == (1, expected_first)
+
+
+# -- what running each file does -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(make_hostile.CASES))
+def test_each_file_ends_in_its_documented_behaviour(corpus, name):
+    import warnings
+
+    import qllama
+    from qllama.errors import NonFiniteError, QllamaError, QllamaWarning
+
+    case = make_hostile.CASES[name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if case.expect == "load-error":
+            with pytest.raises(QllamaError) as e:
+                qllama.load(corpus[name], n_ctx=64)
+            assert case.key in str(e.value) and "must be" in str(e.value)
+            return
+        model = qllama.load(corpus[name], n_ctx=64, n_threads=1)
+        if case.expect == "nonfinite":
+            with pytest.raises(NonFiniteError) as e:
+                model.complete("ROMEO:", max_tokens=4, temperature=0)
+            assert e.value.point == case.where and e.value.layer == int(case.where.split(".")[1])
+            assert f"first at {case.where}" in str(e.value)
+            return
+        text = model.complete("ROMEO:", max_tokens=6, temperature=0)
+    assert text.strip(), "normal output expected"
+    ours = [w for w in caught if issubclass(w.category, QllamaWarning)]
+    if case.expect == "warn":
+        assert len(ours) == 1 and case.key in str(ours[0].message)
+    else:
+        assert not ours
+
+
+def test_nonfinite_stops_generation_after_clean_tokens(corpus):
+    """A NaN that only some steps reach: the text before it streams, then the typed error."""
+    import qllama
+    from qllama.errors import NonFiniteError
+
+    model = qllama.load(corpus["norm-nan"], n_ctx=64, n_threads=1)
+    chunks = []
+    with pytest.raises(NonFiniteError) as e:
+        for chunk in model.generate("ROMEO:", max_tokens=4, temperature=0):
+            chunks.append(chunk)
+    assert chunks == [] and e.value.position == 0  # the prompt itself already fails
+
+
+@pytest.mark.parametrize("name,needle", [("scale-nan-q4_K", "first at blk.0.attn_q"),
+                                         ("eps-negative", "layer_norm_rms_epsilon = -1.0"),
+                                         ("rope-base-zero", "llama.rope.freq_base = 0.0")])
+def test_cli_one_error_line(corpus, name, needle):
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "qllama", "run", str(corpus[name]), "ROMEO:", "-n", "4", "-t", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_check_tensors_and_inspect_check(corpus):
+    import subprocess
+
+    for args in (["inspect", str(corpus["f16-nan"]), "--check"],
+                 ["run", str(corpus["f16-nan"]), "x", "-n", "1", "--check-tensors"]):
+        r = subprocess.run([sys.executable, "-m", "qllama", *args], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 1, r.stderr
+        assert "error: tensor blk.1.ffn_down.weight (f16): 1 of 196608 values" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "qllama", "inspect", str(SOURCE), "--check"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "all finite" in r.stderr

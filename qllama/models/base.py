@@ -22,6 +22,7 @@ from ..gguf import GGUFFile
 from ..qtensor import QTensor, get_threads, quantize_activation
 from .args import ModelArgs
 from .kvcache import SWA_BATCH, KVCache
+from .nonfinite import locate as locate_nonfinite
 from .points import attention_numpy, attention_points
 
 ACT_SILU = 0  # gated FFN activations, as kernels.layer_ops numbers them
@@ -211,6 +212,7 @@ class Transformer:
     `read_args`, `load_weights` and `block`, and may override `embed` and `final_logits`."""
 
     arch = ""
+    _locating = False  # True during the checked re-run of a step that produced NaN/Inf (nonfinite.py)
 
     def __init__(self, args: ModelArgs, weights: Weights, n_ctx: int, batch: int = SWA_BATCH):
         self.args = args
@@ -348,6 +350,9 @@ class Transformer:
         logits = self.final_logits(project(self.weights.output, quantize_activation(hn)))
         if probe:
             logits = probe.fire("logits", None, logits)
+        if not np.isfinite(logits).all() and not self._locating:  # one pass over the returned rows
+            seg = next((s for s in batch if not np.isfinite(x[s.lo : s.hi]).all()), batch[0])
+            raise locate_nonfinite(self, tokens[seg.lo : seg.hi], seg.cache, seg.start)
         r = 0
         for i, (seg, w) in enumerate(zip(batch, want)):
             if w:
