@@ -157,7 +157,7 @@ class _PlainSteps:
         self.logits = self.session.decode(token)
 
 
-def _held_back(text: str, stops: Iterable[str]) -> int:
+def held_back(text: str, stops: Iterable[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
     hold = 0
     for s in stops:
@@ -230,7 +230,7 @@ def stream_generate(
                     pending = pending[: min(hits)]
                     reason = FINISH_STOP
                     break
-            emit = len(pending) - _held_back(pending, stops)
+            emit = len(pending) - held_back(pending, stops)
             if emit > 0:
                 yield Chunk(pending[:emit], pending_ids)
                 pending, pending_ids = pending[emit:], []

@@ -18,7 +18,7 @@ from qllama.generate import (
     FINISH_STOP,
     ContextOverflowError,
     Timings,
-    _held_back,
+    held_back,
     stream_generate,
 )
 from qllama.sampling import Sampler, SamplingParams
@@ -125,6 +125,6 @@ def test_timings_are_filled():
 
 
 def test_held_back_is_the_longest_stop_prefix_suffix():
-    assert _held_back("abcST", ["STOP"]) == 2
-    assert _held_back("abcS", ["STOP", "Sx"]) == 1
-    assert _held_back("abc", ["STOP"]) == 0
+    assert held_back("abcST", ["STOP"]) == 2
+    assert held_back("abcS", ["STOP", "Sx"]) == 1
+    assert held_back("abc", ["STOP"]) == 0

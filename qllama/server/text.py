@@ -7,6 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..generate import held_back
+
 
 @dataclass
 class TokenLogprob:
@@ -17,17 +19,6 @@ class TokenLogprob:
     bytes: bytes
     logprob: float
     top: list[tuple[int, str, bytes, float]] = field(default_factory=list)
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
 
 
 class TextOutput:
