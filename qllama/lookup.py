@@ -24,6 +24,11 @@ What is emitted does not change:
   min-p, temperature); on rejection draw from p with x removed and renormalised. Each emitted
   token then has P(x) = p(x) + 0 and P(y) = (1 - p(x)) p(y) / (1 - p(x)) = p(y): the same
   distribution as plain sampling (not the same draws for a seed).
+
+It pays only where a batched forward of T tokens costs well under T one-token forwards: the
+weights are read once, but every row's integer dot products are still computed. Measured on a
+busy AVX2 host (1 thread, 576 x 1536 matrix): T = 9 costs 4.7x T = 1 for q4_K and q6_K, but 7x
+for q4_1 and q8_0, whose mat-mat does not share the weight unpacking between tokens.
 """
 
 from __future__ import annotations
