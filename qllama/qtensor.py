@@ -84,7 +84,7 @@ class TensorType(NamedTuple):
 
     ggml: GGMLType  # id, name, elements and bytes per block (`qllama.ggml_types`)
     view: type | None  # dtype the float types' kernels read rows as (float32, or uint16 bits); None: blocks
-    int8_form: str | None  # how x is rounded for the int8 path: "q8_K" or "q8_0" (`Activation`); None: no int8 path
+    int8_form: str | None  # how x is rounded for the int8 path: "q8_K", "q8_0" or "q8_1" (`Activation`); None: none
     bind: Callable[[], TypeOps]
 
 
@@ -194,9 +194,9 @@ _register(BF16, np.uint16, None, partial(_half_ops, True))
 # (kernels/int8.py) and whether that kernel serves several types (then it takes the type id)
 for _tid, _family, _form, _kernel, _shared in (
     (Q4_0, "legacy", "q8_0", "matmul_legacy", True),
-    (Q4_1, "legacy", "q8_0", "matmul_legacy", True),
+    (Q4_1, "legacy", "q8_1", "matmul_legacy", True),
     (Q5_0, "legacy", "q8_0", "matmul_legacy", True),
-    (Q5_1, "legacy", "q8_0", "matmul_legacy", True),
+    (Q5_1, "legacy", "q8_1", "matmul_legacy", True),
     (Q8_0, "legacy", "q8_0", "matmul_q8_0", False),
     (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True),
     (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True),
@@ -307,15 +307,16 @@ class Activation:
         """x in an int8 form (computed once): (xq int8 (n_tok, n), d float32, int32 sums).
 
         "q8_K": one d per 256 elements, sums of every 16 quants (n % 256 == 0);
-        "q8_0": one d per 32 elements, sums of every 32 quants (n % 32 == 0).
+        "q8_0": one d per 32 elements, sums of every 32 quants (n % 32 == 0);
+        "q8_1": as q8_0, with float32 sums s = fp16(d * sum) (q4_1 / q5_1, as ggml).
         """
         q = self._forms.get(form)
         if q is None:
             from .kernels import int8
 
-            per_d, per_sum, quantize = _ACTIVATION_FORMS[form]
+            per_d, per_sum, quantize, sum_dtype = _ACTIVATION_FORMS[form]
             t, n = self.x.shape
-            q = (np.empty((t, n), np.int8), np.empty((t, n // per_d), np.float32), np.empty((t, n // per_sum), np.int32))
+            q = (np.empty((t, n), np.int8), np.empty((t, n // per_d), np.float32), np.empty((t, n // per_sum), sum_dtype))
             getattr(int8, quantize)(self.x, *q)
             self._forms[form] = q
         return q
@@ -330,7 +331,9 @@ class Activation:
 
 
 # form -> (elements per scale d, quants per int32 sum, its quantizer in kernels/int8.py)
-_ACTIVATION_FORMS = {"q8_K": (256, 16, "quantize_q8_k"), "q8_0": (32, 32, "quantize_q8_0")}
+# form -> (elements per d, elements per sum, quantizer in kernels/int8.py, dtype of the sums)
+_ACTIVATION_FORMS = {"q8_K": (256, 16, "quantize_q8_k", np.int32), "q8_0": (32, 32, "quantize_q8_0", np.int32),
+                     "q8_1": (32, 32, "quantize_q8_1", np.float32)}
 
 
 def quantize_activation(x: np.ndarray) -> Activation:

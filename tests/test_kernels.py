@@ -213,18 +213,32 @@ def test_int8_paths_match_float64(tid):
             assert np.array_equal(ym[n_tok - 1], q.matvec(xs[n_tok - 1]))
 
 
-def _int8_reference(tid: int, w64: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """float64 W @ x~, where x~ is x rounded to 8 bits as the int8 kernels do (NumPy, independent)."""
-    bs = 256 if tid in K_TYPES else 32  # q8_K or q8_0 activations
+def _int8_reference(tid: int, w64: np.ndarray, x: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """float64 W @ x~, where x~ is x rounded to 8 bits as ggml's AVX2 quantizers do (NumPy, independent).
+
+    q8_0 / q8_1 (32-element types): d = amax/127 kept as fp16, q = round-half-even(x * 127/amax);
+    q4_1 and q5_1 take their min term from q8_1's s = fp16(d * sum q), not from fp16(d) * sum q.
+    """
+    bs = 256 if tid in K_TYPES else 32  # q8_K or q8_0/q8_1 activations
     xb = x.astype(np.float64).reshape(-1, bs)
     if bs == 32:
-        d = np.abs(xb).max(1, keepdims=True) / 127
-        q = np.sign(xb) * np.floor(np.abs(xb / np.where(d == 0, 1, d)) + 0.5)
-    else:
-        vmax = np.take_along_axis(xb, np.abs(xb).argmax(1)[:, None], 1)
-        iscale = (-127 / vmax).astype(np.float32)
-        q = np.minimum(127, np.rint((iscale * x.reshape(-1, bs)).astype(np.float32)))
-        d = 1 / iscale.astype(np.float64)
+        x32 = x.reshape(-1, 32).astype(np.float32)
+        amax = np.abs(x32).max(1)
+        d = amax / np.float32(127)
+        inv = (np.float32(127) / np.where(amax == 0, np.float32(1), amax)).astype(np.float32)
+        q = np.rint(x32 * inv[:, None]).astype(np.float64)
+        d16 = d.astype(np.float16).astype(np.float64)
+        y = w64 @ (q * d16[:, None]).reshape(-1)
+        if tid in (gt.Q4_1, gt.Q5_1):
+            s = (d * q.sum(1).astype(np.float32)).astype(np.float16).astype(np.float64)
+            nb = x.size // 32
+            m = raw.reshape(raw.shape[0], nb, -1)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+            y += m @ (s - d16 * q.sum(1))
+        return y
+    vmax = np.take_along_axis(xb, np.abs(xb).argmax(1)[:, None], 1)
+    iscale = (-127 / vmax).astype(np.float32)
+    q = np.minimum(127, np.rint((iscale * x.reshape(-1, bs)).astype(np.float32)))
+    d = 1 / iscale.astype(np.float64)
     return w64 @ (q * d).reshape(-1)
 
 
@@ -237,7 +251,7 @@ def test_int8_equals_rounded_activation_product(tid):
     raw = random_matrix(tid, 1024, 9, rng)
     q = QTensor.from_bytes(tid, raw, (1024, 9))
     x = rng.standard_normal(1024).astype(np.float32)
-    ref = _int8_reference(tid, oracle(tid, raw, 1024).astype(np.float64), x)
+    ref = _int8_reference(tid, oracle(tid, raw, 1024).astype(np.float64), x, raw)
     assert rel_err(q.matvec(x), ref) <= 1e-5
 
 

@@ -45,6 +45,7 @@ from ._x86 import (
     row_dot_q8_0,
 )
 from .kquants import scale_q3_k
+from .quantize_k import fp16_round
 
 _NOPY = dict(boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -107,30 +108,57 @@ def quantize_q8_k(x, xq, xd, xs):
             xd[t, b] = np.float32(1.0) / iscale
 
 
+@kernel(**_NOPY)
+def _as_fp16(v):
+    """v rounded to fp16 as ggml stores a q8_0/q8_1 scale; beyond fp16's range (|v| > 65504, where
+    ggml's scale would be inf) v itself, so that extreme activations stay finite."""
+    r = fp16_round(v)
+    return r if abs(r) != np.inf else v
+
+
+@kernel(**_NOPY)
+def _q8_block(x, t, o, xq):
+    """One 32-element block as llama.cpp's AVX2 quantize_row_q8_0/q8_1: d = amax/127,
+    q = round-half-even(x * 127/amax). Returns (d unrounded, sum of q); d NaN if x is not finite."""
+    amax = np.float32(0.0)
+    finite = True
+    for j in range(QK8_0):
+        a = abs(x[t, o + j])
+        if not (a <= _FLT_MAX):
+            finite = False
+        amax = max(amax, a)
+    d = amax / np.float32(127.0)
+    idv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+    s = 0
+    for j in range(QK8_0):
+        q = _to_int8(np.rint(x[t, o + j] * idv)) if finite else 0
+        xq[t, o + j] = q
+        s += q
+    return (d if finite else np.float32(np.nan)), s
+
+
 @kernel(parallel=True, **_NOPY)
 def quantize_q8_0(x, xq, xd, xs):
-    """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/32), xs int32 (n_tok, n/32) sums of xq."""
+    """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/32) = fp16(d) as ggml
+    stores it, xs int32 (n_tok, n/32) sums of xq."""
     n_tok, n = x.shape
     for t in prange(n_tok):
         for b in range(n // QK8_0):
-            o = b * QK8_0
-            amax = np.float32(0.0)
-            finite = True
-            for j in range(QK8_0):
-                a = abs(x[t, o + j])
-                if not (a <= _FLT_MAX):
-                    finite = False
-                amax = max(amax, a)
-            d = amax / np.float32(127.0)
-            idv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-            s = 0
-            for j in range(QK8_0):
-                v = x[t, o + j] * idv if finite else np.float32(0.0)
-                q = _to_int8(np.floor(abs(v) + np.float32(0.5)) * (1 if v >= 0 else -1))
-                xq[t, o + j] = q
-                s += q
-            xd[t, b] = d if finite else np.float32(np.nan)
+            d, s = _q8_block(x, t, b * QK8_0, xq)
+            xd[t, b] = _as_fp16(d)
             xs[t, b] = s
+
+
+@kernel(parallel=True, **_NOPY)
+def quantize_q8_1(x, xq, xd, xs):
+    """As quantize_q8_0, but xs float32 (n_tok, n/32) = fp16(d * sum of xq), ggml's q8_1 `s`
+    (the activation form of q4_1 and q5_1: their min term is m * s)."""
+    n_tok, n = x.shape
+    for t in prange(n_tok):
+        for b in range(n // QK8_0):
+            d, s = _q8_block(x, t, b * QK8_0, xq)
+            xd[t, b] = _as_fp16(d)
+            xs[t, b] = _as_fp16(d * np.float32(s))
 
 
 @kernel(**_NOPY)
@@ -228,9 +256,10 @@ def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
 def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
-    """q4_0, q4_1, q5_0, q5_1 rows times q8_0-form activations (xs: int32 (n_tok, ne0/32) sums of xq).
+    """q4_0, q4_1, q5_0, q5_1 rows times int8 activations, as ggml's vec_dot kernels:
 
-    q4_0: d*(q-8), q5_0: d*(q-16) -> d*dx*(sum q xq - off*xs); q4_1 / q5_1: d*q + m -> d*dx*sum q xq + m*dx*xs.
+    q4_0: d*(q-8), q5_0: d*(q-16) with q8_0 activations (xs int32 sums of xq) -> d*dx*(sum q xq - off*xs);
+    q4_1 / q5_1: d*q + m with q8_1 activations (xs float32 s = fp16(dx * sum xq)) -> d*dx*sum q xq + m*s.
     """
     n_rows = raw.shape[0]
     n_tok = xq.shape[0]
@@ -259,7 +288,7 @@ def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
                             isum = dot_q4_legacy(row, o + qo, xqt, b * QK8_0)
                         v = (xdt[b] * f16_at(row, o, tab)) * np.float32(isum - off * xst[b])
                         if has_m:
-                            v += (xdt[b] * f16_at(row, o + 2, tab)) * np.float32(xst[b])
+                            v += f16_at(row, o + 2, tab) * np.float32(xst[b])
                         acc += v
                     out[t, r] = acc
 
