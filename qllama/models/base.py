@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import QllamaError, UnsupportedError
 from ..gguf import GGUFFile
 from ..qtensor import QTensor, get_threads, quantize_activation
-from .args import ModelArgs
+from .args import ModelArgs, read_common_args
 from .kvcache import SWA_BATCH, KVCache
 from .nonfinite import locate as locate_nonfinite
 from .points import attention_numpy, attention_points
@@ -236,13 +236,22 @@ class Transformer:
 
     # -- families fill these in --
 
+    # A family's traits; the defaults below read and load a llama-shaped model with them.
+    rope_neox = False  # RoPE on NeoX halves (x[i], x[i + n_rot/2]) instead of interleaved pairs
+    layer_tensors: dict = {}  # options of WeightReader.layer: qk_norm, post_norms, fused_ffn
+    own_output = True  # False: the output is always the embedding, even if the file has output.weight
+
     @classmethod
     def read_args(cls, md) -> ModelArgs:
-        raise NotImplementedError
+        """The keys every architecture shares (`args.read_common_args`); families add their own."""
+        return read_common_args(md, cls.arch, neox=cls.rope_neox)
 
     @classmethod
     def load_weights(cls, gf: GGUFFile, args: ModelArgs) -> Weights:
-        raise NotImplementedError
+        """Every block's tensors (with the family's `layer_tensors`), embedding, final norm, output."""
+        r = WeightReader(gf)
+        layers = [r.layer(i, args, **cls.layer_tensors) for i in range(args.n_layer)]
+        return r.model(args, layers, own_output=cls.own_output)
 
     def block(self, il: int, layer: LayerWeights, x: np.ndarray, batch: list[Segment]) -> np.ndarray:
         """One layer: x (T, n_embd) residual stream in, residual stream out (may be updated in place)."""

@@ -21,18 +21,26 @@ from dataclasses import replace
 
 import numpy as np
 
-from .args import Keys, ModelArgs, read_common_args, swa_pattern
-from .base import ACT_GELU, Transformer, WeightReader
+from .args import Keys, ModelArgs, swa_pattern
+from .base import ACT_GELU, Transformer
 
 
 class Gemma2(Transformer):
     arch = "gemma2"
+    rope_neox = True
+    layer_tensors = {"post_norms": True}
+    own_output = False
+    n_layer_27b = 46  # llama.cpp's LLM_TYPE_27B, whose query scale differs
+
+    @classmethod
+    def query_scale(cls, a: ModelArgs) -> float:
+        """1/sqrt(head_dim), but 1/sqrt(n_embd / n_head) on the 27B, as llama.cpp decides by model type."""
+        return 1.0 / math.sqrt(a.n_embd // a.n_head if a.n_layer == cls.n_layer_27b else a.head_dim)
 
     @classmethod
     def read_args(cls, md) -> ModelArgs:
-        a = read_common_args(md, "gemma2", neox=True)
-        key = Keys(md, "gemma2")
-        big = a.n_layer == 46  # llama.cpp's LLM_TYPE_27B
+        a = super().read_args(md)
+        key = Keys(md, cls.arch)
         return replace(
             a,
             n_swa=key.int("attention.sliding_window", 4096),
@@ -41,14 +49,8 @@ class Gemma2(Transformer):
             rope_scale_swa=a.rope_scale,
             attn_softcap=key.float("attn_logit_softcapping", 50.0),
             final_softcap=key.float("final_logit_softcapping", 30.0),
-            attn_scale=1.0 / math.sqrt(a.n_embd // a.n_head if big else a.head_dim),
+            attn_scale=cls.query_scale(a),
         )
-
-    @classmethod
-    def load_weights(cls, gf, args: ModelArgs):
-        r = WeightReader(gf)
-        layers = [r.layer(i, args, post_norms=True) for i in range(args.n_layer)]
-        return r.model(args, layers, own_output=False)
 
     def embed(self, tokens):
         x = super().embed(tokens)

@@ -14,42 +14,29 @@ the 27B's query scale), plus:
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-import numpy as np
-
-from .args import Keys, ModelArgs, read_common_args, swa_pattern
-from .base import ACT_GELU, Transformer, WeightReader
-from .gemma2 import softcap
+from .args import Keys, ModelArgs, swa_pattern
+from .base import ACT_GELU
+from .gemma2 import Gemma2
 
 
-class Gemma3(Transformer):
+class Gemma3(Gemma2):
     arch = "gemma3"
+    layer_tensors = {"qk_norm": True, "post_norms": True}
+    own_output = True
+    n_layer_27b = 62
 
     @classmethod
     def read_args(cls, md) -> ModelArgs:
-        a = read_common_args(md, "gemma3", neox=True)
-        key = Keys(md, "gemma3")
-        big = a.n_layer == 62  # llama.cpp's LLM_TYPE_27B
-        a = replace(a, final_softcap=key.float("final_logit_softcapping", 0.0),
-                    attn_scale=1.0 / math.sqrt(a.n_embd // a.n_head if big else a.head_dim))
+        a = super(Gemma2, cls).read_args(md)  # the shared keys; none of gemma2's window/softcap defaults
+        key = Keys(md, cls.arch)
+        a = replace(a, final_softcap=key.float("final_logit_softcapping", 0.0), attn_scale=cls.query_scale(a))
         n_swa = key.int("attention.sliding_window", 0)
         if n_swa > 0:
-            a = replace(a, n_swa=n_swa, swa_layers=swa_pattern(md, "gemma3", a.n_layer, 6),
+            a = replace(a, n_swa=n_swa, swa_layers=swa_pattern(md, cls.arch, a.n_layer, 6),
                         rope_freq_base_swa=key.float("rope.freq_base_swa", 10000.0), rope_scale_swa=1.0)
         return a
-
-    @classmethod
-    def load_weights(cls, gf, args: ModelArgs):
-        r = WeightReader(gf)
-        layers = [r.layer(i, args, qk_norm=True, post_norms=True) for i in range(args.n_layer)]
-        return r.model(args, layers)
-
-    def embed(self, tokens):
-        x = super().embed(tokens)
-        x *= np.float32(math.sqrt(self.args.n_embd))
-        return x
 
     def block(self, il, layer, x, batch):
         h = self.norm(x, layer.attn_norm)
@@ -62,6 +49,3 @@ class Gemma3(Transformer):
         f = self.ffn(layer, h, ACT_GELU)
         x += self.norm(f, layer.post_ffw_norm)
         return x
-
-    def final_logits(self, logits):
-        return softcap(logits, self.args.final_softcap)

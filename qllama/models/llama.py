@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from .args import ModelArgs, read_common_args
+from .args import ModelArgs
 from .base import ACT_SILU, Transformer, WeightReader
 
 
@@ -19,14 +19,9 @@ class Llama(Transformer):
     arch = "llama"
 
     @classmethod
-    def read_args(cls, md) -> ModelArgs:
-        return read_common_args(md, "llama", neox=False)
-
-    @classmethod
     def load_weights(cls, gf, args: ModelArgs):
-        r = WeightReader(gf)
-        w = r.model(args, [r.layer(i, args) for i in range(args.n_layer)])
-        w.rope_freqs = r.optional_vector("rope_freqs.weight", args.n_rot // 2)
+        w = super().load_weights(gf, args)
+        w.rope_freqs = WeightReader(gf).optional_vector("rope_freqs.weight", args.n_rot // 2)
         return w
 
     def block(self, il, layer, x, batch):

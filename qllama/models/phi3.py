@@ -12,21 +12,21 @@ What differs from llama:
 
 from __future__ import annotations
 
-from .args import ModelArgs, read_common_args
-from .base import ACT_SILU, Transformer, WeightReader
+from .args import ModelArgs
+from .base import Transformer, WeightReader
+from .llama import Llama
 
 
 class Phi3(Transformer):
     arch = "phi3"
-
-    @classmethod
-    def read_args(cls, md) -> ModelArgs:
-        return read_common_args(md, "phi3", neox=True)  # no window: see the module docstring
+    rope_neox = True  # and no sliding window: see the module docstring
+    layer_tensors = {"fused_ffn": True}
+    block = Llama.block  # `qkv` splits the one attn_qkv projection, `ffn` the one gate|up ffn_up
 
     @classmethod
     def load_weights(cls, gf, args: ModelArgs):
+        w = super().load_weights(gf, args)
         r = WeightReader(gf)
-        w = r.model(args, [r.layer(i, args, fused_ffn=True) for i in range(args.n_layer)])
         half = args.n_rot // 2
         w.rope_freqs = r.optional_vector("rope_freqs.weight", half)
         w.rope_factors_long = r.optional_vector("rope_factors_long.weight", half)
@@ -38,11 +38,3 @@ class Phi3(Transformer):
         if w.rope_freqs is not None:
             return w.rope_freqs
         return w.rope_factors_long if n_ctx > self.args.n_ctx_orig else w.rope_factors_short
-
-    def block(self, il, layer, x, batch):
-        h = self.norm(x, layer.attn_norm)
-        q, k, v = self.qkv(layer, h)  # one attn_qkv projection, split
-        x += self.out_proj(layer, self.attend(il, q, k, v, batch))
-        h = self.norm(x, layer.ffn_norm)
-        x += self.ffn(layer, h, ACT_SILU)  # one ffn_up projection: gate|up
-        return x

@@ -11,26 +11,11 @@ What differs from llama:
 
 from __future__ import annotations
 
-from .args import ModelArgs, read_common_args
-from .base import ACT_SILU, Transformer, WeightReader
+from .base import Transformer
+from .llama import Llama
 
 
 class Qwen2(Transformer):
     arch = "qwen2"
-
-    @classmethod
-    def read_args(cls, md) -> ModelArgs:
-        return read_common_args(md, "qwen2", neox=True)
-
-    @classmethod
-    def load_weights(cls, gf, args: ModelArgs):
-        r = WeightReader(gf)
-        return r.model(args, [r.layer(i, args) for i in range(args.n_layer)])  # biases: read when present
-
-    def block(self, il, layer, x, batch):
-        h = self.norm(x, layer.attn_norm)
-        q, k, v = self.qkv(layer, h)  # + attn_q/k/v.bias
-        x += self.out_proj(layer, self.attend(il, q, k, v, batch))
-        h = self.norm(x, layer.ffn_norm)
-        x += self.ffn(layer, h, ACT_SILU)
-        return x
+    rope_neox = True
+    block = Llama.block  # the same order of operations; `qkv` adds the biases the file has

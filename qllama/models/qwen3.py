@@ -12,21 +12,13 @@ What differs from qwen2:
 
 from __future__ import annotations
 
-from .args import ModelArgs, read_common_args
-from .base import ACT_SILU, Transformer, WeightReader
+from .base import ACT_SILU, Transformer
 
 
 class Qwen3(Transformer):
     arch = "qwen3"
-
-    @classmethod
-    def read_args(cls, md) -> ModelArgs:
-        return read_common_args(md, "qwen3", neox=True)
-
-    @classmethod
-    def load_weights(cls, gf, args: ModelArgs):
-        r = WeightReader(gf)
-        return r.model(args, [r.layer(i, args, qk_norm=True) for i in range(args.n_layer)])
+    rope_neox = True
+    layer_tensors = {"qk_norm": True}
 
     def block(self, il, layer, x, batch):
         h = self.norm(x, layer.attn_norm)
