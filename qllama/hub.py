@@ -182,12 +182,13 @@ def quant_tag(filename: str) -> str | None:
     return tag if tag and any(c.isdigit() for c in tag) else None
 
 
-def _is_model(path: str) -> bool:
+def is_model_file(path: str) -> bool:
+    """A GGUF that is a model (not an mmproj, imatrix or LoRA side file)."""
     name = os.path.basename(path).lower()
     return name.endswith(".gguf") and not any(s in name for s in _NOT_MODELS)
 
 
-def _shard_info(path: str) -> tuple[str, int, int]:
+def shard_info(path: str) -> tuple[str, int, int]:
     """(prefix, 1-based index, count) of a file name; (path, 1, 1) when it is not split."""
     m = _SPLIT_RE.match(path)
     return (m[1], int(m[2]), int(m[3])) if m else (path, 1, 1)
@@ -201,12 +202,12 @@ def _has_tag(path: str, tag: str) -> bool:
 
 def choose(ref: HubRef, files: list[str]) -> list[str]:
     """The files (all shards, first first) that `ref` names among a repo's file paths."""
-    models = sorted(p for p in files if _is_model(p) and _shard_info(p)[1] == 1)
+    models = sorted(p for p in files if is_model_file(p) and shard_info(p)[1] == 1)
     if ref.filename:
         if ref.filename not in files:
             listed = ", ".join(sorted(p for p in files if p.lower().endswith(".gguf"))[:12]) or "none"
             raise HubError(f"{ref.repo} has no file {ref.filename} (its GGUF files: {listed})")
-        prefix, _, n = _shard_info(ref.filename)
+        prefix, _, n = shard_info(ref.filename)
         primary = ref.filename if n == 1 else f"{prefix}-00001-of-{n:05d}.gguf"
     elif ref.tag:
         primary = next((p for p in models if _has_tag(p, ref.tag)), None)
@@ -217,7 +218,7 @@ def choose(ref: HubRef, files: list[str]) -> list[str]:
         primary = next((p for t in PREFERENCE for p in models if _has_tag(p, t)), models[0] if models else None)
         if primary is None:
             raise HubError(f"{ref.repo} has no GGUF model files")
-    prefix, _, n = _shard_info(primary)
+    prefix, _, n = shard_info(primary)
     if n == 1:
         return [primary]
     shards = [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
@@ -230,7 +231,8 @@ def choose(ref: HubRef, files: list[str]) -> list[str]:
 # -- the cache ----------------------------------------------------------------------------------
 
 
-def _hf():
+def hf_module():
+    """huggingface_hub, imported on first use."""
     import huggingface_hub  # lazily: ~0.3 s, and only hub references need it
     import huggingface_hub.constants
     import huggingface_hub.errors
@@ -355,7 +357,7 @@ def fetch(
         hit = cached(ref, cache)  # before importing huggingface_hub: a cached model needs nothing else
         if hit is not None:
             return hit
-    hf = _hf()
+    hf = hf_module()
     endpoint = (endpoint or hf.constants.ENDPOINT).rstrip("/")
     offline = hf.constants.is_offline_mode()
     if offline:

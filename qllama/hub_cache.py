@@ -12,7 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from .hub import HubError, HubRef, _hf, _is_model, _shard_info, cache_dir, choose, quant_tag, repo_folder
+from .hub import HubError, HubRef, hf_module, is_model_file, shard_info, cache_dir, choose, quant_tag, repo_folder
 
 
 @dataclass
@@ -31,7 +31,7 @@ class ListedModel:
 
 def list_models(cache: str | None = None) -> list[ListedModel]:
     """Every cached GGUF model file, by repo then file name."""
-    hf = _hf()
+    hf = hf_module()
     try:
         info = hf.scan_cache_dir(cache or cache_dir())
     except hf.errors.CacheNotFound:
@@ -43,7 +43,7 @@ def list_models(cache: str | None = None) -> list[ListedModel]:
         seen: set[str] = set()  # files of the revisions a branch points to
         for rev in sorted(repo.revisions, key=lambda r: (bool(r.refs), r.last_modified), reverse=True):
             files = {os.path.relpath(f.file_path, rev.snapshot_path).replace(os.sep, "/"): f for f in rev.files}
-            firsts = sorted(p for p in files if _is_model(p) and _shard_info(p)[1] == 1)
+            firsts = sorted(p for p in files if is_model_file(p) and shard_info(p)[1] == 1)
             if rev.refs:
                 seen.update(firsts)
             else:  # a superseded commit: only what the current one lacks
@@ -51,7 +51,7 @@ def list_models(cache: str | None = None) -> list[ListedModel]:
             tags = [quant_tag(p) for p in firsts]
             at = "" if "main" in rev.refs else f"@{sorted(rev.refs)[0]}" if rev.refs else f"@{rev.commit_hash}"
             for name, tag in zip(firsts, tags):
-                prefix, _, n = _shard_info(name)
+                prefix, _, n = shard_info(name)
                 shards = [name] if n == 1 else [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
                 present = [files[s] for s in shards if s in files]
                 unique = tag is not None and tags.count(tag) == 1

@@ -19,7 +19,7 @@ import re
 import shutil
 
 from .errors import QllamaError
-from .hub import HubError, HubRef, HubUnreachable, _hf
+from .hub import HubError, HubRef, HubUnreachable, hf_module
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SHA1_RE = re.compile(r"[0-9a-f]{40}")
@@ -187,10 +187,10 @@ class hub_errors:
     def __exit__(self, typ, exc, tb) -> bool:
         if exc is None or isinstance(exc, (QllamaError, KeyboardInterrupt)):
             return False
-        msg = _explain(exc, self.ref, self.endpoint or _hf().constants.ENDPOINT)
+        msg = _explain(exc, self.ref, self.endpoint or hf_module().constants.ENDPOINT)
         if msg is None:
             return False
-        unreachable = isinstance(exc, (_hf().errors.OfflineModeIsEnabled, ConnectionError, TimeoutError, *_network_errors()))
+        unreachable = isinstance(exc, (hf_module().errors.OfflineModeIsEnabled, ConnectionError, TimeoutError, *_network_errors()))
         raise (HubUnreachable if unreachable else HubError)(msg) from None
 
 
