@@ -93,14 +93,20 @@ def test_attention_cli_heatmap(gemma2, tmp_path):
     pieces, probs = attention_map(model, ids, 1)
     assert probs.shape == (model.args.n_head, len(ids), len(ids))
     np.testing.assert_allclose(probs.sum(axis=2), 1.0, rtol=1e-5)
-    png = tmp_path / "map.png"
-    res = CliRunner().invoke(cli, ["attention", gemma2, "hello world again", "--layer", "1", "--head", "0",
-                                   "-t", "1", "--png", str(png)])
+    res = CliRunner().invoke(cli, ["attention", gemma2, "hello world again", "--layer", "1", "--head", "0", "-t", "1"])
     assert res.exit_code == 0, res.output
     rows = [ln for ln in res.stdout.splitlines() if ln.rstrip().endswith("|") and ln[:5].strip().isdigit()]
     assert len(rows) == len(ids)
     # row i shows the head-0 weights: the first query attends to itself only (a full block)
     assert rows[0].split("|")[1].startswith("██")
+
+
+def test_attention_cli_png(gemma2, tmp_path):
+    pytest.importorskip("matplotlib", reason="--png needs the [plot] extra (test_attention_png_without_matplotlib covers its absence)")
+    png = tmp_path / "map.png"
+    res = CliRunner().invoke(cli, ["attention", gemma2, "hello world again", "--layer", "1", "--head", "0",
+                                   "-t", "1", "--png", str(png)])
+    assert res.exit_code == 0, res.output
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
