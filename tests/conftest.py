@@ -19,3 +19,24 @@ def shared_path(*parts: str) -> Path:
     if not p.exists():
         pytest.skip(f"{p} is absent (the read-only ../shared folder is not beside this checkout)")
     return p
+
+
+@pytest.fixture
+def float_path():
+    """Run a test on the float kernels, restoring the int8-activation setting afterwards."""
+    from qllama.qtensor import int8_activations, set_int8_activations
+
+    was_on = bool(int8_activations())
+    set_int8_activations(False)
+    yield
+    set_int8_activations(was_on)
+
+
+@pytest.fixture
+def int8_mode():
+    """`set_int8_activations`, with the setting restored after the test."""
+    from qllama.qtensor import int8_activations, set_int8_activations
+
+    was_on = bool(int8_activations())
+    yield set_int8_activations
+    set_int8_activations(was_on)

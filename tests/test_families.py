@@ -21,7 +21,6 @@ import pytest
 
 import qllama
 from conftest import REPO, SHARED
-from qllama.qtensor import int8_activations, set_int8_activations
 from reference_forward import Reference
 from tools.make_model import ModelSpec, family_spec, family_template, write_model
 
@@ -99,13 +98,6 @@ def files(tmp_path_factory):
         return cache[name]
 
     return get
-
-
-@pytest.fixture
-def int8_mode():
-    was = bool(int8_activations())
-    yield set_int8_activations
-    set_int8_activations(was)
 
 
 def _ids(model, n: int = N_TOKENS, seed: int = 0) -> list[int]:

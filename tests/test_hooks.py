@@ -50,14 +50,6 @@ def files(tmp_path_factory):
     return get
 
 
-@pytest.fixture
-def float_path():
-    was = bool(int8_activations())
-    set_int8_activations(False)
-    yield
-    set_int8_activations(was)
-
-
 def _ids(n_vocab: int, n: int = N_TOKENS, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, n_vocab, size=n).tolist()
 

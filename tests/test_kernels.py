@@ -95,13 +95,6 @@ def scaled_err(y: np.ndarray, ref: np.ndarray, w64: np.ndarray, x: np.ndarray) -
     return float(np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(x.astype(np.float64)) @ np.abs(w64).T))
 
 
-@pytest.fixture
-def float_path():
-    set_int8_activations(False)
-    yield
-    set_int8_activations(True)
-
-
 # -- dequantization ---------------------------------------------------------------------------
 
 

@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 import qllama
 from qllama.cli import cli
-from qllama.qtensor import int8_activations, set_int8_activations
 from reference_forward import Reference, rmsnorm
 from tools.make_model import family_spec, write_model
 
@@ -28,14 +27,6 @@ def gemma2(tmp_path_factory):
     write_model(path, family_spec("gemma2", n_layer=3, n_head_kv=2, head_dim=32, sliding_window=8, attn_softcap=2.0,
                                   final_softcap=3.0, seed=7, n_embd=64, n_ff=128, n_head=4))
     return str(path)
-
-
-@pytest.fixture
-def float_path():
-    was = bool(int8_activations())
-    set_int8_activations(False)
-    yield
-    set_int8_activations(was)
 
 
 IDS = [5, 17, 3, 44, 9, 12, 30, 7, 21, 2, 60, 11]

@@ -14,7 +14,7 @@ import qllama
 from conftest import shared_path
 from qllama.generate import Timings
 from qllama.lookup import NgramDrafter, accept_draft, batch_matches_decode
-from qllama.qtensor import int8_activations, set_int8_activations
+from qllama.qtensor import int8_activations
 from tools.make_model import ModelSpec, family_spec, write_model
 
 # name -> (spec, load options). Random-weight models fall into loops under greedy decoding,
@@ -49,13 +49,6 @@ def models(tmp_path_factory):
         return loaded[name]
 
     return get
-
-
-@pytest.fixture
-def int8_mode():
-    was = bool(int8_activations())
-    yield set_int8_activations
-    set_int8_activations(was)
 
 
 def _run(model: qllama.Model, ids: list[int], **kw) -> tuple[list[int], str, Timings]:

@@ -14,7 +14,7 @@ import pytest
 from qllama.errors import QllamaError, UnsupportedError
 from qllama.gguf import GGUFFile
 from qllama.models import ModelArgs, build_model
-from qllama.qtensor import int8_activations, set_int8_activations
+from qllama.qtensor import int8_activations
 from tools.make_model import ModelSpec, write_model
 
 
@@ -86,15 +86,6 @@ CASES = {
         1e-4,
     ),
 }
-
-
-@pytest.fixture
-def float_path():
-    """Run a test on the float kernels, restoring the int8-activation setting afterwards."""
-    was_on = bool(int8_activations())
-    set_int8_activations(False)
-    yield
-    set_int8_activations(was_on)
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,10 @@ import pytest
 from qllama.errors import UnsupportedError
 from qllama.gguf import GGUFFile
 from qllama.models import SUPPORTED_ARCHITECTURES, build_model, read_args
-from qllama.qtensor import int8_activations, set_int8_activations
 from tools.make_model import ModelSpec, family_spec, write_model
 
 WINDOW = 8
 N_CTX = 96
-
-
-@pytest.fixture
-def float_path():
-    was = bool(int8_activations())
-    set_int8_activations(False)
-    yield
-    set_int8_activations(was)
 
 
 @pytest.fixture(scope="module")

@@ -142,24 +142,15 @@ def write_case(case: Case, source: Path, out: Path) -> Path:
     """Write one hostile file; returns its path (OUT/<name>.gguf)."""
     import gguf
 
-    from qllama.gguf import GGUFFile, ValueType
+    from qllama.gguf import GGUFFile
+    from qllama.quantize.writer import copy_metadata
 
     dst = out / f"{case.name}.gguf"
     tmp = dst.with_suffix(".gguf.part")
     rng = np.random.default_rng(0)
     gf = GGUFFile(source)
     writer = gguf.GGUFWriter(str(tmp), gf.metadata["general.architecture"])
-    skip = {"general.architecture", "general.alignment"}
-    for key, value in gf.metadata.items():
-        if key in skip or key in case.kv:
-            continue
-        mtype = gf.metadata_types[key]
-        vt = gguf.GGUFValueType(int(mtype.type))
-        if mtype.type == ValueType.ARRAY:
-            items = value.tolist() if isinstance(value, np.ndarray) else list(value)
-            writer.add_key_value(key, items, vt, sub_type=gguf.GGUFValueType(int(mtype.item.type)))
-        else:
-            writer.add_key_value(key, value, vt)
+    copy_metadata(writer, gf, skip_keys=case.kv)
     for key, (value, vtype) in case.kv.items():
         writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
 

@@ -90,14 +90,15 @@ def _scalar(v: Any) -> Any:
     return v
 
 
-def _copy_metadata(writer, g) -> None:
-    """Copy every metadata key of GGUFFile g to a GGUFWriter, keeping each value's GGUF type."""
+def copy_metadata(writer, g, skip_keys=()) -> None:
+    """Copy every metadata key of GGUFFile g to a GGUFWriter, keeping each value's GGUF type
+    (but the keys the writer sets itself, and `skip_keys`)."""
     from gguf import GGUFValueType
 
     from ..gguf import ValueType
 
     skip = {"general.architecture", "general.alignment", "general.file_type", "general.quantization_version",
-            "split.no", "split.count", "split.tensors.count"}  # set by the writer / ours / not a split
+            "split.no", "split.count", "split.tensors.count", *skip_keys}  # set by the writer / ours / not a split
     for key, value in g.metadata.items():
         if key in skip:
             continue
@@ -190,7 +191,7 @@ def quantize_gguf(
         try:
             if "general.alignment" in g.metadata:
                 writer.add_custom_alignment(int(g.alignment))
-            _copy_metadata(writer, g)
+            copy_metadata(writer, g)
             writer.add_quantization_version(GGML_QNT_VERSION)
             writer.add_file_type(p.ftype)
             for pl in plans:
