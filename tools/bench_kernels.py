@@ -3,6 +3,7 @@
     python tools/bench_kernels.py                 # GB/s, GFLOP/s, vectorisation report
     python tools/bench_kernels.py --cold-compile  # compile time of every kernel, empty cache
     python tools/bench_kernels.py --types q4_K q8_0 --threads 1 --reps 10 --no-asm  # a quick subset
+    python tools/bench_kernels.py --compare HEAD~1 --rounds 4   # A B A B: that commit's kernels vs these
 
 Reports, at 1 and 2 threads (--threads) (medians of repetitions; the machine is shared and noisy):
 - machine read bandwidth: numpy.sum over a 1 GiB float32 array split across the threads;
@@ -12,6 +13,14 @@ Reports, at 1 and 2 threads (--threads) (medians of repetitions; the machine is 
   the default path (int8 activations where available) and the float path;
 - mat-mat GFLOP/s (2 * ne0 * ne1 * batch / time) at a batch of 64 tokens;
 - which packed-SIMD instructions the inner loops use (from `kernel.inspect_asm(sig)`).
+
+--compare REV runs two worker processes, one importing qllama as of git revision REV (extracted
+into a temporary directory, its own Numba cache) and one this tree, and alternates them pass by
+pass (A B A B): per type, on the matrix shapes of the small models whose mixes use the 32-element
+types (Qwen2.5-0.5B: 896x4864 and 4864x896; SmolLM2-135M: 576x1536), the time of one int8-path
+mat-vec (weights rotated through copies, so they stream from DRAM) and of a mat-mat of 4, 9
+(a prompt-lookup batch) and 64 tokens with activations already quantized. Prints medians over
+passes of wall and CPU time (`time.process_time`, all threads) per call, and new / old.
 """
 
 from __future__ import annotations
@@ -210,6 +219,104 @@ def cold_compile() -> None:
     print(f"the same with the cache filled: {warm} s")
 
 
+CMP_SHAPES = [(896, 4864), (4864, 896), (576, 1536)]  # (ne0, ne1)
+CMP_TYPES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q6_K"]
+CMP_TOKENS = [1, 4, 9, 64]
+CMP_STREAM = 64 << 20  # rotated copies for the mat-vec: 2x the L3
+
+
+def cmp_matrix(tname: str, ne0: int, ne1: int):
+    """A deterministic random matrix of type tname (legacy types via gguf-py's quantizer)."""
+    from gguf import GGMLQuantizationType as GQ
+    from gguf import quants as gq
+
+    from qllama.ggml_types import GGML_TYPES_BY_NAME
+    from qllama.qtensor import QTensor
+
+    rng = np.random.default_rng(ne0 * 7 + ne1)
+    t = GGML_TYPES_BY_NAME[tname]
+    if tname.endswith("_K"):
+        return make_matrix(tname, ne0, ne1, rng)
+    raw = gq.quantize(rng.standard_normal((ne1, ne0)).astype(np.float32), GQ(t.id))
+    return QTensor.from_bytes(t.id, np.ascontiguousarray(raw), (ne0, ne1))
+
+
+def cmp_worker(args) -> None:
+    """Serve passes: on each input line, time every (type, shape, tokens) once; print one JSON line."""
+    import json
+
+    sys.path.insert(0, args.tree)  # before any qllama import: that tree's package
+    import qllama
+    from qllama.qtensor import QTensor, quantize_activation, set_threads
+
+    assert Path(qllama.__file__).resolve().is_relative_to(Path(args.tree).resolve()), qllama.__file__
+    set_threads(args.threads[0])
+    rng = np.random.default_rng(1)
+    items = []
+    for tname in args.types:
+        for ne0, ne1 in CMP_SHAPES:
+            q = cmp_matrix(tname, ne0, ne1)
+            for n_tok in CMP_TOKENS:
+                act = quantize_activation(rng.standard_normal((n_tok, ne0)).astype(np.float32))
+                out = np.empty((n_tok, ne1), np.float32)
+                q.matmul(act, out)  # compile, quantize the activation once
+                items.append((f"{tname} {ne0}x{ne1} n={n_tok}", q, act, out))
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        res = {}
+        for key, q, act, out in items:
+            mats = [q]
+            if act.n_tok == 1:
+                n_copy = max(2, CMP_STREAM // q.nbytes)
+                mats = [QTensor.from_bytes(q.type_id, q.raw.copy(), q.shape) for _ in range(n_copy)]
+            calls = max(len(mats), int(2e8 // (q.n_cols * q.n_rows * act.n_tok)) + 1)
+            walls = []
+            c0 = time.process_time()
+            for i in range(calls):
+                t = time.perf_counter()
+                mats[i % len(mats)].matmul(act, out)
+                walls.append(time.perf_counter() - t)
+            res[key] = (float(np.median(walls)), (time.process_time() - c0) / calls)
+            del mats
+        print(json.dumps(res), flush=True)
+
+
+def compare(args) -> None:
+    """A B A B: the kernels of git revision args.compare vs this tree (see the module docstring)."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--cmp-worker", "--threads", str(args.threads[0]), "--types", *args.types]
+    with tempfile.TemporaryDirectory() as old:
+        arc = subprocess.run(["git", "-C", str(root), "archive", args.compare, "qllama"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", old], input=arc.stdout, check=True)
+        procs = {}
+        for name, tree in (("old", old), ("new", str(root))):
+            procs[name] = subprocess.Popen([sys.executable, __file__, *argv, "--tree", tree], cwd=tree, text=True,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for p in procs.values():
+            assert p.stdout.readline().strip() == "ready"
+        runs = {"old": [], "new": []}
+        loads = []
+        for _ in range(args.rounds):
+            for name, p in procs.items():
+                loads.append(os.getloadavg()[0])
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                runs[name].append(json.loads(p.stdout.readline()))
+        for p in procs.values():
+            p.stdin.close()
+            p.wait()
+    print(f"# {args.compare} (old) vs this tree (new), {args.threads[0]} thread(s), {args.rounds} passes each, "
+          f"A B A B; load average during the run {min(loads):.1f}..{max(loads):.1f}")
+    print(f"# per call, medians over passes; n=1 streams weights from DRAM, n>1 has activations already quantized")
+    print(f"{'matrix':28} {'old us':>9} {'new us':>9} {'new/old':>7} {'old cpu':>9} {'new cpu':>9} {'new/old':>7}")
+    for key in runs["old"][0]:
+        ow, oc = (float(np.median([r[key][i] for r in runs["old"]])) * 1e6 for i in (0, 1))
+        nw, nc = (float(np.median([r[key][i] for r in runs["new"]])) * 1e6 for i in (0, 1))
+        print(f"{key:28} {ow:9.1f} {nw:9.1f} {nw / ow:7.2f} {oc:9.1f} {nc:9.1f} {nc / oc:7.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
@@ -217,9 +324,19 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="thread counts to measure (default: 1 2)")
     ap.add_argument("--no-asm", action="store_true", help="skip the vectorisation report (it recompiles every kernel)")
     ap.add_argument("--cold-compile", action="store_true", help="measure kernel compile time with an empty cache")
+    ap.add_argument("--compare", metavar="REV", help="A B A B: the kernels of git revision REV vs this tree")
+    ap.add_argument("--rounds", type=int, default=4, help="passes per side with --compare (default 4)")
     ap.add_argument("--asm", action="store_true", help=argparse.SUPPRESS)  # internal: vectorisation report
+    ap.add_argument("--cmp-worker", action="store_true", help=argparse.SUPPRESS)  # internal: one side of --compare
+    ap.add_argument("--tree", help=argparse.SUPPRESS)  # internal: the worker's source tree
     args = ap.parse_args()
-    if args.asm:
+    if args.compare and args.types == TYPES:
+        args.types = CMP_TYPES
+    if args.cmp_worker:
+        cmp_worker(args)
+    elif args.compare:
+        compare(args)
+    elif args.asm:
         vector_report()
     elif args.cold_compile:
         cold_compile()

@@ -131,50 +131,6 @@ def _q6_core(builder, base, xps, sc):
     return accs
 
 
-def _q8_products(builder, w, x):
-    """pmaddubsw of two signed <32 x i8>: |w| * (x * sign(w)) (|w| = 128 for w = -128 is fine unsigned)."""
-    zero = _splat(_I8, 32, 0)
-    neg = builder.icmp_signed("<", w, zero)
-    aw = builder.select(neg, builder.sub(zero, w), w)
-    sx = builder.select(neg, builder.sub(zero, x), x)
-    sx = builder.select(builder.icmp_signed("==", w, zero), zero, sx)
-    return _maddubs(builder, aw, sx)
-
-
-def _legacy_codegen(context, builder, signature, args, with_qh):
-    """sum over one 32-element q4_0/q4_1 (or q5_*) block of the *unsigned* quants times xq."""
-    base = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
-    v = builder.load(builder.bitcast(base, ir.PointerType(_vec(_I8, 16))), align=1)
-    lo = builder.and_(v, _splat(_I8, 16, 15))
-    hi = builder.lshr(v, _splat(_I8, 16, 4))
-    q = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))  # elements 0..31
-    if with_qh:  # bit e of the uint32 qh is the 5th bit of element e
-        qh = builder.trunc(args[4], _I32)
-        spl = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(_I32, 32), None), qh, ir.Constant(_I32, 0)),
-                                     ir.Constant(_vec(_I32, 32), None), ir.Constant(_vec(_I32, 32), [0] * 32))
-        bits = builder.and_(spl, ir.Constant(_vec(_I32, 32), [1 << i for i in range(31)] + [-(1 << 31)]))
-        set_ = builder.icmp_unsigned("!=", bits, ir.Constant(_vec(_I32, 32), [0] * 32))
-        q = builder.or_(q, builder.select(set_, _splat(_I8, 32, 16), _splat(_I8, 32, 0)))
-    x = _load32(builder, _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32)))
-    return _hsum(builder, _maddwd(builder, _maddubs(builder, q, x), _splat(_I16, 16, 1)))
-
-
-@intrinsic
-def dot_q4_legacy(typingctx, row, qo, xq, xo):
-    """sum_l q_l * xq[xo+l] for the 16 nibble bytes at row[qo:] (q4_0 / q4_1 quants, unsigned 0..15)."""
-    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
-        return None
-    return types.int64(row, qo, xq, xo), lambda c, b, sg, a: _legacy_codegen(c, b, sg, a, False)
-
-
-@intrinsic
-def dot_q5_legacy(typingctx, row, qo, xq, xo, qh):
-    """As dot_q4_legacy with 5th bits from qh (the block's uint32): q5_0 / q5_1 quants, 0..31."""
-    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8)):
-        return None
-    return types.int64(row, qo, xq, xo, qh), lambda c, b, sg, a: _legacy_codegen(c, b, sg, a, True)
-
-
 def _two_bit_codegen(context, builder, signature, args, kind):
     """Shared codegen of dot_q2_k / dot_q3_k over one super-block at row[bo:].
 
@@ -282,21 +238,22 @@ def _row_loop(builder, nb, body, n_acc):
 
 
 def _row_ptrs(context, builder, signature, args):
-    """(row u8*, [per token: (xq i8*, xd f32*, xs i32*)]) from a row intrinsic's arguments.
+    """(row u8*, [per token: (xq i8*, xd f32*, xs i32* or f32*)]) from a row intrinsic's arguments.
 
     1-D activations: one token. 2-D (n_tok, .) activations plus a first token t0 (args[5]):
     N_TILE tokens t0 .. t0+N_TILE-1.
     """
     z = ir.Constant(_I64, 0)
     rowp = _ptr(context, builder, signature.args[0], args[0], z, _I8)
+    sty = ir.FloatType() if signature.args[4].dtype == types.float32 else _I32
+    tys = ((2, _I8), (3, ir.FloatType()), (4, sty))
     if signature.args[2].ndim == 1:
-        return rowp, [tuple(_ptr(context, builder, signature.args[k], args[k], z, ty)
-                            for k, ty in ((2, _I8), (3, ir.FloatType()), (4, _I32)))]
+        return rowp, [tuple(_ptr(context, builder, signature.args[k], args[k], z, ty) for k, ty in tys)]
     toks = []
     for i in range(N_TILE):
         t = builder.add(args[5], ir.Constant(_I64, i))
         ptrs = []
-        for k, ty in ((2, _I8), (3, ir.FloatType()), (4, _I32)):
+        for k, ty in tys:
             ary = context.make_array(signature.args[k])(context, builder, args[k])
             stride = builder.extract_value(ary.strides, 0)  # bytes between tokens
             p = builder.gep(builder.bitcast(ary.data, ir.PointerType(_I8)), [builder.mul(t, stride)])
@@ -381,21 +338,78 @@ def _row_q6_k(context, builder, signature, args):
     return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
 
 
-def _row_q8_0(context, builder, signature, args):
-    """A whole q8_0 row times a q8_0 activation: sum_b d_b*dx_b*sum_l w_l x_l (xs unused)."""
+# 32-element blocks: kind -> (block bytes, offset of the quants, of the 32 fifth bits (or None),
+# of the fp16 min m (or None), offset subtracted from the unsigned quants)
+_LEGACY = {
+    "q4_0": (18, 2, None, None, 8),
+    "q4_1": (20, 4, None, 2, 0),
+    "q5_0": (22, 6, 2, None, 16),
+    "q5_1": (24, 8, 4, 2, 0),
+    "q8_0": (34, 2, None, None, 0),
+}
+
+
+def _psign(builder, a, b):
+    """a negated where b < 0, zeroed where b == 0 (vpsignb)."""
+    v = _vec(_I8, 32)
+    fn = builder.module.declare_intrinsic("llvm.x86.avx2.psign.b", fnty=ir.FunctionType(v, [v, v]))
+    return builder.call(fn, [a, b])
+
+
+def _fifth_bits(builder, p):
+    """<32 x i8>: 16 where bit e of the uint32 at i8* p is set (element e's fifth bit), else 0."""
+    qh = builder.bitcast(builder.load(builder.bitcast(p, ir.PointerType(_I32)), align=1), _vec(_I8, 4))
+    spread = _lanes(builder, qh, [e // 8 for e in range(32)])  # byte e // 8 in lane e
+    mask = ir.Constant(_vec(_I8, 32), [((1 << (e % 8)) ^ 128) - 128 for e in range(32)])  # bit e % 8 as a signed i8
+    is_set = builder.icmp_unsigned("!=", builder.and_(spread, mask), _splat(_I8, 32, 0))
+    return builder.select(is_set, _splat(_I8, 32, 16), _splat(_I8, 32, 0))
+
+
+def _row_legacy(context, builder, signature, args, kind):
+    """q4_0 / q4_1 / q5_0 / q5_1 / q8_0 row(s) times q8_0 or q8_1 activation(s), as ggml's vec_dot:
+
+    per block b, isum = sum_l q_l x_l in int32 (pmaddubsw + pmaddwd; q unsigned, or |w| and sign(x, w)
+    for q8_0), minus off * xs_b for q4_0/q5_0 (xs: int32 sums of x); then acc += d_b*dx_b*isum, and
+    for q4_1/q5_1 + m_b * s_b (xs: float32 s of q8_1). The weights are unpacked once for all tokens.
+    """
+    bsz, qoff, qh_off, m_off, off = _LEGACY[kind]
     v8f = _vec(ir.FloatType(), 8)
     rowp, toks = _row_ptrs(context, builder, signature, args)
-    xqp, xdp, _ = toks[0]
+    v32 = ir.PointerType(_vec(_I8, 32))
+    ones = _splat(_I16, 16, 1)
 
     def body(b, accs):
-        blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 34)))
-        d = builder.fmul(_load_f16(builder, blk), builder.load(builder.gep(xdp, [b]), align=4))
-        w = builder.load(builder.bitcast(_gep8(builder, blk, 2), ir.PointerType(_vec(_I8, 32))), align=1)
-        x = builder.load(builder.bitcast(_gep8(builder, xqp, builder.mul(b, ir.Constant(_I64, 32))), ir.PointerType(_vec(_I8, 32))), align=1)
-        isum = _maddwd(builder, _q8_products(builder, w, x), _splat(_I16, 16, 1))
-        return [builder.fadd(accs[0], builder.fmul(_splat_f(builder, d), builder.sitofp(isum, v8f)))]
+        blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
+        d = _load_f16(builder, blk)
+        qp = _gep8(builder, blk, qoff)
+        if kind == "q8_0":
+            w = builder.load(builder.bitcast(qp, v32), align=1)
+            q = _psign(builder, w, w)  # |w| (|-128| = 128 read unsigned)
+        else:
+            v = builder.load(builder.bitcast(qp, ir.PointerType(_vec(_I8, 16))), align=1)
+            lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
+            q = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))  # elements 0..31
+            if qh_off is not None:
+                q = builder.or_(q, _fifth_bits(builder, _gep8(builder, blk, qh_off)))
+        m = _load_f16(builder, _gep8(builder, blk, m_off)) if m_off is not None else None
+        out = []
+        for acc, (xq, xd, xs) in zip(accs, toks):
+            x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), v32), align=1)
+            if kind == "q8_0":
+                x = _psign(builder, x, w)
+            isum = _maddwd(builder, _maddubs(builder, q, x), ones)  # (8,) i32
+            if off:
+                corr = builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, off))
+                isum = builder.sub(isum, builder.insert_element(ir.Constant(_vec(_I32, 8), [0] * 8), corr, ir.Constant(_I32, 0)))
+            db = builder.fmul(d, builder.load(builder.gep(xd, [b]), align=4))
+            prod = builder.fmul(_splat_f(builder, db), builder.sitofp(isum, v8f))
+            if m is not None:
+                ms = builder.fmul(m, builder.load(builder.gep(xs, [b]), align=4))
+                prod = builder.fadd(prod, builder.insert_element(ir.Constant(v8f, [0.0] * 8), ms, ir.Constant(_I32, 0)))
+            out.append(builder.fadd(acc, prod))
+        return out
 
-    return _pack(context, builder, signature, _row_loop(builder, args[1], body, 1))
+    return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
 
 
 def _pack(context, builder, signature, sums):
@@ -405,12 +419,14 @@ def _pack(context, builder, signature, sums):
     return context.make_tuple(builder, signature.return_type, sums)
 
 
-def _row_sig(row, nb, xq, xd, xs, t0=None):
+def _row_sig(row, nb, xq, xd, xs, t0=None, xs_dtypes=(types.int32,)):
     """Signature of a row intrinsic: 1-D activations -> float32; 2-D plus t0 -> N_TILE float32s."""
     if not (_is_arr(row, types.uint8) and isinstance(nb, types.Integer)):
         return None
+    if not (isinstance(xs, types.Array) and xs.dtype in xs_dtypes):
+        return None
     acts = (xq, xd, xs)
-    dtypes = (types.int8, types.float32, types.int32)
+    dtypes = (types.int8, types.float32, xs.dtype)
     if t0 is None:
         ok = all(_is_arr(a, dt) for a, dt in zip(acts, dtypes))
         return types.float32(row, nb, xq, xd, xs) if ok else None
@@ -441,13 +457,6 @@ def row_dot_q6_k(typingctx, row, nb, xq, xd, xs):
 
 
 @intrinsic
-def row_dot_q8_0(typingctx, row, nb, xq, xd, xs):
-    """A q8_0 row (nb blocks) times one q8_0 activation (xd per 32; xs unused) -> float32."""
-    sig = _row_sig(row, nb, xq, xd, xs)
-    return (sig, _row_q8_0) if sig else None
-
-
-@intrinsic
 def row_dot4_q4_k(typingctx, row, nb, xq, xd, xs, t0):
     """A q4_K row times tokens t0..t0+3 of 2-D q8_K activations -> 4 float32 (weights unpacked once).
 
@@ -469,3 +478,55 @@ def row_dot4_q6_k(typingctx, row, nb, xq, xd, xs, t0):
     """As row_dot4_q4_k for q6_K."""
     sig = _row_sig(row, nb, xq, xd, xs, t0)
     return (sig, _row_q6_k) if sig else None
+
+
+@intrinsic
+def row_dot_q8_0(typingctx, row, nb, xq, xd, xs):
+    """A q8_0 row (nb blocks) times one q8_0 activation (xd per 32; xs unused) -> float32."""
+    sig = _row_sig(row, nb, xq, xd, xs)
+    return (sig, lambda c, b, sg, a: _row_legacy(c, b, sg, a, "q8_0")) if sig else None
+
+
+@intrinsic
+def row_dot4_q8_0(typingctx, row, nb, xq, xd, xs, t0):
+    """As row_dot4_q4_k for q8_0 (q8_0 activations)."""
+    sig = _row_sig(row, nb, xq, xd, xs, t0)
+    return (sig, lambda c, b, sg, a: _row_legacy(c, b, sg, a, "q8_0")) if sig else None
+
+
+def _legacy_sig(bits, row, nb, xq, xd, xs, t0=None):
+    """(signature, codegen) of a q4_0/q4_1 (bits 4) or q5_0/q5_1 (bits 5) row intrinsic.
+
+    The activation form picks the variant, as the types pair in ggml: q8_0 activations (int32
+    sums xs) go with q4_0 / q5_0, q8_1 activations (float32 s) with q4_1 / q5_1.
+    """
+    sig = _row_sig(row, nb, xq, xd, xs, t0, xs_dtypes=(types.int32, types.float32))
+    if sig is None:
+        return None
+    kind = f"q{bits}_{0 if xs.dtype == types.int32 else 1}"
+    return sig, lambda c, b, sg, a: _row_legacy(c, b, sg, a, kind)
+
+
+@intrinsic
+def row_dot_q4_legacy(typingctx, row, nb, xq, xd, xs):
+    """A q4_0 row times one q8_0 activation (int32 xs), or a q4_1 row times one q8_1 activation
+    (float32 xs) -> float32."""
+    return _legacy_sig(4, row, nb, xq, xd, xs)
+
+
+@intrinsic
+def row_dot_q5_legacy(typingctx, row, nb, xq, xd, xs):
+    """As row_dot_q4_legacy for q5_0 / q5_1 rows."""
+    return _legacy_sig(5, row, nb, xq, xd, xs)
+
+
+@intrinsic
+def row_dot4_q4_legacy(typingctx, row, nb, xq, xd, xs, t0):
+    """row_dot_q4_legacy for tokens t0..t0+3 of 2-D activations -> 4 float32 (bit for bit the same)."""
+    return _legacy_sig(4, row, nb, xq, xd, xs, t0)
+
+
+@intrinsic
+def row_dot4_q5_legacy(typingctx, row, nb, xq, xd, xs, t0):
+    """row_dot_q5_legacy for tokens t0..t0+3 of 2-D activations -> 4 float32."""
+    return _legacy_sig(5, row, nb, xq, xd, xs, t0)

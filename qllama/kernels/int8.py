@@ -17,9 +17,10 @@ float scales, so the only error versus float is the rounding of x to 8 bits, lik
 Each mat-mul kernel takes x as (n_tok, ne0) and serves both decode (n_tok = 1) and prefill:
 rows are split over threads (one `prange` over one contiguous chunk of rows per thread); for
 each tile of TOKEN_TILE tokens a row is read from memory once (then from L1) and applied to
-every token of the tile. q4_K, q5_K, q6_K and q8_0 use whole-row intrinsics (vector
-accumulators, one horizontal sum per row; q4_K/q5_K/q6_K also a 4-token variant that unpacks
-the weights once for 4 tokens); the others call a per-block intrinsic.
+every token of the tile. All but q2_K/q3_K use whole-row intrinsics (vector accumulators, one
+horizontal sum per row) and a 4-token variant that unpacks the weights once for 4 tokens and
+computes, per token, exactly what the one-token intrinsic computes (so prefill rows equal
+decode bit for bit); q2_K/q3_K call a per-block intrinsic.
 """
 
 from __future__ import annotations
@@ -29,18 +30,21 @@ from numba import prange
 
 from .jit import kernel
 
-from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0
+from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1
 from ._fp16 import f16_at
 from ._x86 import (
     dot_q2_k,
     dot_q3_k,
-    dot_q4_legacy,
-    dot_q5_legacy,
     row_dot4_q4_k,
+    row_dot4_q4_legacy,
     row_dot4_q5_k,
+    row_dot4_q5_legacy,
     row_dot4_q6_k,
+    row_dot4_q8_0,
     row_dot_q4_k,
+    row_dot_q4_legacy,
     row_dot_q5_k,
+    row_dot_q5_legacy,
     row_dot_q6_k,
     row_dot_q8_0,
 )
@@ -162,11 +166,6 @@ def quantize_q8_1(x, xq, xd, xs):
 
 
 @kernel(**_NOPY)
-def _u32(row, o):
-    return np.int64(row[o]) | (np.int64(row[o + 1]) << 8) | (np.int64(row[o + 2]) << 16) | (np.int64(row[o + 3]) << 24)
-
-
-@kernel(**_NOPY)
 def _chunks(n_rows, n_threads):
     """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk).
 
@@ -176,7 +175,7 @@ def _chunks(n_rows, n_threads):
     return n, (n_rows + n - 1) // n
 
 
-# Row kernels (q4_K, q5_K, q6_K, q8_0): the whole row dot product is one intrinsic (`_x86.py`)
+# Row kernels (q4_K, q5_K, q6_K, q8_0, q4_0, q4_1, q5_0, q5_1): the whole row dot product is one intrinsic (`_x86.py`)
 # that loops over the blocks in IR with a vector accumulator. Per row chunk and tile of tokens,
 # a row is read from memory once and stays in L1 for the other tokens of the tile.
 
@@ -250,8 +249,14 @@ def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
+                t1 = min(n_tok, t0 + TOKEN_TILE)
+                t = t0
+                while t + 4 <= t1:  # 4 tokens per call: each weight block is loaded once for them
+                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q8_0(row, nb, xq, xd, xs, t)
+                    t += 4
+                while t < t1:
                     out[t, r] = row_dot_q8_0(row, nb, xq[t], xd[t], xs[t])
+                    t += 1
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
@@ -260,37 +265,38 @@ def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
 
     q4_0: d*(q-8), q5_0: d*(q-16) with q8_0 activations (xs int32 sums of xq) -> d*dx*(sum q xq - off*xs);
     q4_1 / q5_1: d*q + m with q8_1 activations (xs float32 s = fp16(dx * sum xq)) -> d*dx*sum q xq + m*s.
+    The activation form selects _0 or _1 inside the row intrinsics (`_x86.py`); type_id the block size.
     """
-    n_rows = raw.shape[0]
-    n_tok = xq.shape[0]
+    n_rows, n_tok = raw.shape[0], xq.shape[0]
+    five = type_id == Q5_0 or type_id == Q5_1
     if type_id == Q4_0:
-        bb, qo, off, has_m, has_h = 18, 2, 8, False, False
+        bb = 18
     elif type_id == Q4_1:
-        bb, qo, off, has_m, has_h = 20, 4, 0, True, False
+        bb = 20
     elif type_id == Q5_0:
-        bb, qo, off, has_m, has_h = 22, 6, 16, False, True
+        bb = 22
     else:
-        bb, qo, off, has_m, has_h = 24, 8, 0, True, True
+        bb = 24
     nb = raw.shape[1] // bb
     n_chunks, per = _chunks(n_rows, n_threads)
     for c in prange(n_chunks):
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(c * per, min(n_rows, (c + 1) * per)):
                 row = raw[r]
-                for t in range(t0, min(n_tok, t0 + TOKEN_TILE)):
-                    xqt, xdt, xst = xq[t], xd[t], xs[t]
-                    acc = np.float32(0.0)
-                    for b in range(nb):
-                        o = b * bb
-                        if has_h:
-                            isum = dot_q5_legacy(row, o + qo, xqt, b * QK8_0, _u32(row, o + qo - 4))
-                        else:
-                            isum = dot_q4_legacy(row, o + qo, xqt, b * QK8_0)
-                        v = (xdt[b] * f16_at(row, o, tab)) * np.float32(isum - off * xst[b])
-                        if has_m:
-                            v += f16_at(row, o + 2, tab) * np.float32(xst[b])
-                        acc += v
-                    out[t, r] = acc
+                t1 = min(n_tok, t0 + TOKEN_TILE)
+                t = t0
+                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                    if five:
+                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_legacy(row, nb, xq, xd, xs, t)
+                    else:
+                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_legacy(row, nb, xq, xd, xs, t)
+                    t += 4
+                while t < t1:
+                    if five:
+                        out[t, r] = row_dot_q5_legacy(row, nb, xq[t], xd[t], xs[t])
+                    else:
+                        out[t, r] = row_dot_q4_legacy(row, nb, xq[t], xd[t], xs[t])
+                    t += 1
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
