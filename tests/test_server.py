@@ -456,6 +456,39 @@ def test_queue_bound_counts_waiting_jobs_beyond_the_free_slots():
     sched.submit(Job([1], GenParams(), print))
 
 
+def test_mailbox_delivers_a_steps_events_in_order_with_one_wakeup():
+    import asyncio
+
+    from qllama.server.app import Mailbox
+    from qllama.server.scheduler import Event
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
+        box, qa, qb = Mailbox(loop), asyncio.Queue(), asyncio.Queue()
+        posts = [(qa, Event("text", text="a1")), (qb, Event("text", text="b1")), (qa, Event("done", text="a2"))]
+        worker = threading.Thread(target=lambda: [box.post(q, e) for q, e in posts])
+        worker.start()
+        worker.join()  # the loop has not run meanwhile: all three wait for one delivery
+        await asyncio.sleep(0)
+        got_a = [qa.get_nowait().text for _ in range(qa.qsize())]
+        got_b = [qb.get_nowait().text for _ in range(qb.qsize())]
+        box.post(qb, Event("text", text="b2"))  # the next step schedules a new delivery
+        await asyncio.sleep(0)
+        return len(wakeups), got_a, got_b, qb.get_nowait().text
+
+    assert asyncio.run(main()) == (2, ["a1", "a2"], ["b1"], "b2")
+
+    loop = asyncio.new_event_loop()
+    box = Mailbox(loop)
+    loop.close()
+    for _ in range(2):  # a closed loop: every post fails (none is left waiting for a delivery)
+        with pytest.raises(RuntimeError):
+            box.post(asyncio.Queue(), Event("text"))
+
+
 def test_a_failing_step_fails_its_jobs_and_the_loop_goes_on(paths):
     from qllama.server.scheduler import Job
     from qllama.server.schemas import GenParams

@@ -7,7 +7,9 @@
 
 Every error is {"error": {"message", "type", "param", "code"}} with the HTTP status as code.
 Handlers only validate, tokenize and queue; the model runs in the scheduler's worker thread,
-and events come back through an asyncio queue. A client that goes away cancels its job.
+and events come back through an asyncio queue (all events of a step with one wake-up of the
+event loop). Prompts are tokenized (and chat templates rendered) in a worker thread, so a long
+prompt does not hold up the streams being served. A client that goes away cancels its job.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
+import weakref
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -78,8 +83,8 @@ def create_app(state: ServerState) -> Starlette:
     async def completions(request: Request) -> Response:
         check_key(request)
         req = parse_completion(await read_json(request, state.max_body))
-        if isinstance(req.prompt, str):
-            ids = state.llm.tokenize(req.prompt, add_bos=True, parse_special=True)  # as llama.cpp's server
+        if isinstance(req.prompt, str):  # add_bos, parse_special: as llama.cpp's server
+            ids = await run_in_threadpool(state.llm.tokenize, req.prompt, add_bos=True, parse_special=True)
         else:
             ids = [int(t) for t in req.prompt]
             bad = [t for t in ids if not 0 <= t < state.llm.n_vocab]
@@ -94,7 +99,7 @@ def create_app(state: ServerState) -> Starlette:
         llm = state.llm
         try:
             has_template = llm.chat_template(state.chat_template) is not None
-            ids = llm.chat_tokens(req.messages, chat_template=state.chat_template) if has_template else None
+            ids = await run_in_threadpool(llm.chat_tokens, req.messages, chat_template=state.chat_template) if has_template else None
         except QllamaError as e:  # the template refused the conversation (raise_exception...)
             raise bad_request(f"chat template: {e}", "messages") from None
         if ids is None:
@@ -187,17 +192,60 @@ async def read_json(request: Request, limit: int):
 _CLOSED = Event("closed")  # the client went away
 
 
+class Mailbox:
+    """Events from the worker thread to one event loop, delivered in batches.
+
+    Each `call_soon_threadsafe` wakes the loop, which then competes with the worker for the
+    GIL; the events of one step (one per busy slot) are emitted within microseconds, so the
+    first schedules a delivery and the others join it: one wake-up per step, not per stream.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Event]] = []
+
+    def post(self, queue: asyncio.Queue, event: Event) -> None:
+        """Called by the worker thread; raises RuntimeError once the loop is closed."""
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:
+                return  # a delivery is already scheduled
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:
+                self._pending.clear()
+                raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for queue, event in batch:
+            queue.put_nowait(event)
+
+
+_MAILBOXES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = weakref.WeakKeyDictionary()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The Mailbox of `loop` (one per loop, made on first use from that loop)."""
+    box = _MAILBOXES.get(loop)
+    if box is None:
+        box = _MAILBOXES[loop] = Mailbox(loop)
+    return box
+
+
 class JobStream:
     """Events of one job, handed from the worker thread to the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+        self.box = mailbox(loop)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.job: Job | None = None
 
     def emit(self, event: Event) -> None:
         """Called by the worker thread; raises RuntimeError once the loop is closed."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.box.post(self.queue, event)
 
     def cancel(self) -> None:
         if self.job is not None:
