@@ -30,12 +30,29 @@ def kernel_types(gguf) -> list[str]:
     return sorted({t.type_name for t in gguf.tensors.values() if len(t.shape) >= 2})
 
 
-def warm_up(model, tokens: int = PREFILL_TOKENS) -> float:
+def warm_up(model, tokens: int = PREFILL_TOKENS, workers: int | None = None) -> float:
     """Run the forward pass of `model` (a LlamaModel-like object with `new_cache()` and
     `forward(ids, cache)`) on a scratch cache so that every kernel it uses is compiled or
     loaded: a prompt batch, one decode step, and a batch near the end of the context (where
-    attention is long enough to run in parallel). Returns the seconds it took."""
+    attention is long enough to run in parallel). Returns the seconds it took.
+
+    Kernels that neither this process nor Numba's disk cache holds are first compiled by
+    `workers` processes in parallel (default: one per CPU; 0: all in this process), see
+    qllama/compile_pool.py; the forward pass then only loads them."""
     t0 = time.perf_counter()
+    if workers is None:
+        from .compile_pool import default_workers
+
+        workers = default_workers()
+    if workers > 0:
+        from .compile_pool import precompile
+
+        precompile(lambda: _forward_passes(model, tokens), workers)
+    _forward_passes(model, tokens)
+    return time.perf_counter() - t0
+
+
+def _forward_passes(model, tokens: int) -> None:
     cache = model.new_cache()  # (positions are zero-filled: their values do not matter here)
     n_ctx = cache.n_ctx
     first = min(tokens, max(n_ctx - 1, 1))
@@ -46,7 +63,6 @@ def warm_up(model, tokens: int = PREFILL_TOKENS) -> float:
     if far > cache.n_past:
         cache.n_past = far
         model.forward([0] * tokens, cache)
-    return time.perf_counter() - t0
 
 
 # -- is Numba's cache warm for this model? -----------------------------------------------------

@@ -100,3 +100,209 @@ def test_a_kernel_divides_by_zero_without_raising():
 
     assert ratio(1.0, 0.0) == float("inf")
     assert ratio(0.0, 0.0) != ratio(0.0, 0.0)  # NaN
+
+
+# -- the first-run compile in worker processes (qllama/compile_pool.py) ------------------------
+
+POOL_KERNELS = '''
+import numpy as np
+from qllama.kernels.jit import kernel
+
+
+@kernel
+def scale(x, f):
+    for i in range(x.shape[0]):
+        x[i] *= f
+
+
+@kernel
+def total(x, out):
+    s = 0.0
+    for i in range(x.shape[0]):
+        s += x[i]
+    out[0] = s
+
+
+@kernel
+def _half(v):
+    return v * 0.5
+
+
+@kernel
+def halve(x):
+    for i in range(x.shape[0]):
+        x[i] = _half(x[i])
+'''
+
+
+@pytest.fixture
+def pool_kernels(tmp_path, monkeypatch):
+    """A fresh module of three small kernels (nothing compiled, nothing cached) that worker
+    processes can import, and a toy 'model' whose forward pass calls them."""
+    import importlib
+    import uuid
+
+    name = f"poolk_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(POOL_KERNELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(PACKAGE.parent)]))
+    mod = importlib.import_module(name)
+    yield mod
+    sys.modules.pop(name, None)
+
+
+class ToyCache:
+    def __init__(self):
+        self.n_ctx, self.n_past = 16, 0
+
+
+class ToyModel:
+    """forward: scale (float64 and float32 inputs: two specialisations), total, halve."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def new_cache(self):
+        return ToyCache()
+
+    def forward(self, ids, cache):
+        x = np.arange(len(ids) + 1, dtype=np.float64)
+        self.mod.scale(x, 2.0)
+        self.mod.scale(x.astype(np.float32), 2.0)
+        out = np.zeros(1)
+        self.mod.total(x, out)
+        self.mod.halve(x)
+        cache.n_past += len(ids)
+        return out
+
+
+def _misses(mod) -> dict[str, int]:
+    """Specialisations each kernel compiled in this process (not loaded from the disk cache)."""
+    return {k: sum(getattr(mod, k).stats.cache_misses.values()) for k in ("scale", "total", "halve")}
+
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+def test_the_recording_notes_each_specialisation_once_without_compiling(pool_kernels):
+    from qllama import compile_pool
+
+    model = ToyModel(pool_kernels)
+    jobs = compile_pool.record_jobs(lambda: [model.forward([0, 0], model.new_cache()) for _ in range(2)])
+    got = sorted((j.name, tuple(str(a) for a in j.argtypes)) for j in jobs)
+    assert got == [("halve", ("array(float64, 1d, C)",)),
+                   ("scale", ("array(float32, 1d, C)", "float64")),
+                   ("scale", ("array(float64, 1d, C)", "float64")),
+                   ("total", ("array(float64, 1d, C)", "array(float64, 1d, C)"))]
+    assert all(j.module == pool_kernels.__name__ for j in jobs)
+    assert all(not getattr(pool_kernels, k).overloads for k in ("scale", "total", "halve"))  # nothing compiled
+
+
+def test_a_pool_warm_up_leaves_every_kernel_compiled_and_loads_it_from_the_cache(pool_kernels):
+    from qllama.warmup import warm_up
+
+    model = ToyModel(pool_kernels)
+    warm_up(model, workers=2)
+    # the workers compiled everything: this process only loaded it from the disk cache
+    assert _misses(pool_kernels) == {"scale": 0, "total": 0, "halve": 0}
+    assert len(pool_kernels.scale.overloads) == 2 and pool_kernels.total.overloads and pool_kernels.halve.overloads
+    before = {k: len(getattr(pool_kernels, k).overloads) for k in ("scale", "total", "halve")}
+    out = model.forward([0, 0, 0], model.new_cache())  # what a generation calls: nothing more to compile
+    assert out[0] == 2 * (0 + 1 + 2 + 3)  # the loaded code computes (x doubled, then summed)
+    assert {k: len(getattr(pool_kernels, k).overloads) for k in before} == before
+
+
+def _spawned(monkeypatch) -> list:
+    """Record the worker processes compile_pool starts."""
+    import subprocess
+
+    from qllama import compile_pool
+
+    procs = []
+    real = subprocess.Popen
+
+    def popen(*a, **k):
+        p = real(*a, **k)
+        procs.append(p)
+        return p
+
+    monkeypatch.setattr(compile_pool.subprocess, "Popen", popen)
+    return procs
+
+
+FAILING_WORKERS = {
+    "exits at once": "import sys; sys.exit(3)",
+    "dies on its first job": "import sys; sys.stdin.readline(); sys.exit(3)",
+    "answers err": "import sys\nfor line in sys.stdin: print('err simulated', flush=True)",
+    "hangs": "import sys, time; sys.stdin.readline(); time.sleep(120)",
+}
+
+
+@pytest.mark.parametrize("how", list(FAILING_WORKERS))
+def test_the_warm_up_falls_back_to_compiling_itself_when_workers_fail(pool_kernels, monkeypatch, how):
+    from qllama import compile_pool
+    from qllama.warmup import warm_up
+
+    monkeypatch.setattr(compile_pool, "WORKER_CMD", [sys.executable, "-c", FAILING_WORKERS[how]])
+    monkeypatch.setattr(compile_pool, "JOB_TIMEOUT_S", 2.0)
+    procs = _spawned(monkeypatch)
+    model = ToyModel(pool_kernels)
+    warm_up(model, workers=2)
+    assert len(procs) == 2
+    assert all(p.poll() is not None for p in procs)  # no worker left behind (the hung one was killed)
+    assert _misses(pool_kernels) == {"scale": 2, "total": 1, "halve": 1}  # compiled here instead
+    before = {k: len(getattr(pool_kernels, k).overloads) for k in ("scale", "total", "halve")}
+    model.forward([0], model.new_cache())
+    assert {k: len(getattr(pool_kernels, k).overloads) for k in before} == before
+
+
+def test_one_failing_worker_leaves_its_jobs_to_the_others(pool_kernels, monkeypatch):
+    from qllama import compile_pool
+
+    real = list(compile_pool.WORKER_CMD)
+    cmds = iter([[sys.executable, "-c", FAILING_WORKERS["dies on its first job"]], real])
+    monkeypatch.setattr(compile_pool.subprocess, "Popen",
+                        lambda cmd, _p=compile_pool.subprocess.Popen, **k: _p(next(cmds), **k))
+    model = ToyModel(pool_kernels)
+    jobs = compile_pool.record_jobs(lambda: model.forward([0], model.new_cache()))
+    assert len(jobs) == 4
+    assert compile_pool.compile_jobs(jobs, 2) == []  # the healthy worker compiled all four
+    model.forward([0], model.new_cache())
+    assert _misses(pool_kernels) == {"scale": 0, "total": 0, "halve": 0}
+
+
+def test_ctrl_c_while_workers_compile_kills_them(pool_kernels, monkeypatch):
+    import selectors
+
+    from qllama import compile_pool
+
+    monkeypatch.setattr(compile_pool, "WORKER_CMD", [sys.executable, "-c", FAILING_WORKERS["hangs"]])
+    procs = _spawned(monkeypatch)
+
+    def interrupted(self, timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selectors.DefaultSelector, "select", interrupted)
+    model = ToyModel(pool_kernels)
+    jobs = compile_pool.record_jobs(lambda: model.forward([0], model.new_cache()))
+    with pytest.raises(KeyboardInterrupt):
+        compile_pool.compile_jobs(jobs, 2)
+    assert len(procs) == 2 and all(p.poll() is not None for p in procs)
+
+
+def test_no_pool_for_kernels_already_in_the_disk_cache(pool_kernels, monkeypatch):
+    """A second process (here: fresh dispatchers of the same module) finds the cache warm: no workers."""
+    import importlib
+
+    from qllama import compile_pool
+    from qllama.warmup import warm_up
+
+    warm_up(ToyModel(pool_kernels), workers=0)  # compiles here and fills the disk cache
+    fresh = importlib.reload(pool_kernels)  # new dispatchers with nothing in memory
+    procs = _spawned(monkeypatch)
+    assert compile_pool.record_jobs(lambda: ToyModel(fresh).forward([0], ToyCache())) == []
+    warm_up(ToyModel(fresh))
+    assert procs == [] and _misses(fresh) == {"scale": 0, "total": 0, "halve": 0}

@@ -1,0 +1,344 @@
+"""A first-run Numba compile spread over worker processes (one per CPU).
+
+Numba compiles one function at a time, on one core, under a global lock, so a cold warm-up
+(tens of seconds) leaves every other core idle. `precompile(run)` splits that work:
+
+1. Record. `run` (the warm-up's forward pass) is called once with every kernel that has no
+   compiled code in this process replaced by a recorder: the call notes (kernel, argument types)
+   and returns without computing anything. Kernels that Numba's disk cache already holds are not
+   noted (loading them is cheap).
+2. Compile. Worker processes (`python -m qllama.compile_pool`) take the noted specialisations
+   one at a time, most expensive first, and compile them into the disk cache that this process
+   uses (the same NUMBA_CACHE_DIR or __pycache__ directories).
+3. The caller then runs the real warm-up, which loads every kernel from the disk cache.
+
+Nothing here is needed for correctness: whatever the pool did not compile (a worker failed,
+was killed, timed out; a kernel the recording could not reach) is compiled by the real warm-up
+in this process, as without a pool. Workers are killed when this returns or raises (Ctrl-C
+included), and exit by themselves when their input closes.
+
+Numba's cache writes each file by an atomic rename, but adding an entry to a function's index
+is read-modify-write: two processes saving different specialisations of one function at the
+same time can lose one entry or, worse, point it at the other's code. Workers therefore save
+under an exclusive lock on a file in the cache directory (`_locked_cache_saves`).
+
+QLLAMA_COMPILE_WORKERS=N sets the number of workers (0: compile in this process only).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib
+import os
+import pickle
+import selectors
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+WORKER_CMD = [sys.executable, "-m", "qllama.compile_pool"]  # (tests replace it to simulate failures)
+JOB_TIMEOUT_S = 600.0  # a worker silent this long on one job is killed (its job falls back)
+LOCK_NAME = "qllama-cache-save.lock"
+
+
+@dataclass
+class Job:
+    """One specialisation to compile: the kernel `module.name` for `argtypes` (Numba types)."""
+
+    module: str
+    name: str
+    argtypes: tuple
+    cost: float = 0.0  # a guess, for the order: larger first
+    done: bool = field(default=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+def default_workers() -> int:
+    """Worker processes for a cold compile: QLLAMA_COMPILE_WORKERS, else the CPUs this process may use."""
+    env = os.environ.get("QLLAMA_COMPILE_WORKERS", "").strip()
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            pass
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# -- 1. record ----------------------------------------------------------------------------------
+
+
+def _module_name(d) -> tuple[str, str] | None:
+    """(module, attribute) under which a worker can import dispatcher `d`, or None."""
+    f = d.py_func
+    mod = sys.modules.get(f.__module__)
+    if mod is None or getattr(mod, f.__name__, None) is not d:
+        return None
+    return f.__module__, f.__name__
+
+
+def _in_disk_cache(d, argtypes: tuple) -> bool:
+    """Whether Numba's disk cache holds `d` compiled for `argtypes` (False when unsure)."""
+    try:
+        cache = d._cache
+        key = cache._index_key(argtypes, d.targetctx.codegen())
+        return key in cache._cache_file._load_index()
+    except Exception:  # NullCache (cache=False), or Numba internals changed: let a worker find out
+        return False
+
+
+def _callees(func, seen: set) -> int:
+    """Bytecode size of `func` plus that of the kernels it calls (transitively): a cost guess."""
+    from numba.core.dispatcher import Dispatcher
+
+    size = len(func.__code__.co_code)
+    for name in func.__code__.co_names:
+        g = func.__globals__.get(name)
+        if isinstance(g, Dispatcher) and id(g) not in seen:
+            seen.add(id(g))
+            size += _callees(g.py_func, seen)
+    return size
+
+
+def _cost(d) -> float:
+    """Compile-cost guess: parallel=True kernels (parfor lowering) cost several times more."""
+    return _callees(d.py_func, {id(d)}) * (4.0 if d.targetoptions.get("parallel") else 1.0)
+
+
+@contextlib.contextmanager
+def _recording(jobs: list[Job]):
+    from numba.core.dispatcher import Dispatcher
+
+    original = Dispatcher._compile_for_args
+    seen: set = set()
+
+    def record(self, *args, **kws):
+        try:
+            argtypes = tuple(self.typeof_pyval(a) for a in args)
+            key = (id(self), argtypes)
+            where = _module_name(self)
+            if key not in seen and where is not None and not kws and not _in_disk_cache(self, argtypes):
+                seen.add(key)
+                jobs.append(Job(where[0], where[1], argtypes, _cost(self)))
+        except Exception:  # an argument Numba cannot type: the real warm-up will say so
+            pass
+        return _skip
+
+    Dispatcher._compile_for_args = record
+    try:
+        yield
+    finally:
+        Dispatcher._compile_for_args = original
+
+
+def _skip(*args, **kws):
+    return None
+
+
+def record_jobs(run: Callable[[], object]) -> list[Job]:
+    """The specialisations `run` would compile (see the module docstring), most expensive first.
+
+    `run` must tolerate kernels that return None and leave their outputs untouched; an exception
+    from it ends the recording early (the jobs noted so far are kept)."""
+    import warnings
+
+    import numpy as np
+
+    jobs: list[Job] = []
+    with _recording(jobs), warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")  # the skipped kernels leave garbage: NumPy's complaints are noise
+        try:
+            run()
+        except Exception:
+            pass
+    jobs.sort(key=lambda j: -j.cost)
+    return jobs
+
+
+# -- 2. compile in workers ----------------------------------------------------------------------
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    job: Job | None = None
+    since: float = 0.0
+    buf: bytes = b""
+
+
+def _encode(job: Job) -> bytes:
+    return base64.b64encode(pickle.dumps((job.module, job.name, job.argtypes))) + b"\n"
+
+
+def _stop(w: _Worker) -> None:
+    with contextlib.suppress(OSError):
+        w.proc.stdin.close()
+    if w.proc.poll() is None:
+        w.proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        w.proc.wait(timeout=5)
+    with contextlib.suppress(OSError):
+        w.proc.stdout.close()
+
+
+def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = None) -> list[Job]:
+    """Compile `jobs` in up to n_workers worker processes into the disk cache. Returns the jobs
+    that failed or were not attempted (the caller's warm-up compiles them itself)."""
+    job_timeout = JOB_TIMEOUT_S if job_timeout is None else job_timeout
+    todo = [j for j in jobs if not j.done]
+    n = min(n_workers, len(todo))
+    if n < 1:
+        return todo
+    workers: list[_Worker] = []
+    sel = selectors.DefaultSelector()
+    queue = list(todo)
+    try:
+        for _ in range(n):
+            try:
+                p = subprocess.Popen(WORKER_CMD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env={**os.environ, "NUMBA_NUM_THREADS": "1"},
+                                     start_new_session=False)
+            except OSError:
+                break
+            w = _Worker(p)
+            workers.append(w)
+            sel.register(p.stdout, selectors.EVENT_READ, w)
+        alive = list(workers)
+
+        def hand_out(w: _Worker) -> None:
+            w.job = queue.pop(0) if queue else None
+            if w.job is None:
+                return
+            w.since = time.monotonic()
+            try:
+                w.proc.stdin.write(_encode(w.job))
+                w.proc.stdin.flush()
+            except OSError:  # it died: the job goes to another worker or falls back
+                retire(w, requeue=True)
+
+        def retire(w: _Worker, requeue: bool) -> None:
+            if w in alive:
+                alive.remove(w)
+                with contextlib.suppress(KeyError, ValueError):
+                    sel.unregister(w.proc.stdout)
+            if requeue and w.job is not None and alive:
+                queue.insert(0, w.job)  # one retry elsewhere; a job that kills workers falls back later
+            w.job = None
+            _stop(w)
+
+        while alive:
+            for w in list(alive):
+                if w.job is None and queue:
+                    hand_out(w)
+            busy = [w for w in alive if w.job is not None]
+            if not busy:
+                break
+            now = time.monotonic()
+            for w in busy:
+                if now - w.since > job_timeout:
+                    retire(w, requeue=False)
+            busy = [w for w in alive if w.job is not None]
+            if not busy:
+                continue
+            wait = max(0.05, min(job_timeout - (now - w.since) for w in busy))
+            for key, _ in sel.select(timeout=wait):
+                w = key.data
+                if w not in alive:
+                    continue
+                chunk = os.read(w.proc.stdout.fileno(), 4096)
+                if not chunk:  # the worker exited (crashed, killed)
+                    retire(w, requeue=True)
+                    continue
+                w.buf += chunk
+                while b"\n" in w.buf and w.job is not None:
+                    line, w.buf = w.buf.split(b"\n", 1)
+                    if line.startswith(b"ok"):
+                        w.job.done = True
+                    w.job = None
+                    hand_out(w)
+    finally:
+        for w in workers:
+            _stop(w)
+        sel.close()
+    return [j for j in jobs if not j.done]
+
+
+def precompile(run: Callable[[], object], n_workers: int | None = None) -> tuple[int, int]:
+    """Record what `run` compiles and compile it in worker processes (module docstring).
+    Returns (specialisations noted, compiled by the workers)."""
+    n = default_workers() if n_workers is None else n_workers
+    if n < 1:
+        return 0, 0
+    jobs = record_jobs(run)
+    if len(jobs) < 2:  # one job: compiling it here is as fast
+        return len(jobs), 0
+    left = compile_jobs(jobs, n)
+    return len(jobs), len(jobs) - len(left)
+
+
+# -- the worker -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _locked_cache_saves():
+    """Serialise Numba's cache-index updates between processes (module docstring)."""
+    import fcntl
+
+    from numba.core import caching
+
+    original = caching.IndexDataCacheFile.save
+
+    def save(self, key, data):
+        lock = os.path.join(os.path.dirname(self._index_path), LOCK_NAME)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return original(self, key, data)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return original(self, key, data)
+        finally:
+            os.close(fd)
+
+    caching.IndexDataCacheFile.save = save
+    try:
+        yield
+    finally:
+        caching.IndexDataCacheFile.save = original
+
+
+def _compile_one(line: bytes) -> str:
+    module, name, argtypes = pickle.loads(base64.b64decode(line))
+    d = getattr(importlib.import_module(module), name)
+    d.compile(argtypes)
+    return "ok"
+
+
+def worker_main() -> None:
+    """Read jobs (one per line) from stdin, compile each, answer `ok` or `err <reason>` per job."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C at the terminal: die at once, quietly
+    out = sys.stdout
+    with _locked_cache_saves():
+        for line in sys.stdin.buffer:
+            if not line.strip():
+                break
+            try:
+                answer = _compile_one(line.strip())
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which compiles it itself
+                answer = "err " + " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            out.write(answer + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    worker_main()
