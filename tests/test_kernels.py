@@ -248,6 +248,34 @@ def test_int8_equals_rounded_activation_product(tid):
     assert rel_err(q.matvec(x), ref) <= 1e-5
 
 
+@pytest.mark.parametrize("tid", sorted(INT8_TYPES), ids=tname)
+def test_int8_batches_of_1_to_9_tokens(tid):
+    """Every batch size 1..9 (4-token intrinsic calls plus 0-3 one-token ones) on 13 rows (not a
+    multiple of the threads' row chunks), at 1 and 2 threads: each token's row equals W @ round8(x_t)
+    in float64 (independent NumPy reference) and the one-token mat-vec of x_t bit for bit (prompt
+    lookup relies on it). Legacy types use 5 blocks per row (an odd count, as 896 = 28 blocks is not
+    a multiple of 256)."""
+    if tid not in int8_activations():
+        pytest.skip("no AVX2")
+    rng = np.random.default_rng(700 + tid)
+    ne0 = 512 if tid in K_TYPES else 160
+    raw = random_matrix(tid, ne0, 13, rng)
+    q = QTensor.from_bytes(tid, raw, (ne0, 13))
+    w64 = oracle(tid, raw, ne0).astype(np.float64)
+    before = get_threads()
+    try:
+        for n_threads in (1, 2):
+            set_threads(n_threads)
+            for n_tok in range(1, 10):
+                xs = rng.standard_normal((n_tok, ne0)).astype(np.float32)
+                ym = q.matmul(xs)
+                for t in range(n_tok):
+                    assert np.array_equal(ym[t], q.matvec(xs[t])), (n_threads, n_tok, t)
+                    assert rel_err(ym[t], _int8_reference(tid, w64, xs[t], raw)) <= 1e-5, (n_threads, n_tok, t)
+    finally:
+        set_threads(before)
+
+
 def test_activation_reuse():
     rng = np.random.default_rng(5)
     a = QTensor.from_bytes(gt.Q4_K, random_matrix(gt.Q4_K, 256, 6, rng), (256, 6))
@@ -316,7 +344,7 @@ def test_results_identical_at_1_and_2_threads():
     rng = np.random.default_rng(8)
     before = get_threads()
     try:
-        for tid in (gt.Q4_K, gt.Q5_K, gt.Q6_K, gt.Q8_0, gt.Q5_0, gt.Q3_K, gt.F16):
+        for tid in (gt.Q4_K, gt.Q5_K, gt.Q6_K, gt.Q8_0, gt.Q4_0, gt.Q4_1, gt.Q5_0, gt.Q5_1, gt.Q3_K, gt.F16):
             raw = random_matrix(tid, 256, 37, rng)
             q = QTensor.from_bytes(tid, raw, (256, 37))
             x = rng.standard_normal((7, 256)).astype(np.float32)
@@ -458,7 +486,7 @@ def test_llama_cpp_tensors_matvec():
 # -- numerically hostile blocks (issue 17): no exception, the damage stays in its row ----------------
 
 _NAN16, _INF16, _NEG_INF16 = 0x7E00, 0x7C00, 0xFC00
-_HOSTILE = [(tid, f, bits) for tid in (gt.Q4_K, gt.Q6_K, gt.Q8_0, gt.Q4_0)
+_HOSTILE = [(tid, f, bits) for tid in (gt.Q4_K, gt.Q6_K, gt.Q8_0, gt.Q4_0, gt.Q5_0, gt.Q5_1)
             for f in range(len(FP16_FIELDS[tid])) for bits in (_NAN16, _INF16, _NEG_INF16)]
 
 
