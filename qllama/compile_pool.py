@@ -1,9 +1,9 @@
 """A first-run Numba compile spread over worker processes (one per CPU).
 
 Numba compiles one function at a time, on one core, under a global lock, so a cold warm-up
-(tens of seconds) leaves every other core idle. `precompile(run)` splits that work:
+(tens of seconds) leaves every other core idle. `precompile(steps)` splits that work:
 
-1. Record. `run` (the warm-up's forward pass) is called once with every kernel that has no
+1. Record. The warm-up's forward passes run once with every kernel that has no
    compiled code in this process replaced by a recorder: the call notes (kernel, argument types)
    and returns without computing anything. Kernels that Numba's disk cache already holds are not
    noted (loading them is cheap).
@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 WORKER_CMD = [sys.executable, "-m", "qllama.compile_pool"]  # (tests replace it to simulate failures)
 JOB_TIMEOUT_S = 600.0  # a worker silent this long on one job is killed (its job falls back)
@@ -143,11 +143,13 @@ def _skip(*args, **kws):
     return None
 
 
-def record_jobs(run: Callable[[], object]) -> list[Job]:
-    """The specialisations `run` would compile (see the module docstring), most expensive first.
+def record_jobs(steps: Iterable[Callable[[], object]]) -> list[Job]:
+    """The specialisations that `steps` (e.g. the warm-up's forward passes) would compile (see the
+    module docstring), most expensive first.
 
-    `run` must tolerate kernels that return None and leave their outputs untouched; an exception
-    from it ends the recording early (the jobs noted so far are kept)."""
+    The steps run with kernels that return None and leave their outputs untouched, so a step may
+    fail on the garbage (e.g. the model's non-finite check): the next step still runs, and the
+    jobs noted so far are kept."""
     import warnings
 
     import numpy as np
@@ -155,10 +157,11 @@ def record_jobs(run: Callable[[], object]) -> list[Job]:
     jobs: list[Job] = []
     with _recording(jobs), warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")  # the skipped kernels leave garbage: NumPy's complaints are noise
-        try:
-            run()
-        except Exception:
-            pass
+        for step in steps:
+            try:
+                step()
+            except Exception:
+                pass
     jobs.sort(key=lambda j: -j.cost)
     return jobs
 
@@ -271,13 +274,13 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
     return [j for j in jobs if not j.done]
 
 
-def precompile(run: Callable[[], object], n_workers: int | None = None) -> tuple[int, int]:
-    """Record what `run` compiles and compile it in worker processes (module docstring).
+def precompile(steps: Iterable[Callable[[], object]], n_workers: int | None = None) -> tuple[int, int]:
+    """Record what `steps` compile and compile it in worker processes (module docstring).
     Returns (specialisations noted, compiled by the workers)."""
     n = default_workers() if n_workers is None else n_workers
     if n < 1:
         return 0, 0
-    jobs = record_jobs(run)
+    jobs = record_jobs(steps)
     if len(jobs) < 2:  # one job: compiling it here is as fast
         return len(jobs), 0
     left = compile_jobs(jobs, n)

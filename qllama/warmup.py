@@ -47,22 +47,32 @@ def warm_up(model, tokens: int = PREFILL_TOKENS, workers: int | None = None) -> 
     if workers > 0:
         from .compile_pool import precompile
 
-        precompile(lambda: _forward_passes(model, tokens), workers)
-    _forward_passes(model, tokens)
+        precompile(_forward_passes(model, tokens), workers)
+    for step in _forward_passes(model, tokens):
+        step()
     return time.perf_counter() - t0
 
 
-def _forward_passes(model, tokens: int) -> None:
+def _forward_passes(model, tokens: int) -> list:
+    """The warm-up's three forward passes on one scratch cache, as steps to call in order."""
     cache = model.new_cache()  # (positions are zero-filled: their values do not matter here)
     n_ctx = cache.n_ctx
     first = min(tokens, max(n_ctx - 1, 1))
-    model.forward([0] * first, cache)  # token 0 exists in every vocabulary
-    if cache.n_past < n_ctx:
-        model.forward([0], cache)
-    far = n_ctx - tokens
-    if far > cache.n_past:
-        cache.n_past = far
-        model.forward([0] * tokens, cache)
+
+    def prompt():
+        model.forward([0] * first, cache)  # token 0 exists in every vocabulary
+
+    def decode():
+        cache.n_past = first
+        if cache.n_past < n_ctx:
+            model.forward([0], cache)
+
+    def far():  # a batch near the end of the context: attention long enough to run in parallel
+        if n_ctx - tokens > first + 1:
+            cache.n_past = n_ctx - tokens
+            model.forward([0] * tokens, cache)
+
+    return [prompt, decode, far]
 
 
 # -- is Numba's cache warm for this model? -----------------------------------------------------

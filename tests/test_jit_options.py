@@ -191,7 +191,7 @@ def test_the_recording_notes_each_specialisation_once_without_compiling(pool_ker
     from qllama import compile_pool
 
     model = ToyModel(pool_kernels)
-    jobs = compile_pool.record_jobs(lambda: [model.forward([0, 0], model.new_cache()) for _ in range(2)])
+    jobs = compile_pool.record_jobs([lambda: model.forward([0, 0], model.new_cache())] * 2)
     got = sorted((j.name, tuple(str(a) for a in j.argtypes)) for j in jobs)
     assert got == [("halve", ("array(float64, 1d, C)",)),
                    ("scale", ("array(float32, 1d, C)", "float64")),
@@ -267,7 +267,7 @@ def test_one_failing_worker_leaves_its_jobs_to_the_others(pool_kernels, monkeypa
     monkeypatch.setattr(compile_pool.subprocess, "Popen",
                         lambda cmd, _p=compile_pool.subprocess.Popen, **k: _p(next(cmds), **k))
     model = ToyModel(pool_kernels)
-    jobs = compile_pool.record_jobs(lambda: model.forward([0], model.new_cache()))
+    jobs = compile_pool.record_jobs([lambda: model.forward([0], model.new_cache())])
     assert len(jobs) == 4
     assert compile_pool.compile_jobs(jobs, 2) == []  # the healthy worker compiled all four
     model.forward([0], model.new_cache())
@@ -287,7 +287,7 @@ def test_ctrl_c_while_workers_compile_kills_them(pool_kernels, monkeypatch):
 
     monkeypatch.setattr(selectors.DefaultSelector, "select", interrupted)
     model = ToyModel(pool_kernels)
-    jobs = compile_pool.record_jobs(lambda: model.forward([0], model.new_cache()))
+    jobs = compile_pool.record_jobs([lambda: model.forward([0], model.new_cache())])
     with pytest.raises(KeyboardInterrupt):
         compile_pool.compile_jobs(jobs, 2)
     assert len(procs) == 2 and all(p.poll() is not None for p in procs)
@@ -303,6 +303,24 @@ def test_no_pool_for_kernels_already_in_the_disk_cache(pool_kernels, monkeypatch
     warm_up(ToyModel(pool_kernels), workers=0)  # compiles here and fills the disk cache
     fresh = importlib.reload(pool_kernels)  # new dispatchers with nothing in memory
     procs = _spawned(monkeypatch)
-    assert compile_pool.record_jobs(lambda: ToyModel(fresh).forward([0], ToyCache())) == []
+    assert compile_pool.record_jobs([lambda: ToyModel(fresh).forward([0], ToyCache())]) == []
     warm_up(ToyModel(fresh))
     assert procs == [] and _misses(fresh) == {"scale": 0, "total": 0, "halve": 0}
+
+
+def test_a_failing_step_does_not_end_the_recording(pool_kernels):
+    """The model's own checks may reject the garbage that skipped kernels leave: later steps still run."""
+    from qllama import compile_pool
+
+    model = ToyModel(pool_kernels)
+
+    def rejects():
+        model.forward([0], model.new_cache())
+        raise ValueError("non-finite")
+
+    def halves():
+        pool_kernels.halve(np.zeros(3, np.float32))
+
+    jobs = compile_pool.record_jobs([rejects, halves])
+    assert sorted((j.name, str(j.argtypes[0])) for j in jobs if j.name == "halve") == [
+        ("halve", "array(float32, 1d, C)"), ("halve", "array(float64, 1d, C)")]
