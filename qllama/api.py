@@ -65,7 +65,7 @@ class Model:
         self.n_threads = get_threads()
         self._model = build_model(self.gguf, self.args, n_ctx, batch_size)  # checks every tensor
         self.weights = self._model.weights
-        self.session = Session(self._model, batch_size=batch_size)
+        self.session = Session(self._model, batch_size=batch_size, adapt_threads=n_threads is None)  # default: adaptive decode threads
         self.load_s = time.perf_counter() - t0
         self.compile_s = 0.0  # seconds of the latest warmup()
         self.last_timings: Timings | None = None

@@ -13,7 +13,9 @@ import numpy as np
 
 from .errors import ContextOverflowError, QllamaError
 from .models import KVCache, Transformer
+from .qtensor import get_threads, set_threads
 from .sampling import Sampler
+from .threads import ThreadAdapter, adapter_for
 
 # Why a generation ended.
 FINISH_EOG = "eog"  # an end-of-generation token (eos, eot, <|im_end|>...)
@@ -85,13 +87,18 @@ class Session:
 
     `prefill` reuses the longest common prefix of the cached tokens and the new prompt, so a
     chat turn evaluates only its new tokens.
+
+    adapt_threads: one-token decode steps pick their thread count from measured step times
+    (`qllama.threads`), between the current Numba thread count (kept for prefill) and fewer;
+    False keeps the current count everywhere (an explicit thread count).
     """
 
-    def __init__(self, model: Transformer, batch_size: int = 512):
+    def __init__(self, model: Transformer, batch_size: int = 512, adapt_threads: bool = False):
         if batch_size < 1:
             raise QllamaError("batch size must be >= 1")
         self.model = model
         self.batch_size = batch_size
+        self.threads: ThreadAdapter | None = adapter_for(get_threads()) if adapt_threads else None
         self.cache: KVCache = model.new_cache()
         self.tokens: list[int] = []  # what positions [0, cache.n_past) hold
 
@@ -129,7 +136,10 @@ class Session:
 
     def decode(self, token: int) -> np.ndarray:
         """Append one token; return its logits (n_vocab,)."""
-        logits = self.model.forward([token], self.cache)
+        if self.threads is None:
+            logits = self.model.forward([token], self.cache)
+        else:
+            logits = self.threads.run(lambda: self.model.forward([token], self.cache), set_threads)
         self.tokens.append(int(token))
         return logits[-1]
 

@@ -1,0 +1,225 @@
+"""Thread count for one-token decode steps, adapted online to how busy the machine is.
+
+Why: every Numba parallel region (a `prange`) ends in a barrier that waits for all of its
+threads. On an idle machine two threads decode faster than one; when another process holds a
+core, the second thread waits for a scheduler slice at every region (a few hundred per token),
+and decoding can fall 2-40x below one thread (measured on SmolLM2-135M, 2-core host: idle
+-t 2 ~1.3x -t 1; with a busy loop -t 2 ~0.1-0.5x -t 1). Numba's OpenMP layer cannot skip a
+thread that has not started, so the remedy is to not ask for it: run fewer threads.
+
+`ThreadAdapter` is that choice, made from wall times: it decodes at its current count, and now
+and then probes the other candidates for a few tokens, switching when one is clearly faster
+(`margin`). It starts at the largest count (best on an idle machine). It probes early, again
+soon when its own tokens slow down (load arrived), and otherwise at a growing interval while
+probes keep losing, bounded so a losing probe costs at most `budget` of the decode time (a
+probe of 2 threads under load can take 40 one-thread tokens). While it runs fewer threads than
+it may, it also watches the machine's idle CPU time (`/proc/stat`): when at least half a core
+sits idle, it probes the larger count without waiting for that bound, so it recovers within
+a second or so of the load going away. Greedy tokens do not depend on
+the thread count (every kernel splits rows, never a sum), so switching changes speed only.
+
+Prefill is not adapted: its parallel regions are long (a batch of tokens per matrix), so the
+barrier waits matter little, and it keeps every thread (`ThreadAdapter.max_threads`).
+An explicit thread count (`-t N`, `n_threads=N`) means no adapter: fixed N.
+
+The decision logic is pure (`choose`, `observe`) and takes no clock, so tests drive it with
+made-up token times; `ThreadAdapter.run` is the timed wrapper the session uses.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+__all__ = ["ThreadAdapter", "IdleMeter", "adapter_for"]
+
+
+class IdleMeter:
+    """Idle CPUs of the whole machine, averaged between two readings of /proc/stat (Linux)."""
+
+    def __init__(self, path: str = "/proc/stat"):
+        self.path = path
+        self._last = self._read()
+
+    def _read(self) -> tuple[int, int] | None:
+        """(idle ticks, all ticks) summed over CPUs, or None where /proc/stat is unreadable."""
+        try:
+            with open(self.path) as f:
+                fields = f.readline().split()
+            ticks = [int(v) for v in fields[1:]]
+            return ticks[3] + (ticks[4] if len(ticks) > 4 else 0), sum(ticks)  # idle + iowait, total
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def idle_cpus(self) -> float | None:
+        """CPUs idle on average since the previous call (None: unknown, or too short to tell)."""
+        now = self._read()
+        last, self._last = self._last, now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        n_cpu = os.cpu_count() or 1
+        return n_cpu * (now[0] - last[0]) / (now[1] - last[1])
+
+
+class ThreadAdapter:
+    """Picks the thread count of each decode step among `candidates` from measured step times.
+
+    candidates: thread counts to choose from; the largest is the start and the prefill count.
+    margin: a probed count must be this much faster (fraction) than the current one to switch.
+    probe_tokens: steps a probe runs (fewer if its first step is already clearly slower).
+    first_gap / max_gap: steps between probes: first_gap after a start or a switch, doubling
+        after each losing probe up to max_gap.
+    budget: a losing probe's extra time is at most this fraction of the time between probes.
+    slowdown: when the current count's recent median exceeds its median at the last decision by
+        this factor, the next probe comes at once (the load changed).
+    window: steps of the current count whose median is its estimate.
+    idle: an `IdleMeter` (or anything with `idle_cpus() -> float | None`), read at most every
+        `idle_every` seconds of decoding while below the largest count; None: not used.
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[int],
+        *,
+        margin: float = 0.08,
+        probe_tokens: int = 3,
+        first_gap: int = 4,
+        max_gap: int = 256,
+        budget: float = 0.05,
+        slowdown: float = 1.5,
+        window: int = 5,
+        idle=None,
+        idle_every: float = 0.25,
+        idle_cpus: float = 0.5,
+    ):
+        cands = sorted({int(c) for c in candidates}, reverse=True)
+        if not cands or cands[-1] < 1:
+            raise ValueError(f"thread candidates must be positive integers, got {list(candidates)!r}")
+        self.candidates = cands
+        self.max_threads = cands[0]
+        self.margin, self.probe_tokens, self.budget, self.slowdown = margin, probe_tokens, budget, slowdown
+        self.first_gap, self.max_gap = first_gap, max_gap
+        self.current = self.max_threads
+        self.switches = 0  # how often the current count changed (for reports and tests)
+        self.probes = 0  # probes started
+        self._recent: deque[float] = deque(maxlen=window)  # step seconds at the current count
+        self._reference = 0.0  # the current count's median when it was last chosen or confirmed
+        self._gap = first_gap  # steps at the current count before the next probe
+        self._since = 0  # steps at the current count since the last probe (or switch)
+        self._time_since = 0.0  # their seconds
+        self._cooldown_s = 0.0  # the last losing probe's extra seconds / budget: wait at least this long
+        self._next_alt = 0  # round robin over the other candidates
+        self._probe: int | None = None  # the count being probed, if a probe runs
+        self._probe_times: list[float] = []
+        self.idle, self.idle_every, self.idle_threshold = idle, idle_every, idle_cpus
+        self._idle_clock = 0.0  # decode seconds since the idle meter was last read
+        self._started = False  # the first probe comes after one step (the load is unknown at start)
+
+    # -- the decision (pure: no clock, no Numba) ---------------------------------------------
+
+    def choose(self) -> int:
+        """The thread count for the next step."""
+        if self._probe is None and len(self.candidates) > 1 and self._due():
+            others = [c for c in self.candidates if c != self.current]
+            self._probe = others[self._next_alt % len(others)]
+            self._next_alt += 1
+            self._probe_times = []
+            self.probes += 1
+        return self._probe if self._probe is not None else self.current
+
+    def observe(self, n_threads: int, seconds: float) -> None:
+        """Record that the step chosen last (`n_threads`) took `seconds` of wall time."""
+        if self._probe is not None and n_threads == self._probe:
+            self._probe_times.append(seconds)
+            est = self.estimate()
+            clear = est > 0 and abs(seconds - est) > est * 4 * self.margin  # far apart: no need for more steps
+            if clear or len(self._probe_times) >= self.probe_tokens:
+                self._decide()
+            return
+        if n_threads != self.current:  # a step run outside our choice: not ours to learn from
+            return
+        self._recent.append(seconds)
+        self._since += 1
+        self._time_since += seconds
+        self._idle_clock += seconds
+        if not self._reference and len(self._recent) == self._recent.maxlen:
+            self._reference = self.estimate()
+
+    def estimate(self) -> float:
+        """Median step seconds at the current count (0 before the first step)."""
+        return statistics.median(self._recent) if self._recent else 0.0
+
+    def _due(self) -> bool:
+        if not self._recent:
+            return False
+        if not self._started:  # one step at the start count, then compare at once
+            self._started = True
+            return True
+        est = self.estimate()
+        if self._reference and len(self._recent) == self._recent.maxlen and est > self._reference * self.slowdown:
+            return self._time_since >= self._cooldown_s * 0.25  # slowed down: probe soon (still bounded)
+        if self._since < self._gap:
+            return False
+        if self._time_since >= self._cooldown_s:
+            return True
+        return self.current < self.max_threads and self._spare_cpu()
+
+    def _spare_cpu(self) -> bool:
+        """Whether the machine had idle CPU since the last reading (read at most every idle_every s)."""
+        if self.idle is None or self._idle_clock < self.idle_every:
+            return False
+        self._idle_clock = 0.0
+        idle = self.idle.idle_cpus()
+        return idle is not None and idle >= self.idle_threshold
+
+    def _decide(self) -> None:
+        probe, times = self._probe, self._probe_times
+        self._probe, self._probe_times = None, []
+        est = self.estimate()
+        p = statistics.median(times)
+        self._since, self._time_since = 0, 0.0
+        if est and p < est * (1.0 - self.margin):  # the probed count wins: switch
+            self.current = probe
+            self.switches += 1
+            if self.idle is not None:  # the idle window starts now
+                self.idle.idle_cpus()
+                self._idle_clock = 0.0
+            self._recent.clear()
+            self._recent.extend(times)
+            self._reference = 0.0
+            self._gap = self.first_gap
+            self._cooldown_s = 0.0
+        else:  # it lost: wait longer before the next probe, so that losing probes stay cheap
+            self._gap = min(self.max_gap, self._gap * 2)
+            extra = sum(times) - est * len(times)
+            self._cooldown_s = max(0.0, extra) / self.budget
+            self._reference = est
+
+    # -- the timed wrapper -----------------------------------------------------------------
+
+    def run(self, step: Callable[[], object], set_threads: Callable[[int], None],
+            clock: Callable[[], float] = time.perf_counter):
+        """Run one decode step at the chosen count, time it, and restore the largest count
+        (so that prefill and anything else keep every thread). Returns step()'s result."""
+        n = self.choose()
+        set_threads(n)
+        try:
+            t0 = clock()
+            out = step()
+            self.observe(n, clock() - t0)
+        finally:
+            if n != self.max_threads:
+                set_threads(self.max_threads)
+        return out
+
+
+def adapter_for(n_threads: int) -> ThreadAdapter | None:
+    """The adapter for a default thread count of `n_threads` (the physical cores): choices
+    n_threads and 1 (and half of n_threads on larger machines); None when there is nothing to
+    choose from (one thread)."""
+    if n_threads <= 1:
+        return None
+    return ThreadAdapter({n_threads, max(1, n_threads // 2), 1}, idle=IdleMeter())
