@@ -40,6 +40,7 @@ class Timings:
     draft_tokens: int = 0  # tokens drafted from n-gram matches
     draft_accepted: int = 0  # drafts the model agreed with
     gen_forwards: int = 0  # forward passes while generating with lookup
+    decode_threads: str = ""  # the adaptive thread count's state after generating (qllama.threads); "" if fixed
 
     @property
     def prompt_tps(self) -> float:
@@ -70,6 +71,8 @@ class Timings:
                          f"{per:.2f} tokens per forward ({self.gen_forwards} forwards)")
         elif self.lookup_note:
             lines.append(f"lookup           = {self.lookup_note}")
+        if self.decode_threads:
+            lines.append(f"decode threads   = {self.decode_threads}")
         return "\n".join(lines)
 
 
@@ -250,6 +253,8 @@ def stream_generate(
             steps.advance(token)
     finally:
         timings.gen_s = clock() - t_gen
+        if session.threads is not None:
+            timings.decode_threads = session.threads.describe()
     if reason != FINISH_STOP:
         pending += decoder.flush()
     yield Chunk(pending, pending_ids, reason)

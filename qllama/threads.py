@@ -198,6 +198,12 @@ class ThreadAdapter:
             self._cooldown_s = max(0.0, extra) / self.budget
             self._reference = est
 
+    def describe(self) -> str:
+        """One line for timings, e.g. "1 (adaptive among 2, 1; 3 probes, 1 switch)"."""
+        among = ", ".join(str(c) for c in self.candidates)
+        sw = "switch" if self.switches == 1 else "switches"
+        return f"{self.current} (adaptive among {among}; {self.probes} probes, {self.switches} {sw})"
+
     # -- the timed wrapper -----------------------------------------------------------------
 
     def run(self, step: Callable[[], object], set_threads: Callable[[int], None],

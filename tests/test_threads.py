@@ -186,10 +186,15 @@ def test_greedy_generation_is_identical_with_adaptation(monkeypatch):
     assert a.switches >= 2 and {n for n, _ in seen} == {1, a.max_threads}
     assert all(n == live for n, live in seen)  # the kernels ran at the chosen count
     assert numba.get_num_threads() == a.max_threads  # restored after each step
+    t = model.last_timings
+    assert t.decode_threads == a.describe() and f"decode threads   = {a.current} (adaptive" in t.report()
 
 
 def test_explicit_threads_do_not_adapt():
     import qllama
 
-    assert qllama.load("demo", n_ctx=64, n_threads=2).session.threads is None
+    m = qllama.load("demo", n_ctx=64, n_threads=2)
+    assert m.session.threads is None
+    m.complete("ROMEO:", max_tokens=3, temperature=0)
+    assert m.last_timings.decode_threads == "" and "decode threads" not in m.last_timings.report()
     assert qllama.load("demo", n_ctx=64, n_threads=1).session.threads is None
