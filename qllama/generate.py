@@ -132,7 +132,10 @@ class Session:
         logits = None
         for start in range(common, len(ids), self.batch_size):
             batch = ids[start : start + self.batch_size]
-            logits = self.model.forward(batch, self.cache)
+            if self.threads is None:
+                logits = self.model.forward(batch, self.cache)
+            else:  # a short batch's regions are as short as a decode step's: it runs at decode's count
+                logits = self.threads.run_batch(len(batch), lambda: self.model.forward(batch, self.cache), set_threads)
             self.tokens.extend(batch)
         assert logits is not None
         return logits[-1], len(ids) - common

@@ -18,8 +18,9 @@ sits idle, it probes the larger count without waiting for that bound, so it reco
 a second or so of the load going away. Greedy tokens do not depend on
 the thread count (every kernel splits rows, never a sum), so switching changes speed only.
 
-Prefill is not adapted: its parallel regions are long (a batch of tokens per matrix), so the
-barrier waits matter little, and it keeps every thread (`ThreadAdapter.max_threads`).
+Prefill keeps every thread (`ThreadAdapter.max_threads`): its parallel regions are long (a batch
+of tokens per matrix), so barrier waits matter little; only a short batch (a chat turn's few
+new tokens, `small_batch`) runs at the decode count, whose regions it resembles.
 An explicit thread count (`-t N`, `n_threads=N`) means no adapter: fixed N.
 
 The decision logic is pure (`choose`, `observe`) and takes no clock, so tests drive it with
@@ -76,6 +77,7 @@ class ThreadAdapter:
     slowdown: when the current count's recent median exceeds its median at the last decision by
         this factor, the next probe comes at once (the load changed).
     window: steps of the current count whose median is its estimate.
+    small_batch: prompt batches up to this many tokens run at the decode count (`batch_threads`).
     idle: an `IdleMeter` (or anything with `idle_cpus() -> float | None`), read at most every
         `idle_every` seconds of decoding while below the largest count; None: not used.
     """
@@ -94,6 +96,7 @@ class ThreadAdapter:
         idle=None,
         idle_every: float = 0.25,
         idle_cpus: float = 0.5,
+        small_batch: int = 16,
     ):
         cands = sorted({int(c) for c in candidates}, reverse=True)
         if not cands or cands[-1] < 1:
@@ -115,6 +118,7 @@ class ThreadAdapter:
         self._probe: int | None = None  # the count being probed, if a probe runs
         self._probe_times: list[float] = []
         self.idle, self.idle_every, self.idle_threshold = idle, idle_every, idle_cpus
+        self.small_batch = small_batch
         self._idle_clock = 0.0  # decode seconds since the idle meter was last read
         self._started = False  # the first probe comes after one step (the load is unknown at start)
 
@@ -197,6 +201,23 @@ class ThreadAdapter:
             extra = sum(times) - est * len(times)
             self._cooldown_s = max(0.0, extra) / self.budget
             self._reference = est
+
+    def batch_threads(self, n_tok: int) -> int:
+        """Threads for a batch of n_tok tokens (a prompt): up to `small_batch` tokens its parallel
+        regions are short, like a decode step's, so it takes the decode count; longer batches
+        take every thread (their regions are long enough for a late thread to matter little)."""
+        return self.current if n_tok <= self.small_batch else self.max_threads
+
+    def run_batch(self, n_tok: int, step: Callable[[], object], set_threads: Callable[[int], None]):
+        """Run a batch (not timed: its cost is not a decode step's) at `batch_threads(n_tok)`."""
+        n = self.batch_threads(n_tok)
+        if n == self.max_threads:
+            return step()
+        set_threads(n)
+        try:
+            return step()
+        finally:
+            set_threads(self.max_threads)
 
     def describe(self) -> str:
         """One line for timings, e.g. "1 (adaptive among 2, 1; 3 probes, 1 switch)"."""

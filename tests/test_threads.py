@@ -198,3 +198,16 @@ def test_explicit_threads_do_not_adapt():
     m.complete("ROMEO:", max_tokens=3, temperature=0)
     assert m.last_timings.decode_threads == "" and "decode threads" not in m.last_timings.report()
     assert qllama.load("demo", n_ctx=64, n_threads=1).session.threads is None
+
+
+def test_short_prompt_batches_follow_the_decode_count_long_ones_use_every_thread():
+    a = ThreadAdapter([2, 1], small_batch=16)
+    drive(a, BUSY, 50)
+    assert a.current == 1
+    assert a.batch_threads(1) == a.batch_threads(16) == 1 and a.batch_threads(17) == 2
+    sets = []
+    assert a.run_batch(8, lambda: "short", sets.append) == "short" and sets == [1, 2]  # restored
+    assert a.run_batch(512, lambda: "long", sets.append) == "long" and sets == [1, 2]  # untouched: already 2
+    probes = a.probes
+    a.run_batch(8, lambda: None, sets.append)
+    assert a.probes == probes and a.estimate() == pytest.approx(0.015)  # batches teach the adapter nothing
