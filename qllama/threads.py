@@ -88,7 +88,7 @@ class ThreadAdapter:
         *,
         margin: float = 0.08,
         probe_tokens: int = 3,
-        first_gap: int = 4,
+        first_gap: int = 8,
         max_gap: int = 256,
         budget: float = 0.05,
         slowdown: float = 1.5,
@@ -139,8 +139,8 @@ class ThreadAdapter:
         if self._probe is not None and n_threads == self._probe:
             self._probe_times.append(seconds)
             est = self.estimate()
-            clear = est > 0 and abs(seconds - est) > est * 4 * self.margin  # far apart: no need for more steps
-            if clear or len(self._probe_times) >= self.probe_tokens:
+            lost = est > 0 and seconds > est * (1.0 + 3 * self.margin)  # clearly slower: no need for more steps
+            if lost or len(self._probe_times) >= self.probe_tokens:
                 self._decide()
             return
         if n_threads != self.current:  # a step run outside our choice: not ours to learn from
