@@ -42,6 +42,7 @@ from typing import Callable, Iterable
 WORKER_CMD = [sys.executable, "-m", "qllama.compile_pool"]  # (tests replace it to simulate failures)
 JOB_TIMEOUT_S = 600.0  # a worker silent this long on one job is killed (its job falls back)
 LOCK_NAME = "qllama-cache-save.lock"
+STATS: list[dict] = []  # the last compile_jobs: one entry per compiled job (CPU and wall seconds, worker), for tools
 
 
 @dataclass
@@ -202,13 +203,15 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
         return todo
     workers: list[_Worker] = []
     sel = selectors.DefaultSelector()
+    t_start = time.monotonic()
+    STATS.clear()
     queue = list(todo)
+    env = {**os.environ, "NUMBA_NUM_THREADS": "1", "QLLAMA_POOL_PARENT": str(os.getpid())}
     try:
         for _ in range(n):
             try:
                 p = subprocess.Popen(WORKER_CMD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env={**os.environ, "NUMBA_NUM_THREADS": "1"},
-                                     start_new_session=False)
+                                     stderr=subprocess.DEVNULL, env=env)
             except OSError:
                 break
             w = _Worker(p)
@@ -265,6 +268,10 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
                     line, w.buf = w.buf.split(b"\n", 1)
                     if line.startswith(b"ok"):
                         w.job.done = True
+                        with contextlib.suppress(ValueError):
+                            cpu, wall = (float(v) for v in line.split()[1:3])
+                            STATS.append(dict(job=w.job.label, worker=w.proc.pid, cpu_s=cpu, wall_s=wall,
+                                              start_s=w.since - t_start))
                     w.job = None
                     hand_out(w)
     finally:
@@ -321,8 +328,24 @@ def _locked_cache_saves():
 def _compile_one(line: bytes) -> str:
     module, name, argtypes = pickle.loads(base64.b64decode(line))
     d = getattr(importlib.import_module(module), name)
+    c0, t0 = time.process_time(), time.perf_counter()
     d.compile(argtypes)
-    return "ok"
+    return f"ok {time.process_time() - c0:.3f} {time.perf_counter() - t0:.3f}"
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent dies (killed, crashed), instead of compiling on unasked.
+    (Elsewhere a worker stops at its next read: its input closes with the parent.)"""
+    import ctypes
+    import signal
+
+    parent = int(os.environ.get("QLLAMA_POOL_PARENT", "0"))
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent and os.getppid() != parent:  # it died before prctl took effect
+        sys.exit(1)
 
 
 def worker_main() -> None:
@@ -330,6 +353,7 @@ def worker_main() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C at the terminal: die at once, quietly
+    _die_with_parent()
     out = sys.stdout
     with _locked_cache_saves():
         for line in sys.stdin.buffer:

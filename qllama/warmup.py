@@ -16,6 +16,7 @@ An empty or deleted Numba cache holds no marker, so it reads as cold.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import time
@@ -47,10 +48,26 @@ def warm_up(model, tokens: int = PREFILL_TOKENS, workers: int | None = None) -> 
     if workers > 0:
         from .compile_pool import precompile
 
-        precompile(_forward_passes(model, tokens), workers)
+        with _unchecked(model):
+            precompile(_forward_passes(model, tokens), workers)
     for step in _forward_passes(model, tokens):
         step()
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _unchecked(model):
+    """No non-finite check in the forward pass: while compile_pool records, the skipped kernels
+    leave garbage, and locating it would re-run each step on the slow NumPy path (a minute on 1B)."""
+    if not hasattr(model, "_locating"):
+        yield
+        return
+    before = model._locating
+    model._locating = True
+    try:
+        yield
+    finally:
+        model._locating = before
 
 
 def _forward_passes(model, tokens: int) -> list:

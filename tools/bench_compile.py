@@ -3,6 +3,7 @@
     python tools/bench_compile.py                          # 1B Q4_K_M bench model and the demo, 1 round
     python tools/bench_compile.py --models demo --rounds 3 --modes serial pool
     python tools/bench_compile.py --kernels 15             # the 15 most expensive specialisations
+    python tools/bench_compile.py --models demo --only int8.quantize_q8_k --src /tmp/variant /work/main --rounds 3
 
 Each measurement is a fresh subprocess with its own empty NUMBA_CACHE_DIR (a temp dir), which
 loads the model and runs `Model.warmup()` (what `qllama run` does before the prompt):
@@ -16,6 +17,11 @@ Reported per run: warm-up wall seconds, CPU seconds of the process and its child
 subprocess's wall (imports and model load included), and the load average. For a serial cold
 run, each specialisation's own compile seconds (Numba's "numba:compile" events, minus the time
 of the nested compiles of the kernels it calls), sorted by cost, with its options.
+
+`--only KERNEL --src DIR...` compares kernel definitions: for each source tree (e.g. a scratch
+copy of the repository with one kernel edited, and the repository itself), a fresh process with
+an empty cache compiles only the specialisations of KERNEL that the model's warm-up needs
+(nested kernels included), alternating the trees each round; reported in CPU seconds.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if "--child-only" not in sys.argv:  # (--only's children import qllama from the tree on PYTHONPATH)
+    sys.path.insert(0, str(REPO))
 
 DEFAULT_MODELS = [str(REPO / "bench-models" / "llama-3.2-1b-q4_k_m.gguf"), "demo"]
 
@@ -89,8 +96,60 @@ def child(model: str, mode: str, threads: int) -> dict:
     cpu0, t0 = _cpu_s(), time.perf_counter()
     llm.warmup()
     wall = time.perf_counter() - t0
+    from qllama import compile_pool
+
     return dict(model=model, mode=mode, cold=cold, warmup_s=wall, cpu_s=_cpu_s() - cpu0,
-                process_s=time.perf_counter() - t_start, types=llm.kernel_types(), kernels=records)
+                process_s=time.perf_counter() - t_start, types=llm.kernel_types(), kernels=records,
+                pool=compile_pool.STATS)
+
+
+def child_only(model: str, kernel: str, threads: int) -> dict:
+    """Compile only `kernel`'s (comma-separated names) specialisations that the warm-up of `model` needs (empty cache)."""
+    records = _install_compile_timer()
+    import qllama
+    from qllama import compile_pool
+    from qllama.warmup import _forward_passes
+
+    llm = qllama.load(model, n_threads=threads)
+    jobs = [j for j in compile_pool.record_jobs(_forward_passes(llm.forward_model, 5))
+            if j.label.removeprefix("qllama.kernels.") in kernel.split(",")]
+    if not jobs:
+        raise SystemExit(f"error: the warm-up of {model} does not call {kernel}")
+    import importlib
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    for j in jobs:
+        getattr(importlib.import_module(j.module), j.name).compile(j.argtypes)
+    return dict(cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0, n=len(jobs), kernels=records,
+                src=str(Path(qllama.__file__).parents[1]))
+
+
+def compare_sources(args) -> None:
+    print(f"== {args.only} for {Path(args.models[0]).name}: CPU seconds of its compile (nested kernels "
+          f"included), empty cache, fresh process", flush=True)
+    cpu: dict[str, list[float]] = {s: [] for s in args.src}
+    for rnd in range(args.rounds):
+        for src in args.src:
+            cache = Path(tempfile.mkdtemp(prefix="qllama-numba-"))
+            env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": src}
+            try:
+                r = subprocess.run([sys.executable, __file__, "--child-only", args.models[0], "--only", args.only,
+                                    "--threads", str(args.threads)], env=env, capture_output=True, text=True,
+                                   timeout=900, cwd=tempfile.gettempdir())
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+            if r.returncode != 0:
+                raise SystemExit(f"error: {src}: {r.stderr[-3000:]}")
+            doc = json.loads(r.stdout.strip().splitlines()[-1])
+            if Path(doc["src"]).resolve() != Path(src).resolve():
+                raise SystemExit(f"error: {src}: imported qllama from {doc['src']}")
+            cpu[src].append(doc["cpu_s"])
+            own = ", ".join(f"{k['kernel']} {k['own_cpu']:.2f}" for k in sorted(doc["kernels"], key=lambda k: -k["own_cpu"])
+                            if not k["kernel"].startswith("numba."))
+            print(f"  round {rnd + 1} {src}: {doc['cpu_s']:.2f} s CPU ({doc['n']} specialisations; own: {own}) "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+    for src in args.src:
+        print(f"  median {statistics.median(cpu[src]):6.2f} s CPU  {src}")
 
 
 # -- the parent: fresh processes, tables ---------------------------------------------------------
@@ -135,11 +194,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", type=int, default=25, help="rows of the per-kernel table")
     ap.add_argument("--json", help="also write every run to this file")
+    ap.add_argument("--only", help="compare kernels (e.g. int8.quantize_q8_k, or layer_ops.glu,layer_ops.glu_serial) across --src trees")
+    ap.add_argument("--src", nargs="+", default=[str(REPO)], help="source trees for --only (default: this repo)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-only", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="pool", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.mode, args.threads)))
+        return
+    if args.child_only:
+        print(json.dumps(child_only(args.child_only, args.only, args.threads)))
+        return
+    if args.only:
+        compare_sources(args)
         return
 
     runs = []
@@ -157,12 +225,17 @@ def main() -> None:
                 runs.append(dict(cold=cold, warm=warm))
                 print(f"  round {rnd + 1} {mode:6s} cold: warm-up {cold['warmup_s']:6.2f} s wall, "
                       f"{cold['cpu_s']:6.2f} s CPU, process {cold['subprocess_s']:6.2f} s | warm: warm-up "
-                      f"{warm['warmup_s']:5.2f} s, process {warm['subprocess_s']:5.2f} s | load {cold['load']:.2f}"
+                      f"{warm['warmup_s']:5.2f} s ({warm['cpu_s']:.2f} s CPU), process {warm['subprocess_s']:5.2f} s | load {cold['load']:.2f}"
                       f"{'' if cold['cold'] and not warm['cold'] else '  (marker state unexpected!)'}", flush=True)
                 here = [k for k in cold["kernels"] if not k["kernel"].startswith("numba.")]
                 if mode == "pool":
                     print(f"      compiled in the main process after the pool: {len(here)} specialisations "
                           f"({sum(k['own_cpu'] for k in here):.2f} s CPU)", flush=True)
+                    for pid in sorted({p["worker"] for p in cold["pool"]}):
+                        mine = [p for p in cold["pool"] if p["worker"] == pid]
+                        print(f"      worker {pid}: {sum(p['cpu_s'] for p in mine):6.2f} s CPU compiling: "
+                              + ", ".join(f"{p['job'].removeprefix('qllama.kernels.')} {p['cpu_s']:.2f}" for p in mine),
+                              flush=True)
                 if warm["kernels"]:
                     print(f"      warm run compiled {len(warm['kernels'])} specialisations!", flush=True)
         for mode in args.modes:
