@@ -8,11 +8,18 @@ file and threads), at 1, 2, 4, 8 concurrent streams: every stream asks /v1/compl
 - per-stream t/s: median over the streams of (tokens - 1) / (last token - first token);
 - TTFT: median and max time from sending a request to its first text chunk, all streams
   starting together (queueing and prefill of the others included);
-- TTFT of a late joiner: one more request sent while the others are decoding.
+- TTFT of a late joiner: one more request sent while the others are decoding;
+- server CPU ms/token: CPU time (user + system, all threads) the server process used during the
+  level (prompts included), per completion token. Unlike wall time it barely moves when other processes share the
+  machine, so "tokens per CPU-second x one stream" is the batching gain a quiet machine would see
+  (as long as the kernels' threads do not spin-wait much; compare with -t 1 on a busy machine).
+
+The load average is printed with every level: on a busy machine, wall-clock rates are unreliable.
 
 The ratio to one stream is what continuous batching buys: decode is bandwidth-bound, so one
 pass over the weights for N streams costs little more than for one. llama-cpp-python's server
-serves one request at a time, so its aggregate stays flat. The servers run one after another
+serves one request at a time (queued: it is started with --interrupt_requests False, else a new
+request would abort the running one), so its aggregate stays flat. The servers run one after another
 (A, B, A, B... with -r), on 127.0.0.1, and are always stopped.
 
     python tools/bench_server.py bench-models/llama-3.2-1b-q4_k_m.gguf -t 2 -n 64 -r 2
@@ -40,6 +47,16 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
 def prompt_text(i: int, n_words: int) -> str:
     """A distinct prompt per stream (no shared prefix beyond the first word)."""
     return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n_words))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far; NaN where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -92,7 +109,8 @@ def llama_cpp_server(model: str, threads: int, n_ctx: int) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-           "--n_batch", "512", "--verbose", "False"]
+           "--n_batch", "512", "--verbose", "False",
+           "--interrupt_requests", "False"]  # by default a new request aborts the running stream: queue instead
     return Server("llama.cpp", cmd, f"http://127.0.0.1:{port}")
 
 
@@ -116,10 +134,11 @@ def stream_one(url: str, prompt: str, n: int, out: dict) -> None:
                 out.setdefault("t_first", now)
                 out["t_last"] = now
                 chunks += 1
-    out["tokens"] = usage if usage is not None else chunks  # llama-cpp-python may not send usage
+    out["tokens"] = usage if usage is not None else chunks  # llama-cpp-python sends no usage
 
 
-def run_level(url: str, streams: int, n: int, prompt_words: int, late: bool) -> dict:
+def run_level(url: str, streams: int, n: int, prompt_words: int, late: bool, pid: int | None = None) -> dict:
+    cpu0 = cpu_seconds(pid) if pid else float("nan")
     outs = [{} for _ in range(streams)]
     threads = [threading.Thread(target=stream_one, args=(url, prompt_text(i, prompt_words), n, outs[i]))
                for i in range(streams)]
@@ -135,15 +154,18 @@ def run_level(url: str, streams: int, n: int, prompt_words: int, late: bool) -> 
         threads.append(lt)
     for t in threads:
         t.join()
+    cpu = (cpu_seconds(pid) if pid else float("nan")) - cpu0
     t_end = max(o.get("t_last", t0) for o in outs)
-    tokens = sum(o.get("tokens", 0) for o in outs)
+    tokens = sum(o.get("tokens", 0) for o in outs) + late_out.get("tokens", 0)
     ttft = [o["t_first"] - o["t_send"] for o in outs if "t_first" in o]
     per = [(o["tokens"] - 1) / (o["t_last"] - o["t_first"]) for o in outs
            if o.get("tokens", 0) > 1 and o["t_last"] > o["t_first"]]
     return {
         "streams": streams,
         "tokens": tokens,
-        "agg_tps": tokens / (t_end - t0) if t_end > t0 else 0.0,
+        "agg_tps": sum(o.get("tokens", 0) for o in outs) / (t_end - t0) if t_end > t0 else 0.0,
+        "cpu_ms": 1000.0 * cpu / tokens if tokens else float("nan"),
+        "load": os.getloadavg()[0],
         "stream_tps": statistics.median(per) if per else 0.0,
         "ttft_med": statistics.median(ttft) if ttft else float("nan"),
         "ttft_max": max(ttft) if ttft else float("nan"),
@@ -176,29 +198,36 @@ def main() -> None:
             try:
                 run_level(srv.url, 1, 4, a.prompt_words, late=False)  # warm-up (kernels, caches)
                 for streams in levels:
-                    row = run_level(srv.url, streams, a.max_tokens, a.prompt_words, late=not a.no_late)
+                    row = run_level(srv.url, streams, a.max_tokens, a.prompt_words, late=not a.no_late,
+                                    pid=srv.proc.pid)
                     row.update(server=kind, rep=rep)
                     rows.append(row)
                     print(f"{kind:9s} rep {rep} streams {streams}: {row['agg_tps']:.2f} t/s aggregate, "
-                          f"TTFT median {row['ttft_med']:.2f} s", file=sys.stderr, flush=True)
+                          f"TTFT median {row['ttft_med']:.2f} s, {row['cpu_ms']:.1f} CPU ms/token, "
+                          f"load {row['load']:.1f}", file=sys.stderr, flush=True)
             finally:
                 srv.stop()
     if a.json:
         print(json.dumps(rows, indent=1))
         return
+    loads = [r["load"] for r in rows]
     print(f"\nmodel {os.path.basename(a.model)}, {a.threads} threads, {a.max_tokens} tokens per stream, "
-          f"{a.prompt_words}-word prompts, medians over {a.repetitions} repetition(s)\n")
-    print("| server | streams | aggregate t/s | x one stream | per-stream t/s | TTFT median s | TTFT max s | late joiner TTFT s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"{a.prompt_words}-word prompts, medians over {a.repetitions} repetition(s), "
+          f"load average {min(loads):.1f}-{max(loads):.1f}\n")
+    print("| server | streams | aggregate t/s | x one stream | per-stream t/s | TTFT median s | TTFT max s "
+          "| late joiner TTFT s | server CPU ms/token | tokens per CPU-s x one stream |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kind in kinds:
-        base = None
+        base = base_cpu = None
         for streams in levels:
             mine = [r for r in rows if r["server"] == kind and r["streams"] == streams]
             med = {k: statistics.median(r[k] for r in mine) for k in
-                   ("agg_tps", "stream_tps", "ttft_med", "ttft_max", "ttft_late")}
+                   ("agg_tps", "stream_tps", "ttft_med", "ttft_max", "ttft_late", "cpu_ms")}
             base = base or med["agg_tps"]
+            base_cpu = base_cpu or med["cpu_ms"]
             print(f"| {kind} | {streams} | {med['agg_tps']:.2f} | {med['agg_tps'] / base:.2f} | "
-                  f"{med['stream_tps']:.2f} | {med['ttft_med']:.2f} | {med['ttft_max']:.2f} | {med['ttft_late']:.2f} |")
+                  f"{med['stream_tps']:.2f} | {med['ttft_med']:.2f} | {med['ttft_max']:.2f} | {med['ttft_late']:.2f} | "
+                  f"{med['cpu_ms']:.1f} | {base_cpu / med['cpu_ms']:.2f} |")
 
 
 if __name__ == "__main__":
