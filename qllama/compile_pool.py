@@ -62,6 +62,8 @@ class Job:
 
 def default_workers() -> int:
     """Worker processes for a cold compile: QLLAMA_COMPILE_WORKERS, else the CPUs this process may use."""
+    if os.name != "posix":  # (pipes in selectors, fcntl locks: POSIX only; elsewhere compile in-process)
+        return 0
     env = os.environ.get("QLLAMA_COMPILE_WORKERS", "").strip()
     if env:
         try:
@@ -290,7 +292,10 @@ def precompile(steps: Iterable[Callable[[], object]], n_workers: int | None = No
     jobs = record_jobs(steps)
     if len(jobs) < 2:  # one job: compiling it here is as fast
         return len(jobs), 0
-    left = compile_jobs(jobs, n)
+    try:
+        left = compile_jobs(jobs, n)
+    except Exception:  # the pool itself broke (e.g. no pipes or processes here): the warm-up compiles all
+        return len(jobs), 0
     return len(jobs), len(jobs) - len(left)
 
 

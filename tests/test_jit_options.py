@@ -324,3 +324,27 @@ def test_a_failing_step_does_not_end_the_recording(pool_kernels):
     jobs = compile_pool.record_jobs([rejects, halves])
     assert sorted((j.name, str(j.argtypes[0])) for j in jobs if j.name == "halve") == [
         ("halve", "array(float32, 1d, C)"), ("halve", "array(float64, 1d, C)")]
+
+
+def test_no_worker_can_start(pool_kernels, monkeypatch):
+    from qllama import compile_pool
+    from qllama.warmup import warm_up
+
+    def refuse(*a, **k):
+        raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(compile_pool.subprocess, "Popen", refuse)
+    warm_up(ToyModel(pool_kernels), workers=2)
+    assert _misses(pool_kernels) == {"scale": 2, "total": 1, "halve": 1}  # all compiled here
+
+
+def test_compile_workers_setting(monkeypatch):
+    from qllama import compile_pool
+
+    monkeypatch.setenv("QLLAMA_COMPILE_WORKERS", "0")
+    assert compile_pool.default_workers() == 0
+    assert compile_pool.precompile([lambda: pytest.fail("recorded although disabled")]) == (0, 0)
+    monkeypatch.setenv("QLLAMA_COMPILE_WORKERS", "3")
+    assert compile_pool.default_workers() == 3
+    monkeypatch.delenv("QLLAMA_COMPILE_WORKERS")
+    assert compile_pool.default_workers() == len(os.sched_getaffinity(0))

@@ -108,11 +108,12 @@ def child_only(model: str, kernel: str, threads: int) -> dict:
     records = _install_compile_timer()
     import qllama
     from qllama import compile_pool
-    from qllama.warmup import _forward_passes
+    from qllama.warmup import _forward_passes, _unchecked
 
     llm = qllama.load(model, n_threads=threads)
-    jobs = [j for j in compile_pool.record_jobs(_forward_passes(llm.forward_model, 5))
-            if j.label.removeprefix("qllama.kernels.") in kernel.split(",")]
+    with _unchecked(llm.forward_model):
+        jobs = compile_pool.record_jobs(_forward_passes(llm.forward_model, 5))
+    jobs = [j for j in jobs if j.label.removeprefix("qllama.kernels.") in kernel.split(",")]
     if not jobs:
         raise SystemExit(f"error: the warm-up of {model} does not call {kernel}")
     import importlib
