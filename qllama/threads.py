@@ -23,8 +23,8 @@ of tokens per matrix), so barrier waits matter little; only a short batch (a cha
 new tokens, `small_batch`) runs at the decode count, whose regions it resembles.
 An explicit thread count (`-t N`, `n_threads=N`) means no adapter: fixed N.
 
-The decision logic is pure (`choose`, `observe`) and takes no clock, so tests drive it with
-made-up token times; `ThreadAdapter.run` is the timed wrapper the session uses.
+The decision logic (`choose`, `observe`) reads no clock (the idle meter is passed in), so tests
+drive it with made-up step times and a fake meter; `ThreadAdapter.run` is the timed wrapper the session uses.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class IdleMeter:
         try:
             with open(self.path) as f:
                 fields = f.readline().split()
-            ticks = [int(v) for v in fields[1:]]
+            ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal (guest is in user)
             return ticks[3] + (ticks[4] if len(ticks) > 4 else 0), sum(ticks)  # idle + iowait, total
         except (OSError, ValueError, IndexError):
             return None
