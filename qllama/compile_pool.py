@@ -53,6 +53,7 @@ class Job:
     name: str
     argtypes: tuple
     cost: float = 0.0  # a guess, for the order: larger first
+    callees: frozenset = frozenset()  # ids of the kernels it calls (compiled along with it)
     done: bool = field(default=False, compare=False)
 
     @property
@@ -98,22 +99,35 @@ def _in_disk_cache(d, argtypes: tuple) -> bool:
         return False
 
 
-def _callees(func, seen: set) -> int:
-    """Bytecode size of `func` plus that of the kernels it calls (transitively): a cost guess."""
+def _called(func) -> list:
+    """The Numba kernels that `func`'s code names: `f(...)` and `module.f(...)`."""
+    from types import ModuleType
+
     from numba.core.dispatcher import Dispatcher
 
-    size = len(func.__code__.co_code)
-    for name in func.__code__.co_names:
-        g = func.__globals__.get(name)
-        if isinstance(g, Dispatcher) and id(g) not in seen:
-            seen.add(id(g))
-            size += _callees(g.py_func, seen)
-    return size
+    names = func.__code__.co_names
+    found = [func.__globals__.get(n) for n in names]
+    modules = [m for m in found if isinstance(m, ModuleType)]
+    found += [getattr(m, n, None) for m in modules for n in names]
+    return [d for d in found if isinstance(d, Dispatcher)]
 
 
-def _cost(d) -> float:
-    """Compile-cost guess: parallel=True kernels (parfor lowering) cost several times more."""
-    return _callees(d.py_func, {id(d)}) * (4.0 if d.targetoptions.get("parallel") else 1.0)
+def _reach(d) -> tuple[float, frozenset]:
+    """(compile-cost guess, ids of the kernels it calls, transitively) for dispatcher d.
+
+    The guess is the bytecode size of d and of everything it calls (each once), doubled for a
+    parallel=True kernel (parfor lowering compiles the loop body as a separate function)."""
+    seen = {id(d)}
+    todo = [d]
+    size = 0
+    while todo:
+        k = todo.pop()
+        size += len(k.py_func.__code__.co_code)
+        for c in _called(k.py_func):
+            if id(c) not in seen:
+                seen.add(id(c))
+                todo.append(c)
+    return size * (2.0 if d.targetoptions.get("parallel") else 1.0), frozenset(seen - {id(d)})
 
 
 @contextlib.contextmanager
@@ -130,7 +144,8 @@ def _recording(jobs: list[Job]):
             where = _module_name(self)
             if key not in seen and where is not None and not kws and not _in_disk_cache(self, argtypes):
                 seen.add(key)
-                jobs.append(Job(where[0], where[1], argtypes, _cost(self)))
+                cost, callees = _reach(self)
+                jobs.append(Job(where[0], where[1], argtypes, cost, callees))
         except Exception:  # an argument Numba cannot type: the real warm-up will say so
             pass
         return _skip
@@ -222,9 +237,13 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
         alive = list(workers)
 
         def hand_out(w: _Worker) -> None:
-            w.job = queue.pop(0) if queue else None
-            if w.job is None:
+            """The next job for w, most expensive first, preferring one that shares no callee with
+            the jobs running elsewhere: a shared callee compiled once is then loaded by the other."""
+            if not queue:
+                w.job = None
                 return
+            running = frozenset().union(*(o.job.callees for o in alive if o is not w and o.job is not None))
+            w.job = queue.pop(next((i for i, j in enumerate(queue) if not (j.callees & running)), 0))
             w.since = time.monotonic()
             try:
                 w.proc.stdin.write(_encode(w.job))
