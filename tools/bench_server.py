@@ -14,6 +14,10 @@ file and threads), at 1, 2, 4, 8 concurrent streams: every stream asks /v1/compl
   machine, so "tokens per CPU-second x one stream" is the batching gain a quiet machine would see
   (as long as the kernels' threads do not spin-wait much; compare with -t 1 on a busy machine).
 
+With qllama, each repetition also runs `qllama bench` tg (the same decode without a server,
+one token at a time) right after the server, so the server's own cost shows in the same run:
+one stream's per-stream t/s over bench tg.
+
 The load average is printed with every level: on a busy machine, wall-clock rates are unreliable.
 
 The ratio to one stream is what continuous batching buys: decode is bandwidth-bound, so one
@@ -173,6 +177,16 @@ def run_level(url: str, streams: int, n: int, prompt_words: int, late: bool, pid
     }
 
 
+def bench_tg(model: str, threads: int, n: int, n_ctx: int) -> float:
+    """`qllama bench` tg: tokens/s of plain one-token decode in its own process."""
+    cmd = [sys.executable, "-m", "qllama", "bench", model, "-p", "0", "-n", str(n), "-r", "1", "-t", str(threads),
+           "--json", "-q"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"qllama bench failed: {out.stderr.strip()[-300:]}")
+    return float(json.loads(out.stdout)["results"][0]["mean_tps"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -184,6 +198,7 @@ def main() -> None:
     ap.add_argument("-r", "--repetitions", type=int, default=1)
     ap.add_argument("--no-llama-cpp", action="store_true", help="only qllama")
     ap.add_argument("--no-late", action="store_true", help="skip the late-joiner TTFT")
+    ap.add_argument("--no-bench-tg", action="store_true", help="skip the `qllama bench` tg run of each repetition")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
@@ -207,6 +222,11 @@ def main() -> None:
                           f"load {row['load']:.1f}", file=sys.stderr, flush=True)
             finally:
                 srv.stop()
+            if kind == "qllama" and not a.no_bench_tg:
+                tg = bench_tg(a.model, a.threads, a.max_tokens, a.ctx_size)
+                rows.append({"server": "bench", "rep": rep, "tg": tg, "load": os.getloadavg()[0]})
+                print(f"qllama bench tg{a.max_tokens} rep {rep}: {tg:.2f} t/s, load {rows[-1]['load']:.1f}",
+                      file=sys.stderr, flush=True)
     if a.json:
         print(json.dumps(rows, indent=1))
         return
@@ -228,6 +248,12 @@ def main() -> None:
             print(f"| {kind} | {streams} | {med['agg_tps']:.2f} | {med['agg_tps'] / base:.2f} | "
                   f"{med['stream_tps']:.2f} | {med['ttft_med']:.2f} | {med['ttft_max']:.2f} | {med['ttft_late']:.2f} | "
                   f"{med['cpu_ms']:.1f} | {base_cpu / med['cpu_ms']:.2f} |")
+    tg = [r["tg"] for r in rows if r["server"] == "bench"]
+    one = [r["stream_tps"] for r in rows if r["server"] == "qllama" and r["streams"] == 1]
+    if tg and one:
+        print(f"\nqllama bench tg{a.max_tokens} (no server): {statistics.median(tg):.2f} t/s; one stream through the "
+              f"server decodes at {statistics.median(one) / statistics.median(tg):.2f}x that (per-stream t/s"
+              f"{'' if a.no_late else '; the late joiner prefills meanwhile: --no-late compares like for like'})")
 
 
 if __name__ == "__main__":
