@@ -26,16 +26,20 @@ def load(
     n_ctx: int | None = None,
     n_threads: int | None = None,
     batch_size: int = 512,
+    type_k: str | int | None = None,
+    type_v: str | int | None = None,
 ) -> "Model":
     """Open a GGUF model: maps the file, checks every tensor, builds the tokenizer and KV cache.
 
     n_ctx defaults to min(the model's context length, 4096); n_threads to the physical cores.
+    type_k / type_v: the KV cache's key and value type, "f16" (the default, as llama.cpp's) or
+    "f32" (twice the memory); llama-cpp-python's ggml type ids 1 (F16) and 0 (F32) work too.
     `path` may also be a model reference (`demo`, `org/repo[:QUANT]`, `org/repo/file.gguf`,
     `hf://...`): see `qllama.hub`; it is downloaded into the Hugging Face cache if needed.
     """
     from .hub import resolve
 
-    return Model(resolve(path), n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size)
+    return Model(resolve(path), n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size, type_k=type_k, type_v=type_v)
 
 
 class Model:
@@ -45,8 +49,12 @@ class Model:
     `n_vocab`, `last_timings` (Timings of the latest generation).
     """
 
-    def __init__(self, path, *, n_ctx: int | None = None, n_threads: int | None = None, batch_size: int = 512):
+    def __init__(self, path, *, n_ctx: int | None = None, n_threads: int | None = None, batch_size: int = 512,
+                 type_k: str | int | None = None, type_v: str | int | None = None):
+        from .models.kvcache import kv_type
+
         t0 = time.perf_counter()
+        self.kv_types = (kv_type(type_k), kv_type(type_v))  # checked before the file is opened
         self.path = os.fspath(path)
         self.gguf = GGUFFile(self.path)
         self.metadata: dict[str, Any] = self.gguf.metadata
@@ -60,10 +68,11 @@ class Model:
             raise QllamaError(f"thread count must be >= 1, got {n_threads}")
         from .memory import check_context
 
-        check_context(self.args, n_ctx, batch_size)  # before the KV cache or anything n_ctx-sized is allocated
+        check_context(self.args, n_ctx, batch_size, kv_types=self.kv_types)  # before anything n_ctx-sized is allocated
         set_threads(n_threads)  # None: the physical cores
         self.n_threads = get_threads()
         self._model = build_model(self.gguf, self.args, n_ctx, batch_size)  # checks every tensor
+        self._model.kv_types = self.kv_types
         self.weights = self._model.weights
         self.session = Session(self._model, batch_size=batch_size, adapt_threads=n_threads is None)  # default: adaptive decode threads
         self.load_s = time.perf_counter() - t0

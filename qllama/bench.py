@@ -86,10 +86,11 @@ class BenchRunner:
     the prefix is evaluated once and reused (its K/V entries are unchanged by later tokens).
     """
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int, batch_size: int = 512, n_threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, n_ctx: int, batch_size: int = 512, n_threads: int | None = None,
+                 type_k: str = "f16", type_v: str = "f16"):
         from .api import load
 
-        self.llm = load(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size)
+        self.llm = load(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size, type_k=type_k, type_v=type_v)
         self.model = self.llm.forward_model
         self.cache = self.model.new_cache()
         self.batch_size = batch_size
@@ -188,6 +189,8 @@ def run_bench(
     depths: Sequence[int] = (0,),
     batch_size: int = 512,
     progress: Callable[[str], None] | None = None,
+    type_k: str = "f16",
+    type_v: str = "f16",
 ) -> dict:
     """Run the tests at each thread count; returns the `qllama bench --json` document."""
     if reps < 1:
@@ -201,7 +204,8 @@ def run_bench(
     threads = list(threads) or [physical_cores()]
     if any(t < 1 for t in threads):
         raise QllamaError("thread counts must be >= 1")
-    runner = BenchRunner(path, n_ctx=needed_ctx(n_prompt, n_gen, depths), batch_size=batch_size, n_threads=threads[0])
+    runner = BenchRunner(path, n_ctx=needed_ctx(n_prompt, n_gen, depths), batch_size=batch_size, n_threads=threads[0],
+                         type_k=type_k, type_v=type_v)
     if max(depths or [0]) + n_gen > runner.model.n_ctx or n_prompt > runner.model.n_ctx:
         raise QllamaError("the tests do not fit in the context")
     say = progress or (lambda msg: None)
@@ -226,6 +230,8 @@ def run_bench(
         "n_threads": [r for r in dict.fromkeys(res["threads"] for res in results)],
         "results": results,
         "compile_s": compile_s,
+        "type_k": runner.llm.kv_types[0],  # the KV cache types (llama-bench's type_k / type_v)
+        "type_v": runner.llm.kv_types[1],
     }
     runner.close()
     return doc
@@ -267,7 +273,8 @@ class DecodeProfile:
 
 
 def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128, n_threads: int | None = None,
-                   batch_size: int = 512, runner: BenchRunner | None = None) -> DecodeProfile:
+                   batch_size: int = 512, runner: BenchRunner | None = None, type_k: str = "f16",
+                   type_v: str = "f16") -> DecodeProfile:
     """Time each operation of `steps` decode steps after `depth` cached tokens, plus sampling.
 
     "python overhead" is the wall time of a step minus everything measured inside it.
@@ -277,7 +284,8 @@ def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128
 
     own = runner is None
     if own:
-        runner = BenchRunner(path, n_ctx=depth + steps + 8, batch_size=batch_size, n_threads=n_threads)
+        runner = BenchRunner(path, n_ctx=depth + steps + 8, batch_size=batch_size, n_threads=n_threads,
+                             type_k=type_k, type_v=type_v)
         runner.warmup()
     threads = runner.set_threads(n_threads) if n_threads else runner.set_threads(runner.llm.n_threads)
     runner._ensure_prefix(depth)

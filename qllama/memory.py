@@ -11,16 +11,15 @@ import warnings
 
 from .errors import ContextSizeError, QllamaWarning
 
-KV_BYTES_PER_ELEMENT = 4  # the KV cache holds float32 keys and values
-
-
-def kv_cache_bytes(args, n_ctx: int, batch: int, bytes_per_element: int = KV_BYTES_PER_ELEMENT) -> int:
-    """Bytes of a model's KV cache: keys and values (2) for every layer's slots (a window layer
-    keeps only a ring, see `models.kvcache`), KV head and head dimension."""
-    from .models.kvcache import ring_slots
+def kv_cache_bytes(args, n_ctx: int, batch: int, kv_types: tuple[str, str] = ("f16", "f16")) -> int:
+    """Bytes of a model's KV cache: keys and values, of types kv_types ("f16": 2 bytes, "f32": 4),
+    for every layer's slots (a window layer keeps only a ring, see `models.kvcache`), KV head
+    and head dimension."""
+    from .models.kvcache import kv_bytes_per_element, ring_slots
 
     windows = [args.n_swa if args.is_swa(il) else 0 for il in range(args.n_layer)]
-    return 2 * sum(ring_slots(n_ctx, windows, batch)) * args.n_head_kv * args.head_dim * bytes_per_element
+    per_slot = args.n_head_kv * args.head_dim * sum(kv_bytes_per_element(t) for t in kv_types)
+    return sum(ring_slots(n_ctx, windows, batch)) * per_slot
 
 
 def available_memory() -> int | None:
@@ -42,14 +41,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def check_context(args, n_ctx: int, batch: int, *, available: int | None = None) -> None:
+def check_context(args, n_ctx: int, batch: int, *, available: int | None = None,
+                  kv_types: tuple[str, str] = ("f16", "f16")) -> None:
     """Refuse a context whose KV cache cannot fit in memory; warn when it exceeds the training length.
 
     `args` is the model's ModelArgs; `batch` the tokens per forward (window layers keep
-    window + batch positions). Raises
+    window + batch positions); kv_types the cache's (type_k, type_v). Raises
     ContextSizeError naming both sizes; warns (QllamaWarning) when n_ctx > n_ctx_train.
     """
-    need = kv_cache_bytes(args, n_ctx, batch)
+    need = kv_cache_bytes(args, n_ctx, batch, kv_types)
     have = available_memory() if available is None else available
     if have is not None and need > have:
         raise ContextSizeError(

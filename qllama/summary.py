@@ -16,7 +16,7 @@ from .ggml_types import FILE_TYPES, GGML_TYPES
 from .gguf import GGUFFile
 
 KV_CACHE_TOKENS = 1024  # "per 1K tokens of context"
-KV_CACHE_ELEMENT_BYTES = 4  # the runtime keeps its KV cache in float32
+KV_CACHE_ELEMENT_BYTES = 2  # the runtime's default KV cache is f16, as llama.cpp's (f32, -ctk/-ctv f32, doubles it)
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
 
@@ -66,7 +66,7 @@ class ModelSummary:
     eos_token: str | None
     chat_template: bool
     chat_template_names: list[str] = field(default_factory=list)  # tokenizer.chat_template.<name>
-    kv_cache_bytes_per_token: int | None = None  # float32 K and V of the layers that keep every position
+    kv_cache_bytes_per_token: int | None = None  # f16 K and V of the layers that keep every position
     kv_cache_bytes_per_1k: int | None = None
     kv_cache_formula: str | None = None
     # what qllama runs (from the architecture's own reader; None for an architecture it does not run)
@@ -174,7 +174,7 @@ def summarize(f: GGUFFile) -> ModelSummary:
     if val_len is None:
         val_len = head_dim
 
-    # -- KV cache: float32 K and V for every layer --
+    # -- KV cache: f16 K and V for every layer (the default cache type) --
     kv_tok = formula = None
     kv_heads_total = _sum_layers(n_head_kv, n_layer) if n_layer else None  # KV heads over all layers
     if kv_heads_total is not None and head_dim and val_len:
@@ -182,10 +182,10 @@ def summarize(f: GGUFFile) -> ModelSummary:
         if isinstance(n_head_kv, int) and head_dim == val_len:
             formula = (
                 f"2 (K,V) x {n_layer} layers x {n_head_kv} KV heads x {head_dim} dims x "
-                f"{KV_CACHE_ELEMENT_BYTES} B (float32) = {kv_tok} B/token"
+                f"{KV_CACHE_ELEMENT_BYTES} B (f16) = {kv_tok} B/token"
             )
         else:
-            formula = f"sum over layers of KV heads x (key {head_dim} + value {val_len} dims) x 4 B (float32)"
+            formula = f"sum over layers of KV heads x (key {head_dim} + value {val_len} dims) x {KV_CACHE_ELEMENT_BYTES} B (f16)"
 
     # -- RoPE --
     scaling = None
@@ -302,7 +302,7 @@ def _family_fields(f: GGUFFile, s: ModelSummary) -> None:
     ctx = a.default_n_ctx()
     s.kv_cache_default_ctx = ctx
     s.kv_cache_bytes_default_ctx = n_global * ctx * per_pos + len(windowed) * min(ctx, ring) * per_pos
-    dims = f"{a.n_head_kv} KV heads x {a.head_dim} dims x {KV_CACHE_ELEMENT_BYTES} B (float32)"
+    dims = f"{a.n_head_kv} KV heads x {a.head_dim} dims x {KV_CACHE_ELEMENT_BYTES} B (f16)"
     if windowed:
         s.kv_cache_window_bytes = len(windowed) * ring * per_pos
         s.kv_cache_formula = (f"2 (K,V) x {n_global} global layers x {dims} = {s.kv_cache_bytes_per_token} B/token; "

@@ -246,10 +246,19 @@ def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: fl
     return out
 
 
-def attention(q, k, v, pos, h: HParams, swa: bool, tap=None) -> np.ndarray:
+Q_PRESCALED = ("gemma2", "gemma3", "phi3")  # graphs that scale Q before attention (kq_scale 1)
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    """x rounded to fp16 (nearest even), back in float64."""
+    return np.asarray(x).astype(np.float16).astype(np.float64)
+
+
+def attention(q, k, v, pos, h: HParams, swa: bool, tap=None, kv_f16: bool = False) -> np.ndarray:
     """q (T, n_head, d), k/v (T, n_head_kv, d) -> (T, n_head * d); causal (+ window) mask.
     tap(point, array): optional, sees (and may replace) attn_scores, attn_probs (T, n_head, T)
-    and attn_z (T, n_head, d)."""
+    and attn_z (T, n_head, d). kv_f16: as llama.cpp's f16 cache multiplies (k and v are already
+    rounded by the caller): q and the probabilities are rounded to fp16 for the products."""
     T = q.shape[0]
     rep = h.n_head // h.n_head_kv
     diff = pos[:, None] - pos[None, :]  # p1 - p0
@@ -258,23 +267,28 @@ def attention(q, k, v, pos, h: HParams, swa: bool, tap=None) -> np.ndarray:
         masked = masked | (diff >= h.n_swa)
     tap = tap or (lambda name, a: a)
     kk, vv = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)  # query head hh reads KV head hh // rep
-    s = np.einsum("thd,shd->ths", q, kk) * h.kq_scale
+    if kv_f16 and h.arch in Q_PRESCALED:  # llama.cpp scales Q itself, then multiplies by f16 keys
+        s = np.einsum("thd,shd->ths", f16(q * h.kq_scale), kk)
+    else:
+        s = np.einsum("thd,shd->ths", f16(q) if kv_f16 else q, kk) * h.kq_scale
     if h.attn_softcap:
         s = h.attn_softcap * np.tanh(s / h.attn_softcap)
     s = tap("attn_scores", np.where(masked[:, None, :], -np.inf, s))
     p = np.exp(s - s.max(axis=2, keepdims=True))
     p = tap("attn_probs", p / p.sum(axis=2, keepdims=True))
-    return tap("attn_z", np.einsum("ths,shd->thd", p, vv)).reshape(T, -1)
+    return tap("attn_z", np.einsum("ths,shd->thd", f16(p) if kv_f16 else p, vv)).reshape(T, -1)
 
 
 class Reference:
-    """Weights of one GGUF in float64; `logits(ids)` for the whole sequence (positions 0..T-1)."""
+    """Weights of one GGUF in float64; `logits(ids)` for the whole sequence (positions 0..T-1).
+    kv_f16: keys and values rounded to fp16 as an f16 KV cache stores them (see `attention`)."""
 
-    def __init__(self, path: str | Path, n_ctx: int | None = None, gelu_fp16: bool = False):
+    def __init__(self, path: str | Path, n_ctx: int | None = None, gelu_fp16: bool = False, kv_f16: bool = False):
         g = read_gguf(path)
         self.md = g.metadata
         self.h = hparams(g.metadata)
         self.gelu_fp16 = gelu_fp16
+        self.kv_f16 = kv_f16
         self.w = {name: tensor_f64(g, name) for name in g.tensors}
         if "output.weight" not in self.w:
             self.w["output.weight"] = self.w["token_embd.weight"]
@@ -320,8 +334,10 @@ class Reference:
             base, scale = (h.rope_base_swa, h.freq_scale_swa) if swa else (h.rope_base, h.freq_scale)
             q = rope(q, pos, h.n_rot, base, scale, self.factors, h.attn_factor, neox)
             k = rope(k, pos, h.n_rot, base, scale, self.factors, h.attn_factor, neox)
+            if self.kv_f16:  # the points show k and v as the cache stores them
+                k, v = f16(k), f16(v)
             q, k, v = tap("attn_q", q, il), tap("attn_k", k, il), tap("attn_v", v, il)
-            att = attention(q, k, v, pos, h, swa, lambda name, a: tap(name, a, il)) @ w[p + "attn_output.weight"].T
+            att = attention(q, k, v, pos, h, swa, lambda name, a: tap(name, a, il), self.kv_f16) @ w[p + "attn_output.weight"].T
             att = tap("attn_out", att, il)
             if p + "post_attention_norm.weight" in w:
                 att = rmsnorm(att, w[p + "post_attention_norm.weight"], h.rms_eps)
@@ -346,6 +362,7 @@ class Reference:
         return tap("logits", out)
 
 
-def reference_logits(path: str | Path, ids, n_ctx: int | None = None, gelu_fp16: bool = False) -> np.ndarray:
+def reference_logits(path: str | Path, ids, n_ctx: int | None = None, gelu_fp16: bool = False,
+                     kv_f16: bool = False) -> np.ndarray:
     """float64 (len(ids), n_vocab) logits of the GGUF at `path` for the token ids."""
-    return Reference(path, n_ctx=n_ctx, gelu_fp16=gelu_fp16).logits(ids)
+    return Reference(path, n_ctx=n_ctx, gelu_fp16=gelu_fp16, kv_f16=kv_f16).logits(ids)

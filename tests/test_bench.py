@@ -42,7 +42,8 @@ def test_random_tokens_are_seeded_and_in_range():
 
 def test_run_bench_document(tiny):
     doc = run_bench(tiny, n_prompt=8, n_gen=4, threads=[1], reps=2, depths=[0, 16])
-    assert set(doc) == {"model", "n_threads", "results", "compile_s"}
+    assert set(doc) == {"model", "n_threads", "results", "compile_s", "type_k", "type_v"}
+    assert doc["type_k"] == doc["type_v"] == "f16"  # llama.cpp's default KV cache
     assert doc["model"] == "tiny.gguf"
     assert doc["n_threads"] == [1]
     assert [r["test"] for r in doc["results"]] == ["pp8", "tg4", "tg4@d16"]

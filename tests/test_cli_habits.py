@@ -170,7 +170,7 @@ def test_huge_context_is_one_error_before_allocating(models, capsys):
 
 
 def test_context_check_is_in_the_library():
-    """2 (K and V) x layers x positions x KV heads x head_dim x 4 bytes, against the memory given."""
+    """2 (K and V) x layers x positions x KV heads x head_dim x 2 bytes (the f16 cache), against the memory given."""
     from qllama.errors import ContextSizeError
     from qllama.memory import check_context, kv_cache_bytes
 
@@ -181,10 +181,13 @@ def test_context_check_is_in_the_library():
         def is_swa(il):
             return False
 
-    assert kv_cache_bytes(Args, 4096, 512) == 2 * 16 * 4096 * 8 * 64 * 4 == 268435456
-    check_context(Args, 4096, 512, available=268435456)  # exactly fits
-    with pytest.raises(ContextSizeError, match=r"4096 tokens needs 256 MiB .* only 255 MiB") as e:
-        check_context(Args, 4096, 512, available=268435456 - 2**20)
+    assert kv_cache_bytes(Args, 4096, 512) == 2 * 16 * 4096 * 8 * 64 * 2 == 134217728
+    assert kv_cache_bytes(Args, 4096, 512, ("f32", "f32")) == 268435456  # an f32 cache: twice
+    check_context(Args, 4096, 512, available=134217728)  # exactly fits
+    with pytest.raises(ContextSizeError, match=r"4096 tokens needs 128 MiB .* only 127 MiB") as e:
+        check_context(Args, 4096, 512, available=134217728 - 2**20)
+    with pytest.raises(ContextSizeError, match=r"4096 tokens needs 256 MiB"):
+        check_context(Args, 4096, 512, available=134217728, kv_types=("f32", "f32"))
     assert "-c" not in str(e.value)  # library errors name no CLI flags
 
 
@@ -202,7 +205,7 @@ def test_context_check_counts_window_layers_as_rings():
             return il % 6 < 5
 
     need = kv_cache_bytes(Args, 32768, 512)
-    assert need == 2 * (5 * (512 + 512) + 32768) * 1 * 256 * 4 == 77594624
+    assert need == 2 * (5 * (512 + 512) + 32768) * 1 * 256 * 2 == 38797312  # f16
     cache = KVCache(6, 1, 256, 32768, [512] * 5 + [0], 512)
     assert cache.nbytes == need
 

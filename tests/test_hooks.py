@@ -21,6 +21,9 @@ from reference_forward import Reference
 from tools.make_model import ModelSpec, family_spec, write_model
 
 FLOAT_TOL = 1e-4
+# comparisons with exact (float64) arithmetic run an f32 KV cache; the f16 cache's rounding is
+# tested against the reference's own fp16 rounding in test_kvcache.py
+EXACT = dict(n_ctx=128, type_k="f32", type_v="f32")
 INT8_TOL = 3e-2
 N_TOKENS = 40
 _F32 = dict(n_embd=64, n_ff=128, n_head=4)
@@ -76,7 +79,7 @@ def _reference_points(path, ids, hook=None):
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2", "qwen2", "phi3"])
 def test_every_point_equals_the_reference(files, name, float_path):
     path = files(name)
-    model = qllama.load(path, n_ctx=128)
+    model = qllama.load(path, **EXACT)
     ids = _ids(model.n_vocab)
     ref, _ = _reference_points(path, ids)
     with model.trace(capture="*") as t:
@@ -119,7 +122,7 @@ def _zero_head(head):
                                               ("llama", 0, "attn_v"), ("llama", 1, "attn_k"), ("llama", 1, "attn_q")])
 def test_head_ablation_matches_reference(files, name, layer, point, float_path):
     path = files(name)
-    model = qllama.load(path, n_ctx=128)
+    model = qllama.load(path, **EXACT)
     ids = _ids(model.n_vocab, seed=2)
     base = model.logits(ids)
     target = f"blk.{layer}.{point}"
@@ -138,7 +141,7 @@ def test_head_ablation_matches_reference(files, name, layer, point, float_path):
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_steering_vector_matches_reference(files, name, float_path):
     path = files(name)
-    model = qllama.load(path, n_ctx=128)
+    model = qllama.load(path, **EXACT)
     ids = _ids(model.n_vocab, seed=3)
     steer = np.random.default_rng(5).standard_normal(model.args.n_embd) * 2.0
 

@@ -92,9 +92,9 @@ def test_summary_of_synthetic_model(synth: Path) -> None:
     assert s.rope_scaling == "linear x4, rope_freqs.weight"
     assert s.vocab_size == 100 and s.bos_token == "<s>" and s.eos_token_id == 3
     assert s.chat_template and s.chat_template_names == ["rag", "tool_use"]
-    # float32 K and V: 2 * n_layer * n_head_kv * head_dim * 4 bytes per token
-    assert s.kv_cache_bytes_per_token == 2 * 3 * 2 * 64 * 4
-    assert s.kv_cache_bytes_per_1k == 2 * 3 * 2 * 64 * 4 * 1024
+    # f16 K and V (the default cache): 2 * n_layer * n_head_kv * head_dim * 2 bytes per token
+    assert s.kv_cache_bytes_per_token == 2 * 3 * 2 * 64 * 2
+    assert s.kv_cache_bytes_per_1k == 2 * 3 * 2 * 64 * 2 * 1024
     mix = {r.type: r for r in s.quant_mix}
     assert mix["q4_K"].n_bytes == 100 * 2 * 144 and mix["q6_K"].n_bytes == 100 * 2 * 210
     assert mix["q8_0"].n_bytes == 512 * 16 * 34 and mix["f32"].n_bytes == 2048
@@ -113,7 +113,7 @@ def test_summary_per_layer_heads_and_defaults() -> None:
            ("openelm.attention.key_length", VT.UINT32, 16), ("openelm.attention.value_length", VT.UINT32, 16)]
     s = summarize(GGUFFile.from_bytes(make_gguf(kvs)))
     assert s.head_count == [4, 8] and s.head_count_kv == [1, 2] and s.head_dim == 16
-    assert s.kv_cache_bytes_per_token == (1 + 2) * (16 + 16) * 4
+    assert s.kv_cache_bytes_per_token == (1 + 2) * (16 + 16) * 2
     # head_count_kv absent: equals head_count; wrong-typed values are ignored, not fatal
     kvs = [("general.architecture", VT.STRING, "llama"), ("llama.block_count", VT.STRING, "two"),
            ("llama.embedding_length", VT.UINT32, 64), ("llama.attention.head_count", VT.UINT32, 4)]
@@ -130,7 +130,7 @@ def test_inspect_text_on_trained_model() -> None:
     n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     for want in ("architecture      llama", f"({n_params:,})", "MOSTLY_Q4_K_M", "heads / KV heads  8 / 8 (head dim 32)",
                  "context length    256", "FFN size          768", "vocab size        32000", "1 '<s>' / 2 '</s>'",
-                 "chat template     none", "KV cache          8.00 MiB per 1K (1024) tokens", "quant mix", "tensors"):
+                 "chat template     none", "KV cache          4.00 MiB per 1K (1024) tokens", "quant mix", "tensors"):
         assert want in out, want
     lines = out.splitlines()
     for t in f.tensors.values():  # every tensor: name, type, shape ne0 first, offset
@@ -157,7 +157,7 @@ def test_inspect_json_document(synth: Path) -> None:
     assert t["token_embd.weight"] == {"name": "token_embd.weight", "type": "q4_K", "shape": [512, 100],
                                       "offset": 0, "n_bytes": 28800}
     assert t["mystery.weight"]["type"] == "unknown(99)" and t["mystery.weight"]["n_bytes"] is None
-    assert doc["summary"]["kv_cache_bytes_per_1k"] == 2 * 3 * 2 * 64 * 4 * 1024
+    assert doc["summary"]["kv_cache_bytes_per_1k"] == 2 * 3 * 2 * 64 * 2 * 1024
     assert doc["summary"]["chat_template_names"] == ["rag", "tool_use"]
     r.output.encode("utf-8")  # strict: no surrogates anywhere
 
@@ -184,7 +184,7 @@ def test_inspect_vocab_only_file() -> None:
     r = run(str(p))
     assert r.exit_code == 0
     assert "0 (vocab only: no tensors)" in r.output and "no tensors (vocab-only file)" in r.output
-    assert "256.00 MiB per 1K (1024) tokens" in r.output  # 2 * 32 layers * 8 KV heads * 128 * 4 B
+    assert "128.00 MiB per 1K (1024) tokens" in r.output  # 2 * 32 layers * 8 KV heads * 128 * 2 B (f16)
     assert "128000 '<|begin_of_text|>' / 128001 '<|end_of_text|>'" in r.output
     doc = json.loads(run(str(p), "--json").output)
     assert doc["tensors"] == [] and doc["metadata"]["tokenizer.ggml.merges"]["count"] == 280147
@@ -286,7 +286,7 @@ def test_family_fields(family_files: dict[str, Path]) -> None:
     assert (g3.sliding_window, g3.window_layers, g3.window_pattern) == (512, [0, 1, 2, 3, 4, 6, 7, 8, 9, 10], "5 local : 1 global")
     assert g3.rope_freq_base_swa == 10000.0
     # KV cache: only the 2 global layers grow with the context; the 10 windowed ones hold 512 + 512 positions
-    per_pos = 2 * 1 * 32 * 4
+    per_pos = 2 * 1 * 32 * 2  # f16 K and V
     assert g3.kv_cache_bytes_per_token == 2 * per_pos and g3.kv_cache_bytes_per_1k == 2 * per_pos * 1024
     assert g3.kv_cache_window_bytes == 10 * 1024 * per_pos
     assert g3.kv_cache_default_ctx == 4096 and g3.kv_cache_bytes_default_ctx == (2 * 4096 + 10 * 1024) * per_pos

@@ -1,5 +1,6 @@
 """The layer kernels of qllama/kernels/layer_ops.py against float64 NumPy references:
-the vectorised exp, RoPE + cache store, attention (serial and parallel, GQA, causal), SwiGLU."""
+the vectorised exp, RoPE + cache store, attention (serial and parallel, GQA, causal) over f32
+and f16 caches, the f32 -> f16 rounding, SwiGLU."""
 
 from __future__ import annotations
 
@@ -55,36 +56,144 @@ def test_rope_store_rotates_and_stores(n_rot):
     assert not kc[:, :start].any() and not vt[:, :, start + T :].any()  # other positions untouched
 
 
-def _attention_ref(q, k, v, start, n_rep):
-    """q (T, H, D); k, v (Hkv, n, D) float64; causal over the cache."""
+def _f16(x):
+    """x rounded to fp16 by NumPy (nearest even), as float64."""
+    return np.asarray(x).astype(np.float16).astype(np.float64)
+
+
+def _attention_ref(q, k, v, start, n_rep, round_q=False, round_p=False):
+    """q (T, H, D); k, v (Hkv, n, D) float64; causal over the cache. round_q / round_p: q and the
+    probabilities rounded to fp16 for the products, as ggml's mul_mat with an f16 K / V matrix."""
     T, H, D = q.shape
     out = np.empty((T, H, D))
     for t in range(T):
         for h in range(H):
             n = start + t + 1
-            s = k[h // n_rep, :n] @ q[t, h] / np.sqrt(D)
+            s = k[h // n_rep, :n] @ (_f16(q[t, h]) if round_q else q[t, h]) / np.sqrt(D)
             p = np.exp(s - s.max())
-            out[t, h] = (p / p.sum()) @ v[h // n_rep, :n]
+            p = p / p.sum()
+            out[t, h] = (_f16(p) if round_p else p) @ v[h // n_rep, :n]
     return out
+
+
+def _as_cache(x, kind):
+    """A float32 array as a cache array of type kind: float32, or its f16 bits (uint16)."""
+    return np.ascontiguousarray(x.astype(np.float16).view(np.uint16) if kind == "f16" else x)
 
 
 @pytest.mark.parametrize("kernel", ["attention", "attention_serial"])
 @pytest.mark.parametrize("T,start", [(1, 0), (1, 37), (4, 0), (3, 20)])
 @pytest.mark.parametrize("H,Hkv", [(8, 2), (6, 1), (3, 3)])  # n_rep 4, 6 (4 + a remainder of 2), 1
-def test_attention_matches_float64(kernel, T, start, H, Hkv):
+@pytest.mark.parametrize("type_k,type_v", [("f32", "f32"), ("f16", "f16"), ("f16", "f32"), ("f32", "f16")])
+def test_attention_matches_float64(kernel, T, start, H, Hkv, type_k, type_v):
     rng = np.random.default_rng(T * 100 + start)
     D, n_ctx = 16, 64
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     k = (3 * rng.standard_normal((Hkv, n_ctx, D))).astype(np.float32)  # peaked softmax
     v = rng.standard_normal((Hkv, n_ctx, D)).astype(np.float32)
-    vt = np.ascontiguousarray(v.transpose(0, 2, 1))
     # garbage past the valid positions must not be read
     k[:, start + T :] = np.nan
-    vt[:, :, start + T :] = np.nan
+    v[:, start + T :] = np.nan
+    kc, vt = _as_cache(k, type_k), _as_cache(v.transpose(0, 2, 1), type_v)
     out = np.empty_like(q)
-    getattr(ops, kernel)(q, k, vt, start, H // Hkv, np.float32(1 / np.sqrt(D)), 0, np.float32(0), out)
-    ref = _attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), start, H // Hkv)
+    getattr(ops, kernel)(q, kc, vt, start, H // Hkv, np.float32(1 / np.sqrt(D)), 0, np.float32(0), False, out)
+    # the reference reads what the cache holds (the f16-rounded values) in float64
+    k64 = _f16(k) if type_k == "f16" else k.astype(np.float64)
+    v64 = _f16(v) if type_v == "f16" else v.astype(np.float64)
+    ref = _attention_ref(q.astype(np.float64), k64, v64, start, H // Hkv, type_k == "f16", type_v == "f16")
+    # measured: at most 4.2e-6 over these cases (f32/f32: 8.1e-7)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    if "f16" in (type_k, type_v) and start + T > 1:  # the q / probability rounding is really done:
+        plain = _attention_ref(q.astype(np.float64), k64, v64, start, H // Hkv)  # without it, 1e-4 .. 2e-3 away
+        assert np.abs(out - plain).max() > 5e-5
+
+
+@pytest.mark.parametrize("q_scaled", [False, True])
+def test_f16_attention_over_a_wrapped_ring_with_window_and_softcap(q_scaled):
+    """Keys at positions 0..29 in a ring of 12 slots (each slot written twice), window 8,
+    softcap 2: against float64 on the rounded cache. q_scaled: q * scale is rounded (Gemma, Phi-3)."""
+    rng = np.random.default_rng(9)
+    T, start, H, Hkv, D, ring, window, cap = 5, 25, 4, 2, 16, 12, 8, 2.0
+    n_pos = start + T
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k = (2 * rng.standard_normal((Hkv, n_pos, D))).astype(np.float32)
+    v = rng.standard_normal((Hkv, n_pos, D)).astype(np.float32)
+    kc = np.full((Hkv, ring, D), np.nan, np.float16)
+    vt = np.full((Hkv, D, ring), np.nan, np.float16)
+    for p in range(n_pos):
+        kc[:, p % ring], vt[:, :, p % ring] = k[:, p], v[:, p]
+    scale = np.float32(0.3)
+    out = np.empty_like(q)
+    ops.attention(q, kc.view(np.uint16), vt.view(np.uint16), start, H // Hkv, scale, window, np.float32(cap), q_scaled, out)
+    k64, v64 = _f16(k), _f16(v)
+    ref = np.empty((T, H, D))
+    for t in range(T):
+        p1 = start + t
+        keys = np.arange(p1 - window + 1, p1 + 1)
+        for h in range(H):
+            qh = q[t, h].astype(np.float64)
+            s = (k64[h // 2, keys] @ _f16(qh * scale)) if q_scaled else (k64[h // 2, keys] @ _f16(qh)) * scale
+            s = cap * np.tanh(s / cap)
+            p = np.exp(s - s.max())
+            ref[t, h] = _f16(p / p.sum()) @ v64[h // 2, keys]
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_f16_cache_rounds_probabilities_as_ggml():
+    """q = 0: every score is 0 and each probability is 1/n in float32; an f16 V cache multiplies
+    by fp16(1/n) (ggml converts the probabilities to f16 for the V product), an f32 one by 1/n."""
+    n, D = 3, 8
+    v = np.random.default_rng(4).standard_normal((1, n, D)).astype(np.float32)
+    k = np.ones((1, n, D), np.float32)
+    q = np.zeros((1, 1, D), np.float32)
+    for type_v, p in (("f16", np.float64(np.float16(np.float32(1 / 3)))), ("f32", 1 / 3)):
+        out = np.empty_like(q)
+        ops.attention_serial(q, k, _as_cache(v.transpose(0, 2, 1), type_v), n - 1, 1, np.float32(1), 0, np.float32(0), False,
+                             out)
+        want = p * _f16(v[0]).sum(axis=0) if type_v == "f16" else p * v[0].astype(np.float64).sum(axis=0)
+        np.testing.assert_allclose(out[0, 0], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("portable", [False, True])  # F16C (where the host has it) and the integer fallback
+def test_f16_rounding_equals_numpy(portable):
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(100_000) * np.exp2(rng.uniform(-30, 18, 100_000))).astype(np.float32)
+    ties = np.array([1 + 2**-11, 1 + 3 * 2**-11, 2**-25, 3 * 2**-25, 2**-24 * 1.5, 65504, 65519.99, 65520, 7e4,
+                     2**-14, 2**-14 - 2**-25, 0.0, -0.0, np.inf, -np.inf, 1e-45], np.float32)  # halfway cases, ranges
+    x = np.concatenate([x, ties, -ties])
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    out = np.empty(x.size, np.uint16)
+    ops.round_f16(x, out, portable)
+    np.testing.assert_array_equal(out, want)
+    nan = np.array([np.nan, -np.nan], np.float32)
+    ops.round_f16(nan, out[:2], portable)
+    assert np.isnan(out[:2].view(np.float16)).all()
+
+
+@pytest.mark.parametrize("n_rot", [8, 4])
+def test_rope_store_into_an_f16_cache_rounds_as_numpy(n_rot):
+    """The f16 cache holds exactly NumPy's float16 rounding of what an f32 cache holds; q is
+    rotated the same way (its rounding happens inside the attention)."""
+    rng = np.random.default_rng(1)
+    T, H, Hkv, D, n_ctx, start = 4, 4, 2, 8, 12, 3
+    q = (100 * rng.standard_normal((T, H, D))).astype(np.float32)
+    k = (100 * rng.standard_normal((T, Hkv, D))).astype(np.float32)
+    v = (1e-3 * rng.standard_normal((T, Hkv, D))).astype(np.float32)  # small values: subnormal f16s too
+    ang = np.outer(np.arange(n_ctx), 10000.0 ** (-np.arange(n_rot // 2) * 2.0 / n_rot))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    caches = {}
+    for kind, dtype in (("f32", np.float32), ("f16", np.uint16)):
+        kc, vt = np.zeros((Hkv, n_ctx, D), dtype), np.zeros((Hkv, D, n_ctx), dtype)
+        qq = q.copy()
+        ops.rope_store(qq, k.copy(), v, start, cos, sin, kc, vt, True)
+        caches[kind] = (qq, kc, vt)
+    q32, k32, v32 = caches["f32"]
+    q16, k16, v16 = caches["f16"]
+    np.testing.assert_array_equal(q16, q32)
+    np.testing.assert_array_equal(k16, k32.astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(v16, v32.astype(np.float16).view(np.uint16))
+    assert (k16 != 0).any() and not np.array_equal(k16.view(np.float16).astype(np.float32), k32)  # it did round
 
 
 def test_attention_parallel_threshold():

@@ -165,6 +165,7 @@ def test_batched_rows_equal_one_token_decode(models, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_lookup_equals_plain_greedy(models, name):
     model = models(name)
+    accepted = 0  # over both prompts (one of them may draft nothing useful on a random model)
     for seed, n_draft in ((0, 4), (1, 8)):
         ids = _prompt(model, seed)
         pen = dict(repeat_penalty=1.3, repeat_last_n=16) if seed == 1 else {}  # recorded token by token
@@ -174,7 +175,8 @@ def test_greedy_lookup_equals_plain_greedy(models, name):
         assert len(model.session.tokens) == model.session.cache.n_past
         if batch_matches_decode(model.forward_model):
             assert t.lookup == n_draft and t.draft_tokens > 0 and t.gen_forwards < t.gen_tokens
-    assert t.draft_accepted > 0 or not batch_matches_decode(model.forward_model)
+        accepted += t.draft_accepted
+    assert accepted > 0 or not batch_matches_decode(model.forward_model)
 
 
 def test_greedy_lookup_on_the_trained_model():

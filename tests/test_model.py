@@ -100,6 +100,7 @@ def built(tmp_path_factory):
             gf = GGUFFile(path)
             args = ModelArgs.from_metadata(gf.metadata)
             model = build_model(gf, args, n_ctx=64)
+            model.kv_types = ("f32", "f32")  # exact comparisons; the f16 cache is tested in test_kvcache.py
             cache[name] = (model, stored, tol)
         return cache[name]
 

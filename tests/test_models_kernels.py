@@ -101,7 +101,7 @@ def test_windowed_softcapped_attention_over_a_ring(kernel, window, T, start, sof
         vt[:, :, p % ring] = v[:, p]
     scale = np.float32(1 / np.sqrt(D))
     out = np.empty_like(q)
-    getattr(ops, kernel)(q, kc, vt, start, H // Hkv, scale, window, np.float32(softcap), out)
+    getattr(ops, kernel)(q, kc, vt, start, H // Hkv, scale, window, np.float32(softcap), False, out)
     ref = _attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                          range(start, start + T), H // Hkv, float(scale), window, softcap)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -114,8 +114,8 @@ def test_window_changes_the_result():
     k = rng.standard_normal((1, 20, 8)).astype(np.float32)
     vt = rng.standard_normal((1, 8, 20)).astype(np.float32)
     a, b = np.empty_like(q), np.empty_like(q)
-    ops.attention_serial(q, k, vt, 19, 2, np.float32(0.35), 0, np.float32(0), a)
-    ops.attention_serial(q, k, vt, 19, 2, np.float32(0.35), 4, np.float32(0), b)
+    ops.attention_serial(q, k, vt, 19, 2, np.float32(0.35), 0, np.float32(0), False, a)
+    ops.attention_serial(q, k, vt, 19, 2, np.float32(0.35), 4, np.float32(0), False, b)
     assert np.abs(a - b).max() > 1e-2
 
 

@@ -7,6 +7,7 @@ import json
 import click
 
 from .model_ref import ModelRef
+from .options import kv_cache_options
 
 
 def _int_list(ctx, param, values) -> list[int]:
@@ -45,8 +46,10 @@ def _int_list(ctx, param, values) -> list[int]:
 @click.option("--profile-steps", default=32, show_default=True, type=click.IntRange(min=1), help="Decode steps profiled.")
 @click.option("--profile-depth", default=128, show_default=True, type=click.IntRange(min=0),
               help="Cached tokens before the profiled steps.")
+@kv_cache_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
-def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, profile, profile_steps, profile_depth, quiet):
+def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, profile, profile_steps, profile_depth,
+            type_k, type_v, quiet):
     """Measure pp (prompt tokens/s) and tg (generated tokens/s) of MODEL.
 
     Each figure is the mean ± sd of REPS repetitions after an untimed warm-up; the Numba
@@ -58,12 +61,13 @@ def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, 
     depths = sorted({0, *depths})
     _say_if_compiling(model, threads, err)
     doc = run_bench(model, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=reps, depths=depths,
-                    batch_size=batch_size, progress=err)
+                    batch_size=batch_size, progress=err, type_k=type_k, type_v=type_v)
     prof = None
     if profile:
         err(f"profiling {profile_steps} decode steps at depth {profile_depth}...")
         n_thr = doc["n_threads"][-1] if doc["n_threads"] else None
-        prof = profile_decode(model, steps=profile_steps, depth=profile_depth, n_threads=n_thr, batch_size=batch_size)
+        prof = profile_decode(model, steps=profile_steps, depth=profile_depth, n_threads=n_thr, batch_size=batch_size,
+                              type_k=type_k, type_v=type_v)
     if as_json:
         if prof is not None:
             doc = {**doc, "profile": prof.as_dict()}

@@ -27,7 +27,7 @@ import click
 
 from ..chat import Conversation, ConversationTooLongError, NoChatTemplateError, PromptFormat, fit
 from ..errors import QllamaError
-from .options import sampling_options
+from .options import kv_cache_options, sampling_options
 from .model_ref import ModelRef
 from .prompt_format import chat_template_option, describe, no_template_error
 
@@ -294,11 +294,12 @@ def stream_lines(stream: TextIO) -> Iterator[str]:
 @click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0, help="Context size (0 = min(model's, 4096)).")
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
 @click.option("-b", "--batch-size", type=click.IntRange(min=1), default=512, show_default=True, help="Prompt tokens per prefill batch.")
+@kv_cache_options
 @click.option("--system", "system_prompt", help="System prompt (also settable in the session with /system).")
 @chat_template_option
 @click.option("-v", "--verbose", is_flag=True, help="Print load details and, after each answer, tokens evaluated/reused and speed (stderr).")
 def command(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
-            ctx_size, threads, batch_size, system_prompt, chat_template, verbose):
+            ctx_size, threads, batch_size, type_k, type_v, system_prompt, chat_template, verbose):
     """Chat with MODEL: type a message, read the streamed answer; the conversation is kept.
 
     Commands: /reset, /system [TEXT], /save FILE, /load FILE (JSON list of {role, content}),
@@ -308,7 +309,7 @@ def command(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat
     """
     from ..api import load
 
-    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size)
+    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size, type_k=type_k, type_v=type_v)
     sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                     repeat_last_n=repeat_last_n, seed=seed)
     chat = ChatSession(llm, system=system_prompt, chat_template=chat_template, max_tokens=max_tokens,

@@ -39,6 +39,25 @@ def sampling_options(f):
     return f
 
 
+KV_CACHE_TYPES = ("f16", "f32")  # the KV cache types qllama runs (llama.cpp also has quantized ones)
+
+
+def kv_cache_options(f):
+    """-ctk/--cache-type-k and -ctv/--cache-type-v (llama.cpp's flags): the KV cache's key and value
+    types, f16 (the default, as llama.cpp's) or f32 (twice the memory). The values reach the
+    command as `type_k` and `type_v` (qllama.load's names)."""
+    choice = click.Choice(KV_CACHE_TYPES, case_sensitive=False)
+    opts = [
+        click.option("-ctk", "--cache-type-k", "type_k", type=choice, default="f16", show_default=True,
+                     help="KV cache type for K (f32: twice the memory)."),
+        click.option("-ctv", "--cache-type-v", "type_v", type=choice, default="f16", show_default=True,
+                     help="KV cache type for V (f32: twice the memory)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 def read_text_file(path: str) -> str:
     """The UTF-8 text of `path`, or a one-line QllamaError ("nope.txt: no such file")."""
     try:

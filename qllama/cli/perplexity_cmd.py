@@ -8,6 +8,7 @@ import sys
 import click
 
 from .model_ref import ModelRef
+from .options import kv_cache_options
 
 
 @click.command("perplexity")
@@ -17,8 +18,9 @@ from .model_ref import ModelRef
 @click.option("-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Tokens per chunk.")
 @click.option("--chunks", default=0, type=click.IntRange(min=0), help="Score only the first K chunks (0 = all).")
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
+@kv_cache_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
-def command(model, file, file_opt, ctx_size, chunks, threads, as_json):
+def command(model, file, file_opt, ctx_size, chunks, threads, type_k, type_v, as_json):
     """Perplexity of MODEL on the text in FILE (lower is better).
 
     Progress is drawn on stderr when it is a terminal."""
@@ -31,7 +33,7 @@ def command(model, file, file_opt, ctx_size, chunks, threads, as_json):
         raise click.UsageError("give the text file once: as FILE or with -f FILE")
     file = file if file is not None else file_opt
     text = read_text_file(file)
-    llm = load(model, n_ctx=ctx_size, n_threads=threads, batch_size=ctx_size)
+    llm = load(model, n_ctx=ctx_size, n_threads=threads, batch_size=ctx_size, type_k=type_k, type_v=type_v)
     warm_up(llm)
     tty = sys.stderr.isatty()
 

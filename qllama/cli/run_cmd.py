@@ -16,7 +16,7 @@ import click
 
 from ..chat import NoChatTemplateError
 from .model_ref import ModelRef
-from .options import read_prompt, sampling_options
+from .options import kv_cache_options, read_prompt, sampling_options
 from .prompt_format import chat_template_option, describe, no_template_error
 
 
@@ -31,6 +31,7 @@ from .prompt_format import chat_template_option, describe, no_template_error
 @click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0, help="Context size (0 = min(model's, 4096)).")
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
 @click.option("-b", "--batch-size", type=click.IntRange(min=1), default=512, show_default=True, help="Prompt tokens per prefill batch.")
+@kv_cache_options
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
 @click.option("--lookup", type=click.IntRange(min=0), default=0, metavar="N",
               help="Prompt-lookup decoding: draft up to N tokens per forward from n-gram matches in the prompt "
@@ -46,7 +47,7 @@ from .prompt_format import chat_template_option, describe, no_template_error
 @click.option("-v", "--verbose", is_flag=True, help="Print load details and the chosen prompt format on stderr.")
 @click.pass_context
 def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-            repeat_last_n, seed, ctx_size, threads, batch_size, stop, lookup, no_bos, raw, system_prompt, chat_template,
+            repeat_last_n, seed, ctx_size, threads, batch_size, type_k, type_v, stop, lookup, no_bos, raw, system_prompt, chat_template,
             as_json, check_tensors, verbose):
     """Generate text from MODEL, streaming it to stdout.
 
@@ -69,7 +70,7 @@ def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k
     from ..api import load
     from .warm import warm_up
 
-    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size)
+    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size, type_k=type_k, type_v=type_v)
     if verbose:
         err(f"loaded {llm!r} in {llm.load_s:.2f} s, {llm.n_threads} threads")
     if check_tensors:

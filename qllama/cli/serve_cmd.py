@@ -12,6 +12,7 @@ import click
 
 from ..errors import QllamaError
 from .model_ref import ModelRef
+from .options import kv_cache_options
 
 EXTRA_HINT = "pip install 'qllama[server]'"
 
@@ -62,9 +63,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 @click.option("--chat-template", "chat_template", metavar="NAME|FILE",
               help="Chat format of /v1/chat/completions: a built-in name or a Jinja file (default: the GGUF's own; "
                    "without one, chat requests get a 400 and /v1/completions still works).")
+@kv_cache_options
 @click.option("-v", "--verbose", is_flag=True, help="Log every HTTP request.")
 def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queue, api_key, alias, chat_template,
-            verbose):
+            type_k, type_v, verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     try:
         import starlette  # noqa: F401
@@ -80,7 +82,7 @@ def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queu
     warning = security_warning(host, api_key)
     if warning:
         err(warning)
-    llm = load(model, n_ctx=ctx_size or None, n_threads=threads)
+    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, type_k=type_k, type_v=type_v)
     template = llm.chat_template(chat_template)  # a bad NAME or FILE fails here, before serving
     from .warm import warm_up
 

@@ -7,6 +7,14 @@ Family differences are parameters, not copies:
 - KV cache: a layer's cache holds `ring` slots; position p lives in slot p % ring. A full
   layer has ring = n_ctx (slot = position); a sliding-window layer keeps only the last
   window + batch positions, as llama.cpp's SWA cache does.
+- KV cache element type: float32 arrays, or uint16 arrays of f16 bits (llama.cpp's default
+  cache). The same source compiles for either (Numba specialises on the array types; `_load`,
+  `_encode`, `_as_stored` pick the conversion). With f16 keys, the queries are rounded to f16
+  before the q.k dots, and with f16 values the normalised probabilities are rounded to f16
+  before the weighted sum: that is what ggml's mul_mat does with an f16 matrix (it converts
+  the other operand to f16, then sums the products in float32), so the logits follow
+  llama.cpp's default cache. Rounding is to nearest even, as ggml's fp32 -> fp16 (F16C
+  vcvtps2ph); loads convert with vcvtph2ps where the host has F16C.
 - attention: `window` (0 = none) masks keys at distance >= window, as llama.cpp's
   is_masked_swa; `softcap` (0 = none) maps scores s -> cap * tanh(s / cap) before softmax.
 - gated FFN: `act` ACT_SILU (SwiGLU) or ACT_GELU (GELU, tanh approximation, GeGLU).
@@ -32,9 +40,14 @@ from __future__ import annotations
 
 import math
 
+import llvmlite.binding as llvm
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic, overload
 
+from ._fp16 import f32_as_u32 as _f32_as_u32
+from .floats import f16_value
 from .jit import kernel
 
 # float32 constants (module globals are frozen into the kernels with their float32 type)
@@ -63,6 +76,121 @@ _GELU_A = np.float32(0.044715)
 
 ACT_SILU = 0  # gated FFN activations (the `act` parameter)
 ACT_GELU = 1
+
+# -- KV cache element types: float32, or f16 bits in uint16 ---------------------------------
+
+HAVE_F16C = "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+@intrinsic
+def _f16c_load(typingctx, h):
+    """uint16 f16 bits -> float32 as LLVM's fpext from half (F16C: vcvtph2ps, vectorised)."""
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+@intrinsic
+def _f16c_store(typingctx, x):
+    """float32 -> uint16 f16 bits as LLVM's fptrunc to half: round to nearest even (F16C: vcvtps2ph)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@kernel
+def f16_bits(x):
+    """float32 x -> its f16 bits (uint16), rounded to nearest even, in integer arithmetic (for
+    hosts without F16C; equals NumPy's float32 -> float16 for every non-NaN input)."""
+    a = _f32_as_u32(np.float32(x))
+    sign = (a >> np.uint32(16)) & np.uint32(0x8000)
+    a &= np.uint32(0x7FFFFFFF)
+    if a >= 0x7F800000:  # inf stays inf; NaN stays a (quiet) NaN
+        return np.uint16(sign | 0x7C00 | (0x200 | ((a >> 13) & 0x1FF) if a > 0x7F800000 else 0))
+    if a >= 0x38800000:  # a normal f16 (>= 2^-14): rebias the exponent, round away 13 mantissa bits
+        m = a - np.uint32(0x38000000)
+        r = (m + np.uint32(0x0FFF) + ((m >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+        return np.uint16(sign | min(r, np.uint32(0x7C00)))  # a carry past 65504 is inf
+    e = a >> np.uint32(23)  # subnormal f16 or zero: the value in units of 2^-24, rounded
+    shift = np.uint32(126) - e
+    if shift > 31:
+        return np.uint16(sign)
+    mant = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    q = mant >> shift
+    rem = mant & ((np.uint32(1) << shift) - np.uint32(1))
+    half = np.uint32(1) << (shift - np.uint32(1))
+    if rem > half or (rem == half and (q & np.uint32(1)) == 1):
+        q += np.uint32(1)
+    return np.uint16(sign | q)
+
+
+def _load(x):
+    """A cache element as float32 (f16 bits are converted)."""
+
+
+def _encode(cache, x):
+    """float32 x as an element of `cache` (f16 bits: rounded to nearest even)."""
+
+
+def _as_stored(cache, x):
+    """float32 x rounded as `cache` would store it (identity for a float32 cache)."""
+
+
+@overload(_load, inline="always")
+def _load_impl(x):
+    if isinstance(x, types.Float):
+        return lambda x: x
+    if x == types.uint16:
+        if HAVE_F16C:
+            return lambda x: _f16c_load(x)
+        return lambda x: f16_value(np.int32(x))
+    return None
+
+
+def _is_half_array(cache) -> bool:
+    return isinstance(cache, types.Array) and cache.dtype == types.uint16
+
+
+@overload(_encode, inline="always")
+def _encode_impl(cache, x):
+    if not _is_half_array(cache):
+        return lambda cache, x: x
+    if HAVE_F16C:
+        return lambda cache, x: _f16c_store(np.float32(x))
+    return lambda cache, x: f16_bits(x)
+
+
+def _is_half(cache):
+    """Whether `cache` holds f16 bits (a compile-time constant)."""
+
+
+@overload(_is_half, inline="always")
+def _is_half_impl(cache):
+    flag = _is_half_array(cache)
+    return lambda cache: flag
+
+
+@overload(_as_stored, inline="always")
+def _as_stored_impl(cache, x):
+    if not _is_half_array(cache):
+        return lambda cache, x: x
+    return lambda cache, x: _load(_encode(cache, x))
+
+
+@kernel(fastmath=True)
+def round_f16(x, out, portable):
+    """out[i] = the f16 bits of float32 x[i] (1-D arrays; out uint16), through the kernels'
+    conversion (F16C where present) or, with portable, the integer fallback; for tests."""
+    for i in range(x.shape[0]):
+        out[i] = f16_bits(x[i]) if portable else _encode(out, x[i])
 
 
 # Numba's fastmath without reassociation: keeps the Cody-Waite reduction exact; the loops have
@@ -121,7 +249,8 @@ def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
     """RoPE on q and k (in place) for positions start.., then k and v into the cache, in one call.
 
     q: (T, H, D); k, v: (T, Hkv, D); cos/sin_table: (n_ctx, n_rot/2); k_cache: (Hkv, ring, D);
-    vt_cache: (Hkv, D, ring) values stored d-major (see `_attend`); all float32, one layer.
+    vt_cache: (Hkv, D, ring) values stored d-major (see `_attend`); float32, the caches float32
+    or f16 bits (rounded to nearest even on store), one layer.
     Position p goes to slot p % ring. neox: rotate halves (i, i + n_rot/2) instead of
     interleaved pairs (2i, 2i+1). Dims past n_rot are not rotated.
     """
@@ -145,17 +274,17 @@ def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
                 q[t, h, i0 + off] = x0 * s + x1 * c
         for h in range(n_kv):
             for d in range(2 * half, head_dim):  # dims past n_rot are not rotated
-                k_cache[h, slot, d] = k[t, h, d]
+                k_cache[h, slot, d] = _encode(k_cache, k[t, h, d])
             for i in range(half):
                 c = cos_table[p, i]
                 s = sin_table[p, i]
                 i0 = i * step
                 x0 = k[t, h, i0]
                 x1 = k[t, h, i0 + off]
-                k_cache[h, slot, i0] = x0 * c - x1 * s
-                k_cache[h, slot, i0 + off] = x0 * s + x1 * c
+                k_cache[h, slot, i0] = _encode(k_cache, x0 * c - x1 * s)
+                k_cache[h, slot, i0 + off] = _encode(k_cache, x0 * s + x1 * c)
             for d in range(head_dim):
-                vt_cache[h, d, slot] = v[t, h, d]
+                vt_cache[h, d, slot] = _encode(vt_cache, v[t, h, d])
 
 
 @kernel(fastmath=True)
@@ -170,7 +299,8 @@ def _softcap(x, n, cap, bits, fbits):
 
 
 @kernel(fastmath=True)
-def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, scores, totals, bits, fbits, out):
+def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, q_scaled, qbuf, scores, totals, bits, fbits,
+            out):
     """Attention of the n_rep query heads of KV head kvh, for token t, over positions [lo, lo + n_keys).
 
     k_cache: (Hkv, ring, D): a score is a 64-long dot with one cached key row; position p is
@@ -178,17 +308,26 @@ def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, sco
     vt_cache: (Hkv, D, ring), values d-major: out[h, d] is a long dot of the softmax weights with
     one contiguous row, read once for the n_rep heads and summed in registers (with the values
     row-major, the accumulator row would round-trip through memory for every key).
-    scores: (n_rep, >= n_keys), totals: (n_rep,) float32 scratch; bits/fbits: int32 scratch
-    (>= n_keys) and its float32 view; out: (T, H, D). softcap > 0: cap the scores (Gemma 2).
+    qbuf: (n_rep, D), scores: (n_rep, >= n_keys), totals: (n_rep,) float32 scratch; bits/fbits:
+    int32 scratch (>= n_keys) and its float32 view; out: (T, H, D). softcap > 0: cap the scores
+    (Gemma 2). Either cache may hold f16 bits (see the module docstring for the rounding);
+    q_scaled: with f16 keys, the queries are multiplied by `scale` before they are rounded, as
+    the llama.cpp graphs that scale Q themselves (Gemma, Phi-3) have them (f32 keys: unused).
     """
     head_dim = q.shape[2]
     ring = k_cache.shape[1]
     s0 = lo % ring  # slot of the first key
     n1 = min(n_keys, ring - s0)  # keys in slots s0.. before the wrap
     h0 = kvh * n_rep
+    pre = q_scaled and _is_half(k_cache)
+    q_mul = scale if pre else _F1  # scale applied to q before rounding, or to the dot products
+    scale = _F1 if pre else scale
+    for r in range(n_rep):  # the queries as the key type holds them (f16 keys: rounded, as ggml)
+        for d in range(head_dim):
+            qbuf[r, d] = _as_stored(k_cache, q[t, h0 + r, d] * q_mul)
     r = 0
     while r + 4 <= n_rep:  # four heads per pass: each key row is loaded once for the four dots
-        q0, q1, q2, q3 = q[t, h0 + r], q[t, h0 + r + 1], q[t, h0 + r + 2], q[t, h0 + r + 3]
+        q0, q1, q2, q3 = qbuf[r], qbuf[r + 1], qbuf[r + 2], qbuf[r + 3]
         s0_, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
         for j in range(n_keys):
             slot = s0 + j if j < n1 else j - n1
@@ -198,7 +337,7 @@ def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, sco
             a2 = _F0
             a3 = _F0
             for d in range(head_dim):
-                kd = kj[d]
+                kd = _load(kj[d])
                 a0 += q0[d] * kd
                 a1 += q1[d] * kd
                 a2 += q2[d] * kd
@@ -209,14 +348,14 @@ def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, sco
             s3[j] = a3 * scale
         r += 4
     while r < n_rep:
-        qh = q[t, h0 + r]  # (D,)
+        qh = qbuf[r]  # (D,)
         sr = scores[r]
         for j in range(n_keys):
             slot = s0 + j if j < n1 else j - n1
             kj = k_cache[kvh, slot]  # (D,)
             a = _F0
             for d in range(head_dim):
-                a += qh[d] * kj[d]
+                a += qh[d] * _load(kj[d])
             sr[j] = a * scale
         r += 1
     for r in range(n_rep):
@@ -230,6 +369,11 @@ def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, sco
         total = _F0
         for j in range(n_keys):
             total += sr[j]
+        if _is_half(vt_cache):  # ggml: probabilities normalised, then rounded to f16 for the V product
+            inv = _F1 / total
+            for j in range(n_keys):
+                sr[j] = _as_stored(vt_cache, sr[j] * inv)
+            total = _F1
         totals[r] = total
     n2 = n_keys - n1
     for d in range(head_dim):
@@ -244,13 +388,13 @@ def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, sco
             a2 = _F0
             a3 = _F0
             for j in range(n1):
-                x = va[j]
+                x = _load(va[j])
                 a0 += s0_[j] * x
                 a1 += s1[j] * x
                 a2 += s2[j] * x
                 a3 += s3[j] * x
             for j in range(n2):
-                x = vb[j]
+                x = _load(vb[j])
                 a0 += s0_[n1 + j] * x
                 a1 += s1[n1 + j] * x
                 a2 += s2[n1 + j] * x
@@ -264,9 +408,9 @@ def _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, sco
             sr = scores[r]
             a = _F0
             for j in range(n1):
-                a += sr[j] * va[j]
+                a += sr[j] * _load(va[j])
             for j in range(n2):
-                a += sr[n1 + j] * vb[j]
+                a += sr[n1 + j] * _load(vb[j])
             out[t, h0 + r, d] = a / totals[r]
             r += 1
 
@@ -279,17 +423,18 @@ def _key_range(p, window):
 
 
 @kernel(fastmath=True)
-def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, out):
+def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
     """Causal grouped-query attention over the cache, on the calling thread (decode-sized work).
 
     q: (T, H, D) float32 (already roped); k_cache: (Hkv, ring, D), vt_cache: (Hkv, D, ring)
-    float32 for one layer, holding positions [start_pos + T - ring, start_pos + T) (all of
+    float32 or f16 bits (uint16) for one layer, holding positions [start_pos + T - ring, start_pos + T) (all of
     [0, start_pos + T) when ring = n_ctx); out: (T, H, D) float32. Token t sees the keys at
-    positions start_pos + t - window + 1 .. start_pos + t (window 0: from 0).
+    positions start_pos + t - window + 1 .. start_pos + t (window 0: from 0). q_scaled: see `_attend`.
     """
     n_tok = q.shape[0]
     n_kv = k_cache.shape[0]
     n_max = min(start_pos + n_tok, k_cache.shape[1])
+    qbuf = np.empty((n_rep, q.shape[2]), np.float32)
     scores = np.empty((n_rep, n_max), np.float32)
     totals = np.empty(n_rep, np.float32)
     bits = np.empty(n_max, np.int32)
@@ -297,11 +442,12 @@ def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, soft
     for t in range(n_tok):
         lo, n_keys = _key_range(start_pos + t, window)
         for kvh in range(n_kv):
-            _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, scores, totals, bits, fbits, out)
+            _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, q_scaled, qbuf, scores, totals, bits,
+                    fbits, out)
 
 
 @kernel(parallel=True, fastmath=True)
-def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, out):
+def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
     """`attention_serial` with the (token, KV head) jobs spread over the threads (one parallel region)."""
     n_tok = q.shape[0]
     n_kv = k_cache.shape[0]
@@ -309,12 +455,14 @@ def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, ou
     for job in prange(n_tok * n_kv):
         t = job // n_kv
         kvh = job % n_kv
+        qbuf = np.empty((n_rep, q.shape[2]), np.float32)
         scores = np.empty((n_rep, n_max), np.float32)
         totals = np.empty(n_rep, np.float32)
         bits = np.empty(n_max, np.int32)
         fbits = bits.view(np.float32)
         lo, n_keys = _key_range(start_pos + t, window)
-        _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, scores, totals, bits, fbits, out)
+        _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, q_scaled, qbuf, scores, totals, bits,
+                fbits, out)
 
 
 # below this many (query head x key) dot products, waking the thread pool costs more than it saves

@@ -271,10 +271,13 @@ class Transformer:
 
     # -- caches and entry points --
 
+    kv_types = ("f16", "f16")  # (type_k, type_v) of new caches: llama.cpp's default; `qllama.load` sets it
+    q_prescaled = False  # llama.cpp's graph scales Q before attention (Gemma, Phi-3): with f16 keys, rounded after
+
     def new_cache(self) -> KVCache:
         a = self.args
         windows = [a.n_swa if a.is_swa(il) else 0 for il in range(a.n_layer)]
-        return KVCache(a.n_layer, a.n_head_kv, a.head_dim, self.n_ctx, windows, self.batch)
+        return KVCache(a.n_layer, a.n_head_kv, a.head_dim, self.n_ctx, windows, self.batch, *self.kv_types)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run `tokens` at positions cache.n_past.. and append them to the cache.
@@ -427,12 +430,13 @@ class Transformer:
             if probe:  # attn_q/k/v (after RoPE); attn_scores/probs need the NumPy path
                 qs = attention_points(probe, il, qs, c.k[il], c.vt[il], seg.start)
                 if probe.wants("attn_scores", il) or probe.wants("attn_probs", il):
-                    os_[...] = attention_numpy(probe, il, qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap)
+                    os_[...] = attention_numpy(probe, il, qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap,
+                                               self.q_prescaled)
                     continue
             # decode-sized work runs on this thread: waking the pool would cost more than it saves
             parallel = ops.attention_parallel_pays(seg.hi - seg.lo, seg.start, a.n_head, n_threads)
             attention = ops.attention if parallel else ops.attention_serial
-            attention(qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap, os_)
+            attention(qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap, self.q_prescaled, os_)
         return out.reshape(n_tok, a.q_dim)
 
     def out_proj(self, layer: LayerWeights, attn: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ class Gemma2(Transformer):
     rope_neox = True
     layer_tensors = {"post_norms": True}
     own_output = False
+    q_prescaled = True  # llama.cpp scales Q by the query scale before attention (kq_scale 1)
     n_layer_27b = 46  # llama.cpp's LLM_TYPE_27B, whose query scale differs
 
     @classmethod

@@ -21,6 +21,7 @@ class Phi3(Transformer):
     arch = "phi3"
     rope_neox = True  # and no sliding window: see the module docstring
     layer_tensors = {"fused_ffn": True}
+    q_prescaled = True  # llama.cpp scales Q by 1/sqrt(head_dim) before attention (kq_scale 1)
     block = Llama.block  # `qkv` splits the one attn_qkv projection, `ffn` the one gate|up ffn_up
 
     @classmethod

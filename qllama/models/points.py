@@ -9,7 +9,7 @@ P = n_past + T the positions in the cache after the call.
 | `embed` | (T, n_embd) | token embedding rows (Gemma: times sqrt(n_embd)), the residual stream before block 0 |
 | `blk.{i}.attn_norm` | (T, n_embd) | RMSNorm of the residual stream: the attention's input |
 | `blk.{i}.attn_q` | (T, H, D) | queries after bias, Q-norm (qwen3, gemma3) and RoPE |
-| `blk.{i}.attn_k` | (T, Hkv, D) | keys of the new tokens after bias, K-norm and RoPE (as stored in the KV cache) |
+| `blk.{i}.attn_k` | (T, Hkv, D) | keys of the new tokens after bias, K-norm and RoPE (as stored in the KV cache: f16-rounded with the default f16 cache) |
 | `blk.{i}.attn_v` | (T, Hkv, D) | values of the new tokens (as stored in the KV cache) |
 | `blk.{i}.attn_scores` | (T, H, P) | scaled (and Gemma-2 softcapped) query-key scores over every cached position; -inf where masked (future, outside the sliding window) |
 | `blk.{i}.attn_probs` | (T, H, P) | softmax of the scores: attention weights over the cached positions (0 where masked) |
@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..errors import QllamaError
+from .kvcache import from_f32, to_f32
 
 BLOCK_POINTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_scores", "attn_probs", "attn_z", "attn_out",
                 "ffn_in", "ffn_act", "ffn_out", "resid")
@@ -308,18 +309,25 @@ def probe_of(model) -> Probe:
 
 
 def attention_numpy(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, vt_cache: np.ndarray, start: int,
-                    n_rep: int, scale: float, window: int, softcap: float) -> np.ndarray:
+                    n_rep: int, scale: float, window: int, softcap: float, q_scaled: bool = False) -> np.ndarray:
     """Attention of one segment as `kernels.layer_ops.attention` computes it, with the scores and
     probabilities fired as points. q: (T, H, D) roped; caches of one layer (Hkv, ring, D) and
-    (Hkv, D, ring) already holding positions start..start+T-1. Returns (T, H, D) float32."""
+    (Hkv, D, ring), float32 or f16 bits, already holding positions start..start+T-1. As the
+    kernel does with an f16 cache, the queries (f16 keys; first multiplied by the scale if
+    q_scaled) and the probabilities after the hooks (f16 values) are rounded to f16 for the
+    products. Returns (T, H, D) float32."""
     n_tok, n_head, head_dim = q.shape
     ring = k_cache.shape[1]
     n_pos = start + n_tok
     first = max(0, n_pos - ring)  # the oldest position the ring still holds
     kpos = np.arange(first, n_pos)
     slots = kpos % ring
-    k = np.repeat(k_cache[:, slots, :], n_rep, axis=0)  # (H, P', D)
-    v = np.repeat(vt_cache[:, :, slots].transpose(0, 2, 1), n_rep, axis=0)  # (H, P', D)
+    k = np.repeat(to_f32(k_cache[:, slots, :]), n_rep, axis=0)  # (H, P', D)
+    v = np.repeat(to_f32(vt_cache[:, :, slots]).transpose(0, 2, 1), n_rep, axis=0)  # (H, P', D)
+    if k_cache.dtype == np.uint16:
+        if q_scaled:  # scaled, then rounded
+            q, scale = q * np.float32(scale), 1.0
+        q = to_f32(from_f32(q, k_cache))
     s = np.matmul(q.transpose(1, 0, 2), k.transpose(0, 2, 1)) * np.float32(scale)  # (H, T, P')
     if softcap > 0:
         s = np.tanh(s * np.float32(1.0 / softcap)) * np.float32(softcap)
@@ -335,6 +343,8 @@ def attention_numpy(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, v
     e = np.exp(scores - best)
     probs = (e / e.sum(axis=2, keepdims=True)).astype(np.float32)
     probs = probe.fire("attn_probs", il, probs)
+    if vt_cache.dtype == np.uint16:
+        probs = to_f32(from_f32(probs, vt_cache))
     out = np.matmul(probs[:, :, first:].transpose(1, 0, 2), v)  # (H, T, D)
     return np.ascontiguousarray(out.transpose(1, 0, 2), dtype=np.float32)
 
@@ -348,14 +358,14 @@ def attention_points(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, 
     slots = None
     if probe.wants("attn_k", il) or probe.wants("attn_v", il):
         slots = np.arange(start, start + n_tok) % k_cache.shape[1]
-        k = np.ascontiguousarray(k_cache[:, slots, :].transpose(1, 0, 2))  # (T, Hkv, D) as roped and stored
+        k = np.ascontiguousarray(to_f32(k_cache[:, slots, :]).transpose(1, 0, 2))  # (T, Hkv, D) as roped and stored
         k2 = probe.fire("attn_k", il, k)
         if k2 is not k:
-            k_cache[:, slots, :] = k2.transpose(1, 0, 2)
-        v = np.ascontiguousarray(vt_cache[:, :, slots].transpose(2, 0, 1))  # (T, Hkv, D)
+            k_cache[:, slots, :] = from_f32(k2, k_cache).transpose(1, 0, 2)
+        v = np.ascontiguousarray(to_f32(vt_cache[:, :, slots]).transpose(2, 0, 1))  # (T, Hkv, D)
         v2 = probe.fire("attn_v", il, v)
         if v2 is not v:
-            vt_cache[:, :, slots] = v2.transpose(1, 2, 0)
+            vt_cache[:, :, slots] = from_f32(v2, vt_cache).transpose(1, 2, 0)
     return q
 
 
