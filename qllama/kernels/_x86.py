@@ -198,43 +198,44 @@ def _splat_f(builder, v):
                                   ir.Constant(v8f, None), ir.Constant(_vec(_I32, 8), [0] * 8))
 
 
-def _row_loop(builder, nb, body, n_acc):
-    """Emit `for b in range(nb): accs = body(b, accs)` over n_acc <8 x float> accumulators; return their lane sums.
+def _row_loop(builder, nb, body, n_acc, n_scalar=0):
+    """Emit `for b in range(nb): accs = body(b, accs)` over n_acc <8 x float> accumulators (then
+    n_scalar float ones); return the vector ones' lane sums, then the scalar ones.
 
     Keeping the partial sums in vector registers for the whole row (one horizontal sum per row,
     not per block) is what makes these row kernels fast.
     """
     v8f = _vec(ir.FloatType(), 8)
-    zero = ir.Constant(v8f, [0.0] * 8)
+    zeros = [ir.Constant(v8f, [0.0] * 8)] * n_acc + [ir.Constant(ir.FloatType(), 0.0)] * n_scalar
     entry = builder.block
     loop = builder.append_basic_block("row_loop")
     done = builder.append_basic_block("row_done")
     builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
     builder.position_at_end(loop)
     b = builder.phi(_I64)
-    accs = [builder.phi(v8f) for _ in range(n_acc)]
+    accs = [builder.phi(z.type) for z in zeros]
     accs2 = body(b, accs)
     b1 = builder.add(b, ir.Constant(_I64, 1))
     last = builder.block
     b.add_incoming(ir.Constant(_I64, 0), entry)
     b.add_incoming(b1, last)
-    for a, a2 in zip(accs, accs2):
-        a.add_incoming(zero, entry)
+    for a, a2, z in zip(accs, accs2, zeros):
+        a.add_incoming(z, entry)
         a.add_incoming(a2, last)
     builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
     builder.position_at_end(done)
     phis = []
-    for a2 in accs2:  # all phi nodes first
-        v = builder.phi(v8f)
-        v.add_incoming(zero, entry)
+    for a2, z in zip(accs2, zeros):  # all phi nodes first
+        v = builder.phi(z.type)
+        v.add_incoming(z, entry)
         v.add_incoming(a2, last)
         phis.append(v)
     sums = []
-    for v in phis:
+    for v in phis[:n_acc]:
         for n in (4, 2, 1):  # pairwise horizontal sum
             v = builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
         sums.append(builder.extract_element(v, ir.Constant(_I32, 0)))
-    return sums
+    return sums + phis[n_acc:]
 
 
 def _row_ptrs(context, builder, signature, args):
@@ -365,18 +366,26 @@ def _fifth_bits(builder, p):
     return builder.select(is_set, _splat(_I8, 32, 16), _splat(_I8, 32, 0))
 
 
+def _fma(builder, a, b, c):
+    """a * b + c rounded once (vfmadd), float32."""
+    fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
+    return builder.call(fn, [a, b, c])
+
+
 def _row_legacy(context, builder, signature, args, kind):
     """q4_0 / q4_1 / q5_0 / q5_1 / q8_0 row(s) times q8_0 or q8_1 activation(s), as ggml's vec_dot:
 
     per block b, isum = sum_l q_l x_l in int32 (pmaddubsw + pmaddwd; q unsigned, or |w| and sign(x, w)
-    for q8_0), minus off * xs_b for q4_0/q5_0 (xs: int32 sums of x); then acc += d_b*dx_b*isum, and
-    for q4_1/q5_1 + m_b * s_b (xs: float32 s of q8_1). The weights are unpacked once for all tokens.
+    for q8_0), minus off * xs_b for q4_0/q5_0 (xs: int32 sums of x); then acc += d_b*dx_b*isum
+    (8 lanes), and for q4_1/q5_1 a scalar sum of m_b * s_b (xs: float32 s of q8_1), added at the
+    end. The weights are unpacked once for all tokens.
     """
     bsz, qoff, qh_off, m_off, off = _LEGACY[kind]
     v8f = _vec(ir.FloatType(), 8)
     rowp, toks = _row_ptrs(context, builder, signature, args)
     v32 = ir.PointerType(_vec(_I8, 32))
     ones = _splat(_I16, 16, 1)
+    n = len(toks)
 
     def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
@@ -392,8 +401,8 @@ def _row_legacy(context, builder, signature, args, kind):
             if qh_off is not None:
                 q = builder.or_(q, _fifth_bits(builder, _gep8(builder, blk, qh_off)))
         m = _load_f16(builder, _gep8(builder, blk, m_off)) if m_off is not None else None
-        out = []
-        for acc, (xq, xd, xs) in zip(accs, toks):
+        out, outm = [], []
+        for i, (xq, xd, xs) in enumerate(toks):
             x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), v32), align=1)
             if kind == "q8_0":
                 x = _psign(builder, x, w)
@@ -402,14 +411,15 @@ def _row_legacy(context, builder, signature, args, kind):
                 corr = builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, off))
                 isum = builder.sub(isum, builder.insert_element(ir.Constant(_vec(_I32, 8), [0] * 8), corr, ir.Constant(_I32, 0)))
             db = builder.fmul(d, builder.load(builder.gep(xd, [b]), align=4))
-            prod = builder.fmul(_splat_f(builder, db), builder.sitofp(isum, v8f))
+            out.append(builder.fadd(accs[i], builder.fmul(_splat_f(builder, db), builder.sitofp(isum, v8f))))
             if m is not None:
-                ms = builder.fmul(m, builder.load(builder.gep(xs, [b]), align=4))
-                prod = builder.fadd(prod, builder.insert_element(ir.Constant(v8f, [0.0] * 8), ms, ir.Constant(_I32, 0)))
-            out.append(builder.fadd(acc, prod))
-        return out
+                outm.append(_fma(builder, m, builder.load(builder.gep(xs, [b]), align=4), accs[n + i]))
+        return out + outm
 
-    return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
+    sums = _row_loop(builder, args[1], body, n, n if m_off is not None else 0)
+    if m_off is not None:
+        sums = [builder.fadd(a, ms) for a, ms in zip(sums[:n], sums[n:])]
+    return _pack(context, builder, signature, sums)
 
 
 def _pack(context, builder, signature, sums):
