@@ -231,7 +231,8 @@ def main() -> None:
                 here = [k for k in cold["kernels"] if not k["kernel"].startswith("numba.")]
                 if mode == "pool":
                     print(f"      compiled in the main process after the pool: {len(here)} specialisations "
-                          f"({sum(k['own_cpu'] for k in here):.2f} s CPU)", flush=True)
+                          f"({sum(k['own_cpu'] for k in here):.2f} s CPU) "
+                          + ", ".join(f"{k['kernel']} {k['own_cpu']:.2f}" for k in here), flush=True)
                     for pid in sorted({p["worker"] for p in cold["pool"]}):
                         mine = [p for p in cold["pool"] if p["worker"] == pid]
                         print(f"      worker {pid}: {sum(p['cpu_s'] for p in mine):6.2f} s CPU compiling: "
