@@ -326,6 +326,10 @@ def test_prompt_longer_than_the_context_is_400_naming_both_lengths(paths):
         err = error_of(s.post("/v1/completions", {"prompt": prompt}), 400)
         assert str(n) in err["message"] and "32" in err["message"] and err["type"] == "exceed_context_size_error"
         assert (err["n_prompt_tokens"], err["n_ctx"]) == (n, 32)
+        for big in ("hello " * 4000, [{"role": "user", "content": "hello " * 4000}]):  # > 16 KB: tokenized off the loop
+            path = "/v1/completions" if isinstance(big, str) else "/v1/chat/completions"
+            err = error_of(s.post(path, {"prompt": big} if isinstance(big, str) else {"messages": big}), 400)
+            assert err["type"] == "exceed_context_size_error" and err["n_prompt_tokens"] > 4000
         # a prompt that fits but fills the context: the answer stops at the end of the context
         r = s.client().completions.create(model="x", prompt="x" * 28, temperature=0)
         assert r.choices[0].finish_reason == "length"

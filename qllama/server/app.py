@@ -8,8 +8,8 @@
 Every error is {"error": {"message", "type", "param", "code"}} with the HTTP status as code.
 Handlers only validate, tokenize and queue; the model runs in the scheduler's worker thread,
 and events come back through an asyncio queue (all events of a step with one wake-up of the
-event loop). Prompts are tokenized (and chat templates rendered) in a worker thread, so a long
-prompt does not hold up the streams being served. A client that goes away cancels its job.
+event loop). Long prompts are tokenized (and chat templates rendered) in a worker thread, so
+they do not hold up the streams being served. A client that goes away cancels its job.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .scheduler import Event, Job, QueueFull, ShuttingDown
 from .schemas import ApiError, GenParams, bad_request, parse_chat, parse_completion
 
 MAX_BODY = 1 << 20  # bytes of a request body
+OFF_LOOP_BYTES = 16 << 10  # a body this large is tokenized in a worker thread, not on the event loop
 RETRY_AFTER_S = 1
 
 
@@ -82,9 +83,10 @@ def create_app(state: ServerState) -> Starlette:
 
     async def completions(request: Request) -> Response:
         check_key(request)
-        req = parse_completion(await read_json(request, state.max_body))
+        body, size = await read_json(request, state.max_body)
+        req = parse_completion(body)
         if isinstance(req.prompt, str):  # add_bos, parse_special: as llama.cpp's server
-            ids = await run_in_threadpool(state.llm.tokenize, req.prompt, add_bos=True, parse_special=True)
+            ids = await off_loop(size, state.llm.tokenize, req.prompt, add_bos=True, parse_special=True)
         else:
             ids = [int(t) for t in req.prompt]
             bad = [t for t in ids if not 0 <= t < state.llm.n_vocab]
@@ -95,11 +97,12 @@ def create_app(state: ServerState) -> Starlette:
 
     async def chat(request: Request) -> Response:
         check_key(request)
-        req = parse_chat(await read_json(request, state.max_body))
+        body, size = await read_json(request, state.max_body)
+        req = parse_chat(body)
         llm = state.llm
         try:
             has_template = llm.chat_template(state.chat_template) is not None
-            ids = await run_in_threadpool(llm.chat_tokens, req.messages, chat_template=state.chat_template) if has_template else None
+            ids = await off_loop(size, llm.chat_tokens, req.messages, chat_template=state.chat_template) if has_template else None
         except QllamaError as e:  # the template refused the conversation (raise_exception...)
             raise bad_request(f"chat template: {e}", "messages") from None
         if ids is None:
@@ -173,8 +176,18 @@ def create_app(state: ServerState) -> Starlette:
     return Starlette(routes=routes, exception_handlers=handlers)
 
 
+async def off_loop(size: int, fn, *args, **kwargs):
+    """fn(*args, **kwargs) for a request of `size` bytes: in a worker thread when it is large, so
+    that streams keep being served meanwhile; small ones run here (a thread hop costs two GIL
+    hand-overs with the model's thread, more than tokenizing a short prompt)."""
+    if size >= OFF_LOOP_BYTES:
+        return await run_in_threadpool(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 async def read_json(request: Request, limit: int):
-    """The body as JSON; over `limit` bytes: 413 (checked on Content-Length and while reading)."""
+    """(the body as JSON, its size in bytes); over `limit` bytes: 413 (checked on Content-Length
+    and while reading)."""
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) > limit:
         raise ApiError(413, f"the request body has {int(size)} bytes; the limit is {limit}")
@@ -184,7 +197,7 @@ async def read_json(request: Request, limit: int):
         if len(body) > limit:
             raise ApiError(413, f"the request body is over the limit of {limit} bytes")
     try:
-        return json.loads(body)
+        return json.loads(body), len(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"invalid JSON in the request body: {e}") from None
 
