@@ -75,7 +75,8 @@ class ThreadAdapter:
         after each losing probe up to max_gap.
     budget: a losing probe's extra time is at most this fraction of the time between probes.
     slowdown: when the current count's recent median exceeds its median at the last decision by
-        this factor, the next probe comes at once (the load changed).
+        this factor, the next probe comes at once (load arrived; only while fewer threads are left
+        to try: at the fewest, more threads would not help against more load).
     window: steps of the current count whose median is its estimate.
     small_batch: prompt batches up to this many tokens run at the decode count (`batch_threads`).
     idle: an `IdleMeter` (or anything with `idle_cpus() -> float | None`), read at most every
@@ -163,8 +164,9 @@ class ThreadAdapter:
             self._started = True
             return True
         est = self.estimate()
-        if self._reference and len(self._recent) == self._recent.maxlen and est > self._reference * self.slowdown:
-            return self._time_since >= self._cooldown_s * 0.25  # slowed down: probe soon (still bounded)
+        slowed = self._reference and len(self._recent) == self._recent.maxlen and est > self._reference * self.slowdown
+        if slowed and self.current > self.candidates[-1]:  # load arrived: fewer threads may help, probe soon
+            return self._time_since >= self._cooldown_s * 0.25  # (still bounded by the last losing probe)
         if self._since < self._gap:
             return False
         if self._time_since >= self._cooldown_s:
