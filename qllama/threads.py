@@ -39,11 +39,14 @@ __all__ = ["ThreadAdapter", "IdleMeter", "adapter_for"]
 
 
 class IdleMeter:
-    """Idle CPUs of the whole machine, averaged between two readings of /proc/stat (Linux)."""
+    """Idle CPUs of the whole machine, and CPUs busy with other processes, averaged between two
+    readings of /proc/stat (Linux) and of this process's CPU time."""
 
     def __init__(self, path: str = "/proc/stat"):
         self.path = path
+        self.n_cpu = os.cpu_count() or 1
         self._last = self._read()
+        self._own = self._own_now()
 
     def _read(self) -> tuple[int, int] | None:
         """(idle ticks, all ticks) summed over CPUs, or None where /proc/stat is unreadable."""
@@ -55,14 +58,30 @@ class IdleMeter:
         except (OSError, ValueError, IndexError):
             return None
 
+    @staticmethod
+    def _own_now() -> tuple[float, float]:
+        t = os.times()
+        return t.user + t.system, time.monotonic()  # this process's CPU seconds (every thread), wall
+
     def idle_cpus(self) -> float | None:
-        """CPUs idle on average since the previous call (None: unknown, or too short to tell)."""
+        """CPUs idle on average since the previous reading (None: unknown, or too short to tell)."""
         now = self._read()
         last, self._last = self._last, now
+        self._own = self._own_now()
         if now is None or last is None or now[1] <= last[1]:
             return None
-        n_cpu = os.cpu_count() or 1
-        return n_cpu * (now[0] - last[0]) / (now[1] - last[1])
+        return self.n_cpu * (now[0] - last[0]) / (now[1] - last[1])
+
+    def others_cpus(self, min_seconds: float = 0.2) -> float | None:
+        """CPUs kept busy by other processes on average since the previous reading: the machine's
+        busy time less this process's CPU time (None: unknown, or under min_seconds apart)."""
+        now, (own, wall) = self._read(), self._own_now()
+        last, (own0, wall0) = self._last, self._own
+        if now is None or last is None or wall - wall0 < min_seconds or now[1] <= last[1]:
+            return None
+        self._last, self._own = now, (own, wall)
+        busy = self.n_cpu * (1.0 - (now[0] - last[0]) / (now[1] - last[1]))
+        return max(0.0, busy - (own - own0) / (wall - wall0))
 
 
 class ThreadAdapter:
@@ -122,11 +141,16 @@ class ThreadAdapter:
         self.small_batch = small_batch
         self._idle_clock = 0.0  # decode seconds since the idle meter was last read
         self._started = False  # the first probe comes after one step (the load is unknown at start)
+        self._checked_start = False  # whether the first step looked at the meter
 
     # -- the decision (pure: no clock, no Numba) ---------------------------------------------
 
     def choose(self) -> int:
         """The thread count for the next step."""
+        if not self._checked_start:
+            self._checked_start = True
+            if self._start_low():  # others hold CPUs: start with fewer threads, probe more by the gap rules
+                self._started = True
         if self._probe is None and len(self.candidates) > 1 and self._due():
             others = [c for c in self.candidates if c != self.current]
             self._probe = others[self._next_alt % len(others)]
@@ -172,6 +196,20 @@ class ThreadAdapter:
         if self._time_since >= self._cooldown_s:
             return True
         return self.current < self.max_threads and self._spare_cpu()
+
+    def _start_low(self) -> bool:
+        """At the first step: if other processes kept CPUs busy since the meter started (model
+        load, warm-up, prompt), start at the largest count that fits beside them."""
+        others = getattr(self.idle, "others_cpus", None)
+        busy = others() if others is not None else None
+        if busy is None:
+            return False
+        room = max(1, int(self.idle.n_cpu - busy + 0.5))
+        fits = [c for c in self.candidates if c <= room]
+        if not fits or fits[0] >= self.current:
+            return False
+        self.current = fits[0]
+        return True
 
     def _spare_cpu(self) -> bool:
         """Whether the machine had idle CPU since the last reading (read at most every idle_every s)."""

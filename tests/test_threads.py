@@ -224,3 +224,40 @@ def test_slowdown_at_the_fewest_threads_does_not_probe_more():
     heavier = lambda n, i: {2: 0.300, 1: 0.045}[n]  # noqa: E731  1 thread slows 3x: more load, 2 threads no help
     used = drive(a, heavier, 30, start=300)
     assert used == [1] * 30 and a.probes == probes
+
+
+class FakeMeter(FakeIdle):
+    """A meter that also reports the CPUs other processes kept busy."""
+
+    def __init__(self, others: float | None, n_cpu: int = 2):
+        super().__init__(0.0)
+        self.others, self.n_cpu = others, n_cpu
+
+    def others_cpus(self):
+        return self.others
+
+
+@pytest.mark.parametrize("others, start", [(1.0, 1), (0.6, 1), (0.3, 2), (None, 2)])
+def test_first_step_starts_low_when_other_processes_hold_a_cpu(others, start):
+    a = ThreadAdapter([2, 1], idle=FakeMeter(others))
+    used = drive(a, BUSY if start == 1 else IDLE, 12)
+    assert used[0] == start
+    if start == 1:  # no immediate probe of 2 threads: the first comes after the gap
+        assert used[:8] == [1] * 8 and a.switches == 0
+    else:
+        assert used[1] == 1  # the usual immediate comparison
+
+
+def test_idle_meter_others_excludes_own_cpu(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\n")
+    m = IdleMeter(str(stat))
+    m.n_cpu = 2
+    clock = {"cpu": 0.0, "wall": 0.0}
+    monkeypatch.setattr(IdleMeter, "_own_now", staticmethod(lambda: (clock["cpu"], clock["wall"])))
+    m._own = (0.0, 0.0)
+    stat.write_text("cpu  250 0 0 150 0 0 0 0 0 0\n")  # 150 busy of 200 ticks: 1.5 CPUs busy
+    clock.update(cpu=0.5, wall=1.0)  # of which this process used 0.5 CPU
+    assert m.others_cpus() == pytest.approx(1.0)
+    clock.update(wall=1.1)
+    assert m.others_cpus() is None  # under min_seconds since the last reading
