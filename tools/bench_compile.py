@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if "--child-only" not in sys.argv:  # (--only's children import qllama from the tree on PYTHONPATH)
+if "--child-only" not in sys.argv and "--child" not in sys.argv:  # (children import the tree on PYTHONPATH)
     sys.path.insert(0, str(REPO))
 
 DEFAULT_MODELS = [str(REPO / "bench-models" / "llama-3.2-1b-q4_k_m.gguf"), "demo"]
@@ -98,7 +98,7 @@ def child(model: str, mode: str, threads: int) -> dict:
     wall = time.perf_counter() - t0
     from qllama import compile_pool
 
-    return dict(model=model, mode=mode, cold=cold, warmup_s=wall, cpu_s=_cpu_s() - cpu0,
+    return dict(model=model, mode=mode, cold=cold, warmup_s=wall, cpu_s=_cpu_s() - cpu0, src=qllama.__file__,
                 process_s=time.perf_counter() - t_start, types=llm.kernel_types(), kernels=records,
                 pool=compile_pool.STATS)
 
@@ -156,12 +156,13 @@ def compare_sources(args) -> None:
 # -- the parent: fresh processes, tables ---------------------------------------------------------
 
 
-def run_child(model: str, mode: str, threads: int, cache: Path) -> dict:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+def run_child(model: str, mode: str, threads: int, cache: Path, src: str = str(REPO)) -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": src}
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, __file__, "--child", model, "--mode", mode, "--threads", str(threads)],
-                       env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, __file__, "--child", model, "--mode", mode,
+                        "--threads", str(threads)], env=env, capture_output=True, text=True, timeout=1800,
+                       cwd=tempfile.gettempdir())
     if r.returncode != 0:
         raise SystemExit(f"error: the measuring process failed:\n{r.stderr[-3000:]}")
     doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -196,11 +197,14 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=25, help="rows of the per-kernel table")
     ap.add_argument("--json", help="also write every run to this file")
     ap.add_argument("--only", help="compare kernels (e.g. int8.quantize_q8_k, or layer_ops.glu,layer_ops.glu_serial) across --src trees")
-    ap.add_argument("--src", nargs="+", default=[str(REPO)], help="source trees for --only (default: this repo)")
+    ap.add_argument("--src", nargs="+", default=[str(REPO)],
+                    help="source trees for --only; otherwise the tree to measure (default: this repo; a frozen copy "
+                         "keeps others' edits from changing the sources between the cold and the warm run)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-only", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="pool", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.models = [m if m == "demo" else str(Path(m).resolve()) for m in args.models]  # (children run elsewhere)
     if args.child:
         print(json.dumps(child(args.child, args.mode, args.threads)))
         return
@@ -219,8 +223,8 @@ def main() -> None:
             for mode in args.modes:
                 cache = Path(tempfile.mkdtemp(prefix="qllama-numba-"))
                 try:
-                    cold = run_child(model, mode, args.threads, cache)
-                    warm = run_child(model, mode, args.threads, cache)
+                    cold = run_child(model, mode, args.threads, cache, args.src[0])
+                    warm = run_child(model, mode, args.threads, cache, args.src[0])
                 finally:
                     shutil.rmtree(cache, ignore_errors=True)
                 runs.append(dict(cold=cold, warm=warm))
