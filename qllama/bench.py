@@ -9,18 +9,16 @@
 
 `run_bench` returns the `qllama bench --json` document:
 `{"model", "n_threads": [...], "results": [{"test", "threads", "mean_tps", "sd_tps", "reps"}], "compile_s"}`.
-`profile_decode` times each operation and each layer of decode steps (the `--profile` tables),
-through the forward pass's named points (`qllama.models.points.Timer`: the wall time between
-consecutive points, labelled with what ran in between).
+`profile_decode` (qllama/bench_profile.py) times every kernel call of decode steps by kind and
+layer, and the Python overhead around them (the `--profile` tables).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -191,8 +189,10 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     type_k: str = "f16",
     type_v: str = "f16",
+    fused: bool = True,
 ) -> dict:
-    """Run the tests at each thread count; returns the `qllama bench --json` document."""
+    """Run the tests at each thread count; returns the `qllama bench --json` document.
+    fused=False: one-token steps run the unfused building blocks (for a before/after comparison)."""
     if reps < 1:
         raise QllamaError(f"repetitions must be >= 1, got {reps}")
     if n_prompt < 0 or n_gen < 0 or any(d < 0 for d in depths):
@@ -208,6 +208,7 @@ def run_bench(
                          type_k=type_k, type_v=type_v)
     if max(depths or [0]) + n_gen > runner.model.n_ctx or n_prompt > runner.model.n_ctx:
         raise QllamaError("the tests do not fit in the context")
+    runner.model.fused_decode = fused
     say = progress or (lambda msg: None)
     compile_s = runner.warmup()
     say(f"warm-up (Numba compile / cache load): {compile_s:.2f} s")
@@ -250,110 +251,6 @@ def format_table(doc: dict, extra: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-# -- the per-operation profile of decode -------------------------------------------------------
+# -- the per-operation profile of decode: qllama/bench_profile.py (re-exported here) ------------
 
-
-@dataclass
-class DecodeProfile:
-    """Mean milliseconds per decode step, per operation (`ms`) and per block (`layer_ms`, the
-    operations between the block's first point and its resid); `total_ms` is the measured wall time per step."""
-
-    ms: dict[str, float] = field(default_factory=dict)
-    layer_ms: dict[int, float] = field(default_factory=dict)
-    total_ms: float = 0.0
-    steps: int = 0
-    depth: int = 0
-    threads: int = 0
-    weight_bytes: int = 0
-
-    def as_dict(self) -> dict:
-        return {"ms_per_token": self.ms, "layer_ms_per_token": {str(k): v for k, v in self.layer_ms.items()},
-                "total_ms": self.total_ms, "steps": self.steps, "depth": self.depth,
-                "threads": self.threads, "weight_bytes": self.weight_bytes}
-
-
-def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128, n_threads: int | None = None,
-                   batch_size: int = 512, runner: BenchRunner | None = None, type_k: str = "f16",
-                   type_v: str = "f16") -> DecodeProfile:
-    """Time each operation of `steps` decode steps after `depth` cached tokens, plus sampling.
-
-    "python overhead" is the wall time of a step minus everything measured inside it.
-    """
-    from .models.points import Timer, probe_of
-    from .sampling import Sampler, SamplingParams
-
-    own = runner is None
-    if own:
-        runner = BenchRunner(path, n_ctx=depth + steps + 8, batch_size=batch_size, n_threads=n_threads,
-                             type_k=type_k, type_v=type_v)
-        runner.warmup()
-    threads = runner.set_threads(n_threads) if n_threads else runner.set_threads(runner.llm.n_threads)
-    runner._ensure_prefix(depth)
-    sampler = Sampler(SamplingParams(seed=1))  # llama.cpp's default chain: top-k 40, top-p, min-p, temp 0.8
-    model = runner.model
-    token = random_tokens(1, runner.n_vocab, seed=3)[0]
-    # one untimed step at this depth, so that nothing below is a first call
-    model.forward([token], runner.cache)
-    runner.cache.n_past = depth
-    timer = Timer()
-    probe = probe_of(model)
-    probe.set_timer(timer)
-    sample_s = 0.0
-    clock = time.perf_counter
-    try:
-        t0 = clock()
-        for _ in range(steps):
-            logits = model.forward([token], runner.cache)
-            ts = clock()
-            token = sampler.sample(logits[-1])
-            sample_s += clock() - ts
-        wall = clock() - t0
-    finally:
-        probe.set_timer(None)
-        runner.cache.n_past = depth
-    ms = {name: 1000.0 * s / steps for name, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1])}
-    layer_ms: dict[int, float] = {}
-    for (il, _), s in timer.per_layer.items():
-        if il is not None:
-            layer_ms[il] = layer_ms.get(il, 0.0) + 1000.0 * s / steps
-    ms["sampling"] = 1000.0 * sample_s / steps
-    measured = sum(ms.values())
-    total_ms = 1000.0 * wall / steps
-    ms["python overhead (unmeasured)"] = max(0.0, total_ms - measured)
-    w = runner.llm.weights
-    prof = DecodeProfile(ms=ms, layer_ms=dict(sorted(layer_ms.items())), total_ms=total_ms, steps=steps, depth=depth,
-                         threads=threads, weight_bytes=_weight_bytes(w))
-    if own:
-        runner.close()
-    return prof
-
-
-def _weight_bytes(weights) -> int:
-    """Bytes of weights one decode step reads (every matrix once, the output projection included)."""
-    total = weights.output.nbytes
-    for layer in weights.layers:
-        for name in ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            w = getattr(layer, name, None)  # fused families (phi3) have attn_qkv and no ffn_gate
-            total += w.nbytes if w is not None else 0
-    return total
-
-
-def format_profile(p: DecodeProfile) -> str:
-    """A markdown table: ms per token and share of the step, per operation."""
-    lines = [
-        f"decode profile: {p.steps} steps after {p.depth} cached tokens, {p.threads} threads, "
-        f"{p.total_ms:.2f} ms/token ({1000.0 / p.total_ms if p.total_ms else 0:.2f} tokens/s); "
-        f"weights read per token {p.weight_bytes / 1e9:.3f} GB -> {p.weight_bytes / 1e6 / p.total_ms if p.total_ms else 0:.1f} GB/s",
-        "",
-        "| operation | ms/token | share |",
-        "| --- | ---: | ---: |",
-    ]
-    for name, v in p.ms.items():
-        share = 100.0 * v / p.total_ms if p.total_ms else math.nan
-        lines.append(f"| {name} | {v:.3f} | {share:.1f}% |")
-    if p.layer_ms:
-        lines += ["", "| block | ms/token | share |", "| ---: | ---: | ---: |"]
-        for il, v in p.layer_ms.items():
-            share = 100.0 * v / p.total_ms if p.total_ms else math.nan
-            lines.append(f"| {il} | {v:.3f} | {share:.1f}% |")
-    return "\n".join(lines)
+from .bench_profile import DecodeProfile, format_profile, profile_decode  # noqa: E402  (it imports BenchRunner)

@@ -59,6 +59,7 @@ __all__ = [
     "physical_cores",
     "set_int8_activations",
     "int8_activations",
+    "int8_enabled",
 ]
 
 FLOAT_MATMUL_TILE_BYTES = 1 << 20  # decoded rows per step of the float mat-mat of quantized types
@@ -263,6 +264,16 @@ def get_threads() -> int:
 def set_int8_activations(enabled: bool) -> None:
     """Enable (default) or disable the int8-activation kernels (disabled: float path everywhere)."""
     _state["int8"] = bool(enabled)
+
+
+def int8_enabled() -> bool:
+    """Whether the int8 path runs (enabled and the host has AVX2): one cheap test per forward pass."""
+    have = _state.get("avx2")
+    if have is None:
+        from .kernels._x86 import HAVE_AVX2
+
+        have = _state["avx2"] = bool(HAVE_AVX2)
+    return have and _state["int8"]
 
 
 def int8_activations() -> frozenset[int]:

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from qllama.bench import BenchTest, bench_tests, format_table, mean_sd, profile_decode, random_tokens, run_bench
+from qllama.bench_profile import OVERHEAD
 from tools.make_model import ModelSpec, write_model
 
 
@@ -74,24 +75,51 @@ def test_cli_table_and_profile(tiny):
     assert res.exit_code == 0, res.output
     assert "| model | threads | test | t/s |" in res.stdout
     assert "| tiny.gguf | 1 | tg4 |" in res.stdout
-    assert "matvec ffn_down" in res.stdout and "attention" in res.stdout and "sampling" in res.stdout
+    assert "ffn_down (fused)" in res.stdout and "attention" in res.stdout and "sampling" in res.stdout
+    assert "python overhead" in res.stdout and "calls/token" in res.stdout
 
 
-def test_profile_accounts_for_the_step(tiny):
+def _check_adds_up(p):
+    """The parts add up to the measured wall time per step: everything but the overhead was timed
+    inside the step, so the overhead (the remainder) is >= 0 up to the clock's resolution per
+    timed call (the tolerance of this run), and the kernel calls fit inside the step."""
+    tol = (p.calls_per_token + 2) * p.clock_resolution_ms
+    assert p.ms[OVERHEAD] >= -tol
+    assert sum(p.ms.values()) == pytest.approx(p.total_ms, rel=1e-9)
+    assert sum(v for k, v in p.ms.items() if k != OVERHEAD) <= p.total_ms + tol
+    assert all(v >= 0 for k, v in p.ms.items() if k != OVERHEAD)
+    assert 0 < sum(p.layer_ms.values()) <= p.total_ms + tol
+
+
+def test_profile_accounts_for_the_step(tiny, int8_mode):
+    from qllama.bench_profile import ATTENTION, SAMPLING
+    from qllama.kernels._x86 import HAVE_AVX2
+
+    if not HAVE_AVX2:
+        pytest.skip("the fused kernels run on the int8 path (AVX2)")
+    int8_mode(True)
     p = profile_decode(tiny, steps=3, depth=5, n_threads=1)
-    assert p.steps == 3 and p.depth == 5 and p.threads == 1
-    from qllama.models.points import OPS
-
-    # every operation between the forward pass's named points (qllama.models.points.OPS)
-    for name in (*set(OPS.values()), "sampling", "python overhead (unmeasured)"):
-        assert name in p.ms, name
+    assert p.steps == 3 and p.depth == 5 and p.threads == 1 and p.fused
+    fused_kinds = {"quantize x + attn_q|k|v (fused)", "quantize x + attn_output (fused)",
+                   "quantize x + ffn_gate|up + glu + quantize + ffn_down (fused)", "quantize x + output (logits)",
+                   "rmsnorm", ATTENTION, "embedding"}
+    assert set(p.ms) == fused_kinds | {SAMPLING, OVERHEAD}
+    # per token on the tiny model (2 blocks): per block one Q|K|V call, one attention, one output
+    # projection, one FFN call and two norms; then the final norm, the logits, the embedding
+    assert p.calls["quantize x + attn_q|k|v (fused)"] == 2 and p.calls[ATTENTION] == 2
+    assert p.calls["rmsnorm"] == 2 * 2 + 1 and p.calls["quantize x + output (logits)"] == 1
     assert sorted(p.layer_ms) == [0, 1] and all(v > 0 for v in p.layer_ms.values())  # the tiny model's two blocks
-    assert sum(p.layer_ms.values()) < p.total_ms
-    assert all(v >= 0 for v in p.ms.values())
-    # the parts add up to the measured wall time per step (overhead is the remainder); parts that
-    # were timed twice or outside the step would exceed it (the overhead is clamped at zero)
-    assert sum(p.ms.values()) == pytest.approx(p.total_ms, rel=1e-6)
+    _check_adds_up(p)
     assert p.weight_bytes > 0
+
+    u = profile_decode(tiny, steps=3, depth=5, n_threads=1, fused=False)  # the unfused blocks: one call per matrix
+    assert not u.fused
+    for kind in ("quantize x", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "glu", "ffn_down",
+                 "output (logits)", "rmsnorm", ATTENTION):
+        assert u.ms[kind] >= 0 and u.calls[kind] > 0, kind
+    assert u.calls["attn_q"] == 2 and u.calls["quantize x"] == 2 * 4 + 1  # shared by q/k/v and by gate/up: quantized once
+    assert u.calls_per_token > p.calls_per_token
+    _check_adds_up(u)
 
 
 @pytest.mark.parametrize(

@@ -174,3 +174,111 @@ def test_session_prefix_reuse_over_a_ring(files, float_path):
         assert n_eval == evaluated  # 18 cached positions reused; then position 6 needs 0..5, overwritten: all 12 again
         fresh = m.forward(prompt, m.new_cache())[-1]
         np.testing.assert_allclose(logits, fresh, rtol=0, atol=1e-5 * np.abs(fresh).max())
+
+
+# -- fused one-token steps (models/decode.py, kernels/fused.py) --------------------------------
+
+# type mixes that exercise every grouping of the fused calls: Q|K|V split by activation form
+# (q4_1/q8_1 with q8_0 V), ffn_down in another form than gate|up, gate and up in different
+# forms (two groups, GLU apart), phi3's fused attn_qkv and gate|up ffn_up, biases (qwen2),
+# Q/K head norms (qwen3), post norms, GELU and softcaps (gemma2); q2_K has no fused kernel.
+_FUSED_SPECS = {
+    "llama-q4_1-mixed": ModelSpec(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2, seed=31, weight_type="q4_1",
+                                  types={"attn_v": "q8_0", "ffn_down": "q4_K", "output": "q6_K"}),
+    "llama-kquants": ModelSpec(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2, seed=32, weight_type="q4_K",
+                               types={"attn_v": "q6_K", "ffn_gate": "q5_K", "ffn_up": "q5_0", "output": "q8_0"}),
+    "qwen2-q5_1": family_spec("qwen2", n_embd=128, n_ff=256, n_head=4, n_head_kv=2, n_layer=2, seed=33,
+                              weight_type="q5_1"),
+    "qwen3-q4_0": family_spec("qwen3", n_embd=128, n_ff=256, n_head=4, n_head_kv=2, n_layer=2, seed=34,
+                              weight_type="q4_0"),
+    "gemma2-q5_0": family_spec("gemma2", n_embd=128, n_ff=256, n_head=4, n_head_kv=2, head_dim=32, n_layer=2,
+                               sliding_window=WINDOW, attn_softcap=5.0, final_softcap=10.0, seed=35, weight_type="q5_0"),
+    "phi3-q8_0": family_spec("phi3", n_embd=128, n_ff=256, n_head=4, n_layer=2, n_ctx=N_CTX, rope_orig_ctx=64,
+                             seed=36, weight_type="q8_0"),
+    "llama-q2_K": ModelSpec(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2, seed=37, weight_type="q2_K"),
+}
+
+
+@pytest.fixture(scope="module")
+def quant_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    paths = {}
+    for name, spec in _FUSED_SPECS.items():
+        paths[name] = root / f"{name}.gguf"
+        write_model(paths[name], spec)
+    return paths
+
+
+def _decode_steps(model, ids, n_steps: int) -> list[np.ndarray]:
+    """Prompt ids in one batch, then n_steps one-token steps; the returned arrays, untouched."""
+    cache = model.new_cache()
+    out = [model.forward(ids, cache)]
+    for i in range(n_steps):
+        out.append(model.forward([ids[i]], cache))
+    return out
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("name", list(_FUSED_SPECS))
+def test_fused_decode_equals_unfused_bit_for_bit(quant_files, name, n_threads, int8_mode):
+    """On the int8 path, the fused one-token step gives exactly the logits of the unfused building
+    blocks (same row intrinsics, same activation rounding, same GLU), with one thread (no parallel
+    region) and two; a model with a type that has no fused kernel keeps the unfused path."""
+    from qllama.kernels._x86 import HAVE_AVX2
+    from qllama.models.decode import DecodePlan
+    from qllama.qtensor import get_threads, set_threads
+
+    if not HAVE_AVX2:
+        pytest.skip("the int8 path needs AVX2")
+    int8_mode(True)
+    was = get_threads()
+    set_threads(n_threads)
+    try:
+        m = _model(quant_files[name], batch=16)
+        ids = _ids(12, m.args.n_vocab, seed=5)
+        fused = _decode_steps(m, ids, 5)
+        m.fused_decode = False
+        plain = _decode_steps(m, ids, 5)
+    finally:
+        set_threads(was)
+    if name.endswith("q2_K"):
+        assert m._plan is False  # no fused kernel for q2_K: every step ran unfused
+    else:
+        assert isinstance(m._plan, DecodePlan)
+    for a, b in zip(fused, plain):
+        assert a.shape == b.shape == (1, m.args.n_vocab)
+        np.testing.assert_array_equal(a, b)
+    assert len({id(a) for a in fused}) == len(fused)  # each step returns its own array (buffers are not handed out)
+
+
+def test_fused_decode_is_not_used_on_the_float_path(quant_files, float_path):
+    """With int8 activations off, one-token steps run the float kernels (no plan is built) and
+    match the float path of the unfused blocks exactly."""
+    m = _model(quant_files["llama-q4_1-mixed"], batch=16)
+    ids = _ids(10, m.args.n_vocab, seed=6)
+    a = _decode_steps(m, ids, 3)
+    assert m._plan is None
+    m.fused_decode = False
+    b = _decode_steps(m, ids, 3)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_fused_decode_steps_with_hooks_use_the_named_points(quant_files, int8_mode):
+    """A traced one-token step takes the unfused blocks (every point fires) and gives the same logits."""
+    from qllama.kernels._x86 import HAVE_AVX2
+    from qllama.models.points import Trace, point_names, probe_of
+
+    if not HAVE_AVX2:
+        pytest.skip("the int8 path needs AVX2")
+    int8_mode(True)
+    m = _model(quant_files["llama-q4_1-mixed"], batch=16)
+    ids = _ids(8, m.args.n_vocab, seed=7)
+    cache = m.new_cache()
+    m.forward(ids, cache)
+    fast = m.forward([ids[0]], cache)
+    cache.n_past -= 1
+    with Trace(probe_of(m), "*") as t:
+        traced = m.forward([ids[0]], cache)
+    np.testing.assert_array_equal(fast, traced)
+    assert set(t.names()) == set(point_names(m.args.n_layer))

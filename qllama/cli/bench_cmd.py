@@ -42,14 +42,17 @@ def _int_list(ctx, param, values) -> list[int]:
 @click.option("-b", "--batch-size", default=512, show_default=True, type=click.IntRange(min=1),
               help="Prompt tokens per forward batch.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
-@click.option("--profile", is_flag=True, help="Also time each operation of a decode step (printed after the table).")
+@click.option("--profile", is_flag=True,
+              help="Also time every kernel call of decode steps by kind, and the Python overhead (printed after the table).")
 @click.option("--profile-steps", default=32, show_default=True, type=click.IntRange(min=1), help="Decode steps profiled.")
 @click.option("--profile-depth", default=128, show_default=True, type=click.IntRange(min=0),
               help="Cached tokens before the profiled steps.")
+@click.option("--no-fuse", is_flag=True,
+              help="One-token steps without the fused kernels (one call per matrix), to compare before/after.")
 @kv_cache_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
 def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, profile, profile_steps, profile_depth,
-            type_k, type_v, quiet):
+            no_fuse, type_k, type_v, quiet):
     """Measure pp (prompt tokens/s) and tg (generated tokens/s) of MODEL.
 
     Each figure is the mean ± sd of REPS repetitions after an untimed warm-up; the Numba
@@ -61,13 +64,13 @@ def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, 
     depths = sorted({0, *depths})
     _say_if_compiling(model, threads, err)
     doc = run_bench(model, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=reps, depths=depths,
-                    batch_size=batch_size, progress=err, type_k=type_k, type_v=type_v)
+                    batch_size=batch_size, progress=err, type_k=type_k, type_v=type_v, fused=not no_fuse)
     prof = None
     if profile:
         err(f"profiling {profile_steps} decode steps at depth {profile_depth}...")
         n_thr = doc["n_threads"][-1] if doc["n_threads"] else None
         prof = profile_decode(model, steps=profile_steps, depth=profile_depth, n_threads=n_thr, batch_size=batch_size,
-                              type_k=type_k, type_v=type_v)
+                              type_k=type_k, type_v=type_v, fused=not no_fuse)
     if as_json:
         if prof is not None:
             doc = {**doc, "profile": prof.as_dict()}

@@ -12,6 +12,7 @@ the one-segment case.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
 from ..gguf import GGUFFile
-from ..qtensor import QTensor, get_threads, quantize_activation
+from ..qtensor import INT8_TYPES, TYPES, QTensor, get_threads, int8_enabled, quantize_activation
 from .args import ModelArgs, read_common_args
 from .kvcache import SWA_BATCH, KVCache
 from .nonfinite import locate as locate_nonfinite
@@ -222,6 +223,9 @@ class Transformer:
         self._probe = None  # a points.Probe while anything is traced, hooked or timed (see models/points.py)
         self._il = 0  # the block being run (for the points fired by the building blocks)
         self._threads = 1  # threads of the current forward pass (asked once per pass: the call is not free)
+        self._dec = None  # a decode.DecodeState during a fused one-token step, else None
+        self._plan = None  # decode.DecodePlan, built on the first one-token step (False: the model has none)
+        self._clock = None  # a decode.KernelClock while `qllama bench --profile` times kernel calls
         self._scale = np.float32(args.attn_scale)  # kernel arguments, converted once
         self._softcap = np.float32(args.attn_softcap)
         self._window = [args.n_swa if args.is_swa(il) else 0 for il in range(args.n_layer)]
@@ -240,6 +244,9 @@ class Transformer:
     rope_neox = False  # RoPE on NeoX halves (x[i], x[i + n_rot/2]) instead of interleaved pairs
     layer_tensors: dict = {}  # options of WeightReader.layer: qk_norm, post_norms, fused_ffn
     own_output = True  # False: the output is always the embedding, even if the file has output.weight
+    # one-token steps on the int8 path use the fused kernels (models/decode.py); QLLAMA_FUSED=0 turns
+    # them off (the unfused blocks, for before/after measurements)
+    fused_decode = os.environ.get("QLLAMA_FUSED", "1") != "0"
 
     @classmethod
     def read_args(cls, md) -> ModelArgs:
@@ -329,12 +336,34 @@ class Transformer:
         if probe:
             probe.start()
         self._threads = get_threads()
+        dec = None
+        if len(runs) == 1 and runs[0][0].shape[0] == 1 and not probe and self.fused_decode and int8_enabled():
+            plan = self._plan if self._plan is not None else self._build_plan()
+            if plan:
+                dec = plan.acquire()
+        self._dec = dec
+        try:
+            return self._round(runs, want, all_logits, probe)
+        finally:
+            self._dec = None
+            if dec is not None:
+                self._plan.release(dec)
+
+    def _build_plan(self):
+        from .decode import DecodePlan
+
+        a = self.args
+        self._plan = DecodePlan.build(self.weights, a.n_embd, a.q_dim, a.kv_dim, a.n_ff) or False
+        return self._plan
+
+    def _round(self, runs, want: list[bool], all_logits: bool, probe) -> list[np.ndarray | None]:
+        clock = self._clock
         batch, off = [], 0
         for tokens, cache in runs:
             batch.append(Segment(cache, cache.n_past, off, off + len(tokens)))
             off += len(tokens)
         tokens = runs[0][0] if len(runs) == 1 else np.concatenate([t for t, _ in runs])
-        x = self.embed(tokens)  # (T, n_embd) residual stream
+        x = self.embed(tokens) if clock is None else clock.run("embedding", None, self.embed, tokens)  # (T, n_embd)
         if probe:
             x = probe.fire("embed", None, x)
         for il, layer in enumerate(self.weights.layers):
@@ -355,11 +384,14 @@ class Transformer:
         result: list[np.ndarray | None] = [None] * len(batch)
         if rows.shape[0] == 0:
             return result
-        hn = np.empty_like(rows)
-        ops.rmsnorm(np.ascontiguousarray(rows), self.weights.output_norm, self.args.rms_eps, hn)
+        self._il = None
+        hn = self.norm(np.ascontiguousarray(rows), self.weights.output_norm)
         if probe:
             hn = probe.fire("result_norm", None, hn)
-        logits = self.final_logits(project(self.weights.output, quantize_activation(hn)))
+        logits = self._dec.logits(hn, self._threads, clock) if self._dec is not None else None
+        if logits is None:
+            logits = self._project("output (logits)", self.weights.output, quantize_activation(hn))
+        logits = self.final_logits(logits)
         if probe:
             logits = probe.fire("logits", None, logits)
         if not np.isfinite(logits).all() and not self._locating:  # one pass over the returned rows
@@ -378,7 +410,10 @@ class Transformer:
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """RMSNorm of each row: (T, d) -> new (T, d)."""
         out = np.empty_like(x)
-        ops.rmsnorm(x, weight, self.args.rms_eps, out)
+        if self._clock is None:
+            ops.rmsnorm(x, weight, self.args.rms_eps, out)
+        else:
+            self._clock.run("rmsnorm", self._il, ops.rmsnorm, x, weight, self.args.rms_eps, out)
         return out
 
     def qkv(self, layer: LayerWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -388,16 +423,18 @@ class Transformer:
         n_tok = h.shape[0]
         if self._probe:
             h = self._probe.fire("attn_norm", self._il, h)
-        hq = quantize_activation(h)  # quantized once (int8 path) for Q, K and V
-        if layer.attn_qkv is not None:
-            qkv = project(layer.attn_qkv, hq)  # (T, q_dim + 2 kv_dim)
+        if self._dec is not None:  # one fused call (per activation form): buffers of the step
+            q, k, v = self._dec.qkv(self._il, h, self._threads, self._clock)
+        elif layer.attn_qkv is not None:
+            qkv = self._project("attn_qkv", layer.attn_qkv, quantize_activation(h))  # (T, q_dim + 2 kv_dim)
             q = qkv[:, : a.q_dim]
             k = qkv[:, a.q_dim : a.q_dim + a.kv_dim]
             v = qkv[:, a.q_dim + a.kv_dim :]
         else:
-            q = project(layer.attn_q, hq)  # (T, q_dim)
-            k = project(layer.attn_k, hq)  # (T, kv_dim)
-            v = project(layer.attn_v, hq)  # (T, kv_dim)
+            hq = quantize_activation(h)  # quantized once (int8 path) for Q, K and V
+            q = self._project("attn_q", layer.attn_q, hq)  # (T, q_dim)
+            k = self._project("attn_k", layer.attn_k, hq)  # (T, kv_dim)
+            v = self._project("attn_v", layer.attn_v, hq)  # (T, kv_dim)
         if layer.attn_q_b is not None:
             q = q + layer.attn_q_b
             k = k + layer.attn_k_b
@@ -406,10 +443,23 @@ class Transformer:
         return (np.ascontiguousarray(q).reshape(shape_q), np.ascontiguousarray(k).reshape(shape_kv),
                 np.ascontiguousarray(v).reshape(shape_kv))
 
+    def _project(self, kind: str, w: QTensor, act) -> np.ndarray:
+        """`project`, with the activation's quantization and the product timed apart under a KernelClock."""
+        clock = self._clock
+        if clock is None:
+            return project(w, act)
+        form = TYPES[w.type_id].int8_form
+        if int8_enabled() and w.type_id in INT8_TYPES and form not in act._forms:  # once per shared activation
+            clock.run("quantize x", self._il, act.quantized, form)
+        return clock.run(kind, self._il, project, w, act)
+
     def head_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """RMSNorm over each head's D values, in place: x (T, heads, D), weight (D,)."""
         flat = x.reshape(-1, x.shape[2])
-        ops.rmsnorm(flat, weight, self.args.rms_eps, flat)
+        if self._clock is None:
+            ops.rmsnorm(flat, weight, self.args.rms_eps, flat)
+        else:
+            self._clock.run("rmsnorm (q/k heads)", self._il, ops.rmsnorm, flat, weight, self.args.rms_eps, flat)
         return x
 
     def attend(self, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: list[Segment]) -> np.ndarray:
@@ -445,7 +495,10 @@ class Transformer:
         if probe:
             a = self.args
             attn = probe.fire("attn_z", self._il, attn.reshape(-1, a.n_head, a.head_dim)).reshape(-1, a.q_dim)
-        y = project(layer.attn_output, quantize_activation(attn))
+        if self._dec is not None:
+            y = self._dec.out_proj(self._il, attn, self._threads, self._clock)
+        else:
+            y = self._project("attn_output", layer.attn_output, quantize_activation(attn))
         if probe:
             y = probe.fire("attn_out", self._il, y)
         return y
@@ -456,18 +509,23 @@ class Transformer:
         probe, n_ff = self._probe, self.args.n_ff
         if probe:
             h = probe.fire("ffn_in", self._il, h)
+        if self._dec is not None:  # gate|up, GLU and down in one fused call
+            return self._dec.ffn(self._il, h, act, self._threads, self._clock)
         hq = quantize_activation(h)  # shared by gate and up
         if layer.ffn_gate is None:
-            gu = project(layer.ffn_up, hq)  # (T, 2 n_ff)
+            gu = self._project("ffn_gate|up", layer.ffn_up, hq)  # (T, 2 n_ff)
             gate, up = np.ascontiguousarray(gu[:, :n_ff]), np.ascontiguousarray(gu[:, n_ff:])
         else:
-            gate = project(layer.ffn_gate, hq)  # (T, n_ff)
-            up = project(layer.ffn_up, hq)  # (T, n_ff)
+            gate = self._project("ffn_gate", layer.ffn_gate, hq)  # (T, n_ff)
+            up = self._project("ffn_up", layer.ffn_up, hq)  # (T, n_ff)
         glu = ops.glu if h.shape[0] > 1 else ops.glu_serial
-        glu(gate, up, gate, act)
+        if self._clock is None:
+            glu(gate, up, gate, act)
+        else:
+            self._clock.run("glu", self._il, glu, gate, up, gate, act)
         if probe:
             gate = probe.fire("ffn_act", self._il, gate)
-        y = project(layer.ffn_down, quantize_activation(gate))
+        y = self._project("ffn_down", layer.ffn_down, quantize_activation(gate))
         if probe:
             y = probe.fire("ffn_out", self._il, y)
         return y

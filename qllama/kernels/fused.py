@@ -1,0 +1,228 @@
+"""Fused decode kernels: one Numba call quantizes a token's activation and runs the rows of up to
+three matrices that share it (Q|K|V, gate|up) in one parallel region; `ffn` also applies the
+gated activation, quantizes its output and runs ffn_down, all in the same call.
+
+Why: on a small model (SmolLM2-135M: 30 layers of 576) one decode token is ~250 small kernels,
+and each Python -> Numba call costs microseconds and each parallel region a thread wake-up;
+that per-call cost, not arithmetic, set the speed. These kernels cut a layer's calls on the
+int8 path from ~14 to ~6 and its parallel regions from 9 to 3.
+
+Results are bit-identical to the unfused int8 path (`kernels/int8.py` through QTensor): each
+row is the same whole-row intrinsic of `_x86.py` (as int8.py's kernels call for one token),
+the activation is rounded by the same arithmetic as int8.py's quantizers (their block helpers,
+or the same loop for q8_K), and the GLU is `layer_ops.glu_serial` itself.
+
+Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K); a
+group's matrices must share one activation form (FORMS). Others take the unfused path.
+Shapes: x (1, n) float32; xq int8 (1, n), xd float32 (1, n/32 or n/256), xs int32 or float32
+(1, n/32 or n/16) as `qtensor.Activation.quantized` makes them; raw uint8 (rows, row_bytes);
+outputs float32 (1, rows). An unused slot is an empty raw (0, 1) with an empty output (1, 0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange, types
+from numba.extending import overload
+
+from ..ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ._x86 import (
+    row_dot_q4_k,
+    row_dot_q4_legacy,
+    row_dot_q5_k,
+    row_dot_q5_legacy,
+    row_dot_q6_k,
+    row_dot_q8_0,
+)
+from .int8 import FASTMATH, QK8_0, QK_K, _FLT_MAX, _as_fp16, _q8_block, _to_int8
+from .jit import kernel
+from .layer_ops import glu_serial
+
+_NOPY = dict(boundscheck=False)
+
+# activation forms, as qtensor's TYPES name them -> the code the kernels take
+FORMS = {"q8_K": 0, "q8_0": 1, "q8_1": 2}
+FUSED_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
+
+
+# -- rows of one matrix, by type (picked at run time, once per chunk of rows: the loop around
+# each whole-row intrinsic is then as tight as int8.py's; the sum dtype picks the compiled set) --
+
+
+def _rows(type_id, raw, out, lo, hi, xq, xd, xs):
+    """out[0, r] = row r of raw . x for r in [lo, hi); x one token's int8 activation (1-D arrays)."""
+
+
+@overload(_rows, jit_options=dict(fastmath=FASTMATH, **_NOPY))
+def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
+    if xs.dtype == types.float32:  # q8_1 activations: q4_1, q5_1
+
+        def legacy_1(type_id, raw, out, lo, hi, xq, xd, xs):
+            if type_id == Q4_1:
+                nb = raw.shape[1] // 20
+                for r in range(lo, hi):
+                    out[0, r] = row_dot_q4_legacy(raw[r], nb, xq, xd, xs)
+            else:
+                nb = raw.shape[1] // 24
+                for r in range(lo, hi):
+                    out[0, r] = row_dot_q5_legacy(raw[r], nb, xq, xd, xs)
+
+        return legacy_1
+
+    def int_sums(type_id, raw, out, lo, hi, xq, xd, xs):  # q8_K (k-quants) or q8_0 (q8_0, q4_0, q5_0)
+        if type_id == Q4_K:
+            nb = raw.shape[1] // 144
+            for r in range(lo, hi):
+                out[0, r] = row_dot_q4_k(raw[r], nb, xq, xd, xs)
+        elif type_id == Q5_K:
+            nb = raw.shape[1] // 176
+            for r in range(lo, hi):
+                out[0, r] = row_dot_q5_k(raw[r], nb, xq, xd, xs)
+        elif type_id == Q6_K:
+            nb = raw.shape[1] // 210
+            for r in range(lo, hi):
+                out[0, r] = row_dot_q6_k(raw[r], nb, xq, xd, xs)
+        elif type_id == Q8_0:
+            nb = raw.shape[1] // 34
+            for r in range(lo, hi):
+                out[0, r] = row_dot_q8_0(raw[r], nb, xq, xd, xs)
+        elif type_id == Q4_0:
+            nb = raw.shape[1] // 18
+            for r in range(lo, hi):
+                out[0, r] = row_dot_q4_legacy(raw[r], nb, xq, xd, xs)
+        else:
+            nb = raw.shape[1] // 22
+            for r in range(lo, hi):
+                out[0, r] = row_dot_q5_legacy(raw[r], nb, xq, xd, xs)
+
+    return int_sums
+
+
+# -- the activation, quantized on the calling thread --
+
+
+@kernel(**_NOPY)
+def _q8_k(x, xq, xd, xs):
+    """Token 0 of x in q8_K form: the arithmetic of int8.quantize_q8_k, on this thread."""
+    n = x.shape[1]
+    for b in range(n // QK_K):
+        o = b * QK_K
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)
+        finite = True
+        for j in range(QK_K):
+            v = x[0, o + j]
+            a = abs(v)
+            if not (a <= _FLT_MAX):
+                finite = False
+            if a > amax:
+                amax = a
+                vmax = v
+        if not finite or amax == 0:
+            xd[0, b] = np.float32(np.nan) if not finite else np.float32(0.0)
+            for j in range(QK_K):
+                xq[0, o + j] = 0
+            for k in range(QK_K // 16):
+                xs[0, b * 16 + k] = 0
+            continue
+        iscale = np.float32(-127.0) / vmax
+        for k in range(QK_K // 16):
+            s = 0
+            for j in range(16):
+                q = _to_int8(np.rint(iscale * x[0, o + 16 * k + j]))
+                xq[0, o + 16 * k + j] = q
+                s += q
+            xs[0, b * 16 + k] = s
+        xd[0, b] = np.float32(1.0) / iscale
+
+
+def _quantize(form, x, xq, xd, xs):
+    """Token 0 of x into the int8 form `form` (FORMS), as int8.quantize_q8_k / _q8_0 / _q8_1."""
+
+
+@overload(_quantize, jit_options=_NOPY)
+def _quantize_impl(form, x, xq, xd, xs):
+    if xs.dtype == types.float32:  # q8_1: s = fp16(d * sum)
+
+        def q8_1(form, x, xq, xd, xs):
+            for b in range(x.shape[1] // QK8_0):
+                d, s = _q8_block(x, 0, b * QK8_0, xq)
+                xd[0, b] = _as_fp16(d)
+                xs[0, b] = _as_fp16(d * np.float32(s))
+
+        return q8_1
+
+    def int_sums(form, x, xq, xd, xs):
+        if form == 0:
+            _q8_k(x, xq, xd, xs)
+            return
+        for b in range(x.shape[1] // QK8_0):
+            d, s = _q8_block(x, 0, b * QK8_0, xq)
+            xd[0, b] = _as_fp16(d)
+            xs[0, b] = s
+
+    return int_sums
+
+
+# -- rows of up to three matrices in one region --
+
+
+@kernel(**_NOPY)
+def _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, lo, hi):
+    """Rows [lo, hi) of the three matrices' rows taken end to end."""
+    n0, n1 = r0.shape[0], r1.shape[0]
+    xq0, xd0, xs0 = xq[0], xd[0], xs[0]
+    if lo < n0:
+        _rows(t0, r0, o0, lo, min(hi, n0), xq0, xd0, xs0)
+    if hi > n0 and lo < n0 + n1:
+        _rows(t1, r1, o1, max(lo, n0) - n0, min(hi, n0 + n1) - n0, xq0, xd0, xs0)
+    if hi > n0 + n1:
+        _rows(t2, r2, o2, max(lo, n0 + n1) - n0 - n1, hi - n0 - n1, xq0, xd0, xs0)
+
+
+# -- entry points (each one parallel function: few levels of calls keep the compile short) --
+
+
+@kernel(parallel=True, **_NOPY)
+def matvec3(x, form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, n_threads):
+    """Quantize x (1, n) into (xq, xd, xs) in `form` on this thread, then o_i = W_i x for up to
+    three matrices (type ids t_i, packed rows r_i), their rows taken end to end and split into
+    one chunk per thread in one parallel region (none with one thread)."""
+    _quantize(form, x, xq, xd, xs)
+    total = r0.shape[0] + r1.shape[0] + r2.shape[0]
+    if n_threads <= 1:
+        _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, 0, total)
+        return
+    n_chunks = min(total, n_threads)
+    per = (total + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, c * per, min(total, (c + 1) * per))
+
+
+@kernel(parallel=True, **_NOPY)
+def ffn(x, form, xq, xd, xs, tg, rg, gate, tu, ru, up, act, form_d, gq, gd, gs, td, rd, out, empty_raw, empty_out,
+        n_threads):
+    """A gated FFN for one token: gate|up rows in one region, gate = act(gate) * up
+    (layer_ops.glu_serial) on this thread, then ffn_down of it into out (1, n_embd) in a second
+    region. (gq, gd, gs): the quantized GLU output in ffn_down's form `form_d`."""
+    _quantize(form, x, xq, xd, xs)
+    n_g = rg.shape[0]
+    total = n_g + ru.shape[0]
+    n_d = rd.shape[0]
+    if n_threads <= 1:
+        _chunk3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, 0, total)
+        glu_serial(gate, up, gate, act)
+        _quantize(form_d, gate, gq, gd, gs)
+        _chunk3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, 0, n_d)
+        return
+    n_chunks = min(total, n_threads)
+    per = (total + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _chunk3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, c * per, min(total, (c + 1) * per))
+    glu_serial(gate, up, gate, act)
+    _quantize(form_d, gate, gq, gd, gs)
+    n_chunks = min(n_d, n_threads)
+    per = (n_d + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _chunk3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, c * per,
+                min(n_d, (c + 1) * per))

@@ -1,0 +1,221 @@
+"""One-token steps on the int8 path with fused kernels (`kernels/fused.py`), planned at load.
+
+A decode token of a small model is hundreds of small kernels; what it costs is mostly the
+Python -> Numba calls and parallel regions around them. `DecodePlan` is built once per model
+(on its first one-token step): for every layer the packed matrices, their type ids and
+activation forms, grouped so that matrices sharing an input run in one call (Q|K|V; gate|up
+with the GLU and ffn_down). A `DecodeState` holds preallocated buffers and, per layer, the
+argument tuples of those calls, so a step does no per-matrix Python work and allocates
+nothing but the returned logits.
+
+Used by `Transformer` for a one-token, one-sequence step when nothing is hooked, traced or
+timed by points (those see every named point through the unfused building blocks), the int8
+path is on, and every matrix of the model has a fused kernel (else the unfused path runs).
+Results equal the unfused int8 path bit for bit (tests/test_models_forward.py).
+
+`KernelClock`: when set on a model (`qllama bench --profile`), both paths time each kernel
+call by kind; the step's wall time minus those is Python overhead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..qtensor import TYPES, QTensor
+
+if TYPE_CHECKING:
+    from .base import Weights
+
+# form -> (elements per scale d, elements per sum, dtype of the sums), as qtensor's Activation
+_FORM_SHAPES = {"q8_K": (256, 16, np.int32), "q8_0": (32, 32, np.int32), "q8_1": (32, 32, np.float32)}
+
+
+class KernelClock:
+    """Seconds per kind of kernel call (`seconds`) and per (layer, kind) (`per_layer`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.per_layer: dict[tuple[int | None, str], float] = {}
+        self.calls: dict[str, int] = {}
+
+    def add(self, kind: str, il: int | None, dt: float) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + dt
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        key = (il, kind)
+        self.per_layer[key] = self.per_layer.get(key, 0.0) + dt
+
+    def run(self, kind: str, il: int | None, fn, *args):
+        """fn(*args), timed as `kind`; returns its result."""
+        t0 = time.perf_counter()
+        r = fn(*args)
+        self.add(kind, il, time.perf_counter() - t0)
+        return r
+
+
+def _form(w: QTensor) -> str | None:
+    return TYPES[w.type_id].int8_form
+
+
+class DecodePlan:
+    """Which calls a one-token step makes, per layer; None from `build` when a matrix has no fused kernel."""
+
+    def __init__(self, weights: "Weights", n_embd: int, q_dim: int, kv_dim: int, n_ff: int):
+        self.weights = weights
+        self.dims = (n_embd, q_dim, kv_dim, n_ff)
+        self._free: list[DecodeState] = []  # states not in use (one per concurrent forward)
+
+    @classmethod
+    def build(cls, weights: "Weights", n_embd: int, q_dim: int, kv_dim: int, n_ff: int) -> "DecodePlan | None":
+        from ..kernels.fused import FUSED_TYPES
+
+        for lw in weights.layers:
+            mats = [lw.attn_q, lw.attn_k, lw.attn_v, lw.attn_qkv, lw.attn_output, lw.ffn_gate, lw.ffn_up, lw.ffn_down]
+            if any(w is not None and w.type_id not in FUSED_TYPES for w in mats):
+                return None
+        return cls(weights, n_embd, q_dim, kv_dim, n_ff)
+
+    def acquire(self) -> "DecodeState":
+        try:
+            return self._free.pop()
+        except IndexError:
+            return DecodeState(self)
+
+    def release(self, state: "DecodeState") -> None:
+        self._free.append(state)
+
+
+class DecodeState:
+    """Buffers of one step and the argument tuples of every layer's fused calls."""
+
+    def __init__(self, plan: DecodePlan):
+        from ..kernels import fused
+
+        self._fused = fused
+        n_embd, q_dim, kv_dim, n_ff = plan.dims
+        self._quant: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._empty_raw = np.zeros((0, 1), np.uint8)  # an unused slot of a fused call
+        self._empty_raw.flags.writeable = False
+        self._empty_out = np.zeros((1, 0), np.float32)
+        self.q = np.empty((1, q_dim), np.float32)  # (1, q_dim)
+        self.k = np.empty((1, kv_dim), np.float32)  # (1, kv_dim)
+        self.v = np.empty((1, kv_dim), np.float32)
+        self.attn_out = np.empty((1, n_embd), np.float32)
+        self.gate = np.empty((1, n_ff), np.float32)
+        self.up = np.empty((1, n_ff), np.float32)
+        self.ffn_out = np.empty((1, n_embd), np.float32)
+        self.qkv_calls, self.out_calls, self.ffn_calls = [], [], []
+        for lw in plan.weights.layers:
+            if lw.attn_qkv is not None:  # one fused Q|K|V matrix (phi3): split by the caller
+                fused_out = np.empty((1, q_dim + 2 * kv_dim), np.float32)
+                self.qkv_calls.append((self._calls([(lw.attn_qkv, fused_out)]), fused_out))
+            else:
+                self.qkv_calls.append((self._calls([(lw.attn_q, self.q), (lw.attn_k, self.k), (lw.attn_v, self.v)]), None))
+            self.out_calls.append(self._calls([(lw.attn_output, self.attn_out)]))
+            self.ffn_calls.append(self._ffn_call(lw, n_ff))
+        self._out_w = plan.weights.output
+        self._out_ok = plan.weights.output.type_id in fused.FUSED_TYPES
+
+    def _qbuf(self, form: str, n: int):
+        key = (form, n)
+        if key not in self._quant:
+            per_d, per_sum, sum_dtype = _FORM_SHAPES[form]
+            self._quant[key] = (np.empty((1, n), np.int8), np.empty((1, n // per_d), np.float32),
+                                np.empty((1, n // per_sum), sum_dtype))
+        return self._quant[key]
+
+    def _calls(self, mats: list[tuple[QTensor, np.ndarray]]) -> list[tuple]:
+        """matvec3 argument tuples (all but x and n_threads): matrices grouped by activation form, in order."""
+        groups: dict[str, list] = {}
+        for w, out in mats:
+            groups.setdefault(_form(w), []).append((w, out))
+        calls = []
+        for form, ms in groups.items():
+            slots = []
+            for i in range(3):
+                slots += [ms[i][0].type_id, ms[i][0].raw, ms[i][1]] if i < len(ms) else [0, self._empty_raw, self._empty_out]
+            calls.append((self._fused.FORMS[form], *self._qbuf(form, ms[0][0].n_cols), *slots))
+        return calls
+
+    def _ffn_call(self, lw, n_ff: int):
+        """("ffn", args before act, args after act) for separate gate and up of one form; else
+        ("split", gate|up calls, gu buffer, down calls): matvecs, then the GLU apart (phi3's fused ffn_up)."""
+        gate, up, down = lw.ffn_gate, lw.ffn_up, lw.ffn_down
+        if gate is not None and _form(gate) == _form(up):
+            fg, fd = _form(gate), _form(down)
+            pre = (self._fused.FORMS[fg], *self._qbuf(fg, gate.n_cols), gate.type_id, gate.raw, self.gate,
+                   up.type_id, up.raw, self.up)
+            post = (self._fused.FORMS[fd], *self._qbuf(fd, down.n_cols), down.type_id, down.raw, self.ffn_out,
+                    self._empty_raw, self._empty_out)
+            return ("ffn", pre, post)
+        if gate is None:  # gate|up in one matrix, gate first
+            gu = np.empty((1, 2 * n_ff), np.float32)
+            return ("split", self._calls([(up, gu)]), gu, self._calls([(down, self.ffn_out)]))
+        return ("split2", self._calls([(gate, self.gate), (up, self.up)]), None, self._calls([(down, self.ffn_out)]))
+
+    # -- the steps (h, attn: (1, n) float32 C-contiguous) --
+
+    def qkv(self, il: int, h: np.ndarray, nt: int, clock: KernelClock | None):
+        """-> q (1, q_dim), k, v (1, kv_dim): views of this state's buffers."""
+        calls, fused_out = self.qkv_calls[il]
+        mv = self._fused.matvec3
+        for args in calls:
+            if clock is None:
+                mv(h, *args, nt)
+            else:
+                clock.run("quantize x + attn_q|k|v (fused)", il, mv, h, *args, nt)
+        if fused_out is None:
+            return self.q, self.k, self.v
+        qd, kd = self.q.shape[1], self.k.shape[1]
+        return fused_out[:, :qd], fused_out[:, qd : qd + kd], fused_out[:, qd + kd :]
+
+    def out_proj(self, il: int, attn: np.ndarray, nt: int, clock: KernelClock | None) -> np.ndarray:
+        mv = self._fused.matvec3
+        for args in self.out_calls[il]:
+            if clock is None:
+                mv(attn, *args, nt)
+            else:
+                clock.run("quantize x + attn_output (fused)", il, mv, attn, *args, nt)
+        return self.attn_out
+
+    def ffn(self, il: int, h: np.ndarray, act: int, nt: int, clock: KernelClock | None) -> np.ndarray:
+        call = self.ffn_calls[il]
+        if call[0] == "ffn":
+            _, pre, post = call
+            if clock is None:
+                self._fused.ffn(h, *pre, act, *post, nt)
+            else:
+                clock.run("quantize x + ffn_gate|up + glu + quantize + ffn_down (fused)", il, self._fused.ffn, h, *pre,
+                          act, *post, nt)
+            return self.ffn_out
+        from ..kernels.layer_ops import glu_serial
+
+        _, gu_calls, gu, down_calls = call
+        n_ff = self.gate.shape[1]
+        run = (lambda kind, fn, *a: fn(*a)) if clock is None else (lambda kind, fn, *a: clock.run(kind, il, fn, *a))
+        for args in gu_calls:
+            run("quantize x + ffn_gate|up (fused)", self._fused.matvec3, h, *args, nt)
+        if gu is not None:
+            self.gate[:] = gu[:, :n_ff]
+            self.up[:] = gu[:, n_ff:]
+        run("glu", glu_serial, self.gate, self.up, self.gate, act)
+        for args in down_calls:
+            run("quantize x + ffn_down (fused)", self._fused.matvec3, self.gate, *args, nt)
+        return self.ffn_out
+
+    def logits(self, hn: np.ndarray, nt: int, clock: KernelClock | None) -> np.ndarray | None:
+        """The output projection of hn (1, n_embd) into a new (1, n_vocab) array; None if its type has no fused kernel."""
+        if not self._out_ok:
+            return None
+        w = self._out_w
+        out = np.empty((1, w.n_rows), np.float32)
+        form = _form(w)
+        args = (self._fused.FORMS[form], *self._qbuf(form, w.n_cols), w.type_id, w.raw, out,
+                0, self._empty_raw, self._empty_out, 0, self._empty_raw, self._empty_out)
+        if clock is None:
+            self._fused.matvec3(hn, *args, nt)
+        else:
+            clock.run("quantize x + output (logits)", None, self._fused.matvec3, hn, *args, nt)
+        return out
