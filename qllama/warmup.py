@@ -4,7 +4,8 @@ The first call of a Numba kernel in a process either compiles it (seconds to ten
 the first run after install, or after a source change) or loads it from Numba's disk cache (a
 fraction of a second). Either way that time is not the model's speed, so `warm_up` pays it on a
 scratch KV cache before a generation (llama.cpp also runs a warm-up decode at load), and the
-caller reports it on its own line.
+caller reports it on its own line. What is not compiled yet is first compiled by worker
+processes, one per CPU (qllama/compile_pool.py): on 2 cores that about halves a first run.
 
 Whether a warm-up will compile (so that a front end can say "compiling kernels..." before it
 starts) is known from a marker file written next to Numba's cache after a warm-up succeeded.
