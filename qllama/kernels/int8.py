@@ -6,9 +6,10 @@ Activations are quantized once per call (or once for several matrices, see
 - q8_K (for the k-quants): per 256 elements a float32 scale d = max/-127 of the signed value
   of largest magnitude, int8 quants round(x/d) (ties to even), and int32 sums of every 16
   quants ("bsums", used for the min / offset terms).
-- q8_0 (for q8_0, q4_0, q4_1, q5_0, q5_1): per 32 elements d = amax/127, quants round(x/d)
-  (ties away from 0), and their int32 sum (ggml's q8_1 `s`). ggml stores d as fp16; we keep
-  float32 (slightly more precise).
+- q8_0 (for q8_0, q4_0, q5_0): per 32 elements d = amax/127 rounded to fp16 as ggml stores it,
+  quants round-half-even(x * 127/amax), and their int32 sum;
+- q8_1 (for q4_1, q5_1): as q8_0, with s = fp16(d * sum of quants) instead of the sum (ggml's
+  q8_1 `s`, for the min term m * s).
 
 Weight blocks are then dotted with integer arithmetic (`_x86.py`): exact integer sums times
 float scales, so the only error versus float is the rounding of x to 8 bits, like llama.cpp
@@ -21,6 +22,9 @@ every token of the tile. All but q2_K/q3_K use whole-row intrinsics (vector accu
 horizontal sum per row) and a 4-token variant that unpacks the weights once for 4 tokens and
 computes, per token, exactly what the one-token intrinsic computes (so prefill rows equal
 decode bit for bit); q2_K/q3_K call a per-block intrinsic.
+
+Numba's cache only sees this file: after changing an intrinsic in `_x86.py`, clear the cached
+kernels (`__pycache__/*.nbi, *.nbc` here, in `fused.py`'s too) or they keep the old code.
 """
 
 from __future__ import annotations
