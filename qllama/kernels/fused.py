@@ -4,8 +4,8 @@ gated activation, quantizes its output and runs ffn_down, all in the same call.
 
 Why: on a small model (SmolLM2-135M: 30 layers of 576) one decode token is ~250 small kernels,
 and each Python -> Numba call costs microseconds and each parallel region a thread wake-up;
-that per-call cost, not arithmetic, set the speed. These kernels cut a layer's calls on the
-int8 path from ~14 to ~6 and its parallel regions from 9 to 3.
+that per-call cost, not arithmetic, set the speed. These kernels cut a layer's Numba calls on
+the int8 path from 15 to 7 and its parallel regions from 9 to 4 (none at one thread).
 
 Results are bit-identical to the unfused int8 path (`kernels/int8.py` through QTensor): each
 row is the same whole-row intrinsic of `_x86.py` (as int8.py's kernels call for one token),
@@ -39,6 +39,7 @@ from .jit import kernel
 from .layer_ops import glu_serial
 
 _NOPY = dict(boundscheck=False)
+_OVERLOAD = dict(boundscheck=False, error_model="numpy")  # as every kernel (kernels/jit.py)
 
 # activation forms, as qtensor's TYPES name them -> the code the kernels take
 FORMS = {"q8_K": 0, "q8_0": 1, "q8_1": 2}
@@ -53,7 +54,7 @@ def _rows(type_id, raw, out, lo, hi, xq, xd, xs):
     """out[0, r] = row r of raw . x for r in [lo, hi); x one token's int8 activation (1-D arrays)."""
 
 
-@overload(_rows, jit_options=dict(fastmath=FASTMATH, **_NOPY))
+@overload(_rows, jit_options=dict(fastmath=FASTMATH, **_OVERLOAD))
 def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
     if xs.dtype == types.float32:  # q8_1 activations: q4_1, q5_1
 
@@ -140,7 +141,7 @@ def _quantize(form, x, xq, xd, xs):
     """Token 0 of x into the int8 form `form` (FORMS), as int8.quantize_q8_k / _q8_0 / _q8_1."""
 
 
-@overload(_quantize, jit_options=_NOPY)
+@overload(_quantize, jit_options=_OVERLOAD)
 def _quantize_impl(form, x, xq, xd, xs):
     if xs.dtype == types.float32:  # q8_1: s = fp16(d * sum)
 
