@@ -241,7 +241,8 @@ FAILING_WORKERS = {
 }
 
 
-@pytest.mark.parametrize("how", list(FAILING_WORKERS))
+@pytest.mark.parametrize("how", [pytest.param(h, marks=pytest.mark.slow) if h in ("exits at once", "answers err") else h
+                                 for h in FAILING_WORKERS])  # (two in the default suite keep it fast)
 def test_the_warm_up_falls_back_to_compiling_itself_when_workers_fail(pool_kernels, monkeypatch, how):
     from qllama import compile_pool
     from qllama.warmup import warm_up
