@@ -31,7 +31,7 @@ def lc(smol):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
     from test_families_oracle import LlamaCpp
 
-    return LlamaCpp(smol, 2048, exact=True)  # f32 KV cache, as qllama's (see test_families_oracle.py)
+    return LlamaCpp(smol, 2048)  # f16 KV cache, as qllama's default (see test_families_oracle.py)
 
 
 def _text() -> str:
