@@ -256,8 +256,9 @@ def stream_generate(
             steps.advance(token)
     finally:
         timings.gen_s = clock() - t_gen
-        if session.threads is not None:
-            timings.decode_threads = session.threads.describe()
+        adapter = getattr(session, "threads", None)  # stand-in sessions (tests) may have none
+        if adapter is not None:
+            timings.decode_threads = adapter.describe()
     if reason != FINISH_STOP:
         pending += decoder.flush()
     yield Chunk(pending, pending_ids, reason)
