@@ -3,9 +3,14 @@
 Why: every Numba parallel region (a `prange`) ends in a barrier that waits for all of its
 threads. On an idle machine two threads decode faster than one; when another process holds a
 core, the second thread waits for a scheduler slice at every region (a few hundred per token),
-and decoding can fall 2-40x below one thread (measured on SmolLM2-135M, 2-core host: idle
--t 2 ~1.3x -t 1; with a busy loop -t 2 ~0.1-0.5x -t 1). Numba's OpenMP layer cannot skip a
-thread that has not started, so the remedy is to not ask for it: run fewer threads.
+and decoding can fall 2-12x below one thread (SmolLM2-135M Q4_1 on a 2-core host: idle -t 2
+~1.35x -t 1; with a busy loop 0.5x (issue 15), and 0.08x at load average 14). Numba's OpenMP
+layer (libgomp here; TBB is not installed) cannot skip a thread that has not started, so the
+remedy is not to ask for it: run fewer threads. The waiting strategy is no lever: at load 14,
+OMP_WAIT_POLICY=passive made -t 2 decode ~7x faster than libgomp's default spinning, but it
+costs a futex wake per region (~30 us against ~2 us spinning, a few hundred regions per token)
+on an idle machine, and libgomp reads it once at start-up; the workqueue layer costs 200+ us
+per region. So the spinning default stays, and the thread count adapts.
 
 `ThreadAdapter` is that choice, made from wall times: it decodes at its current count, and now
 and then probes the other candidates for a few tokens, switching when one is clearly faster
