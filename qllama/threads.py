@@ -152,10 +152,7 @@ class ThreadAdapter:
 
     def choose(self) -> int:
         """The thread count for the next step."""
-        if not self._checked_start:
-            self._checked_start = True
-            if self._start_low():  # others hold CPUs: start with fewer threads, probe more by the gap rules
-                self._started = True
+        self._check_start()
         if self._probe is None and len(self.candidates) > 1 and self._due():
             others = [c for c in self.candidates if c != self.current]
             self._probe = others[self._next_alt % len(others)]
@@ -201,6 +198,13 @@ class ThreadAdapter:
         if self._time_since >= self._cooldown_s:
             return True
         return self.current < self.max_threads and self._spare_cpu()
+
+    def _check_start(self) -> None:
+        """Once, before the first step or short prompt batch: the start count from the meter."""
+        if not self._checked_start:
+            self._checked_start = True
+            if self._start_low():  # others hold CPUs: start with fewer threads, probe more by the gap rules
+                self._started = True
 
     def _start_low(self) -> bool:
         """At the first step: if other processes kept CPUs busy since the meter started (model
@@ -251,6 +255,8 @@ class ThreadAdapter:
         """Threads for a batch of n_tok tokens (a prompt): up to `small_batch` tokens its parallel
         regions are short, like a decode step's, so it takes the decode count; longer batches
         take every thread (their regions are long enough for a late thread to matter little)."""
+        if n_tok <= self.small_batch:
+            self._check_start()
         return self.current if n_tok <= self.small_batch else self.max_threads
 
     def run_batch(self, n_tok: int, step: Callable[[], object], set_threads: Callable[[int], None]):
@@ -267,8 +273,9 @@ class ThreadAdapter:
     def describe(self) -> str:
         """One line for timings, e.g. "1 (adaptive among 2, 1; 3 probes, 1 switch)"."""
         among = ", ".join(str(c) for c in self.candidates)
+        pr = "probe" if self.probes == 1 else "probes"
         sw = "switch" if self.switches == 1 else "switches"
-        return f"{self.current} (adaptive among {among}; {self.probes} probes, {self.switches} {sw})"
+        return f"{self.current} (adaptive among {among}; {self.probes} {pr}, {self.switches} {sw})"
 
     # -- the timed wrapper -----------------------------------------------------------------
 

@@ -261,3 +261,10 @@ def test_idle_meter_others_excludes_own_cpu(tmp_path, monkeypatch):
     assert m.others_cpus() == pytest.approx(1.0)
     clock.update(wall=1.1)
     assert m.others_cpus() is None  # under min_seconds since the last reading
+
+
+def test_a_short_first_prompt_already_starts_low():
+    a = ThreadAdapter([2, 1], idle=FakeMeter(1.0), small_batch=16)
+    assert a.batch_threads(512) == 2  # a long prompt keeps every thread, and does not consult the meter
+    assert a.batch_threads(5) == 1  # a short one: others hold a CPU, so 1 thread, and decoding starts there
+    assert drive(a, BUSY, 3) == [1, 1, 1]
