@@ -107,7 +107,8 @@ def test_to_and_from_f32_round_as_numpy():
     bits = from_f32(x, np.zeros(1, np.uint16))
     with np.errstate(over="ignore"):
         assert np.array_equal(bits, x.astype(np.float16).view(np.uint16))
-    assert np.array_equal(to_f32(bits), x.astype(np.float16).astype(np.float32))
+        assert np.array_equal(to_f32(bits), x.astype(np.float16).astype(np.float32))
+    assert to_f32(bits)[2] == np.inf
     assert from_f32(x, np.zeros(1, np.float32)) is not None and to_f32(x) is x
 
 

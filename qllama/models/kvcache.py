@@ -53,9 +53,11 @@ def to_f32(cache_array: np.ndarray) -> np.ndarray:
 
 
 def from_f32(values: np.ndarray, like: np.ndarray) -> np.ndarray:
-    """float32 values encoded as the cache array `like` stores them (f16: round to nearest even)."""
+    """float32 values encoded as the cache array `like` stores them (f16: round to nearest even;
+    beyond 65504 they become inf, as the kernels' store does)."""
     if like.dtype == np.uint16:
-        return np.asarray(values, np.float32).astype(np.float16).view(np.uint16)
+        with np.errstate(over="ignore"):
+            return np.asarray(values, np.float32).astype(np.float16).view(np.uint16)
     return np.asarray(values, np.float32)
 
 
