@@ -19,7 +19,8 @@ into a temporary directory, its own Numba cache) and one this tree, and alternat
 pass (A B A B): per type, on the matrix shapes of the small models whose mixes use the 32-element
 types (Qwen2.5-0.5B: 896x4864 and 4864x896; SmolLM2-135M: 576x1536), the time of one int8-path
 mat-vec (weights rotated through copies, so they stream from DRAM) and of a mat-mat of 4, 9
-(a prompt-lookup batch) and 64 tokens with activations already quantized. Prints, per call,
+(a prompt-lookup batch) and 64 tokens with activations already quantized (k-quant rows rounded
+up to whole 256-element super-blocks). Prints, per call,
 medians over passes of the median wall time and of the least CPU time (`time.process_time`, all
 threads; the least is the call least disturbed by other processes), and new / old.
 """
@@ -254,8 +255,12 @@ def cmp_worker(args) -> None:
     set_threads(args.threads[0])
     rng = np.random.default_rng(1)
     items = []
+    from qllama.ggml_types import GGML_TYPES_BY_NAME
+
     for tname in args.types:
+        bs = GGML_TYPES_BY_NAME[tname].block_size
         for ne0, ne1 in CMP_SHAPES:
+            ne0 = -(-ne0 // bs) * bs  # k-quants: the row length rounded up to whole super-blocks
             q = cmp_matrix(tname, ne0, ne1)
             for n_tok in CMP_TOKENS:
                 act = quantize_activation(rng.standard_normal((n_tok, ne0)).astype(np.float32))
