@@ -147,6 +147,8 @@ class ThreadAdapter:
         self._idle_clock = 0.0  # decode seconds since the idle meter was last read
         self._started = False  # the first probe comes after one step (the load is unknown at start)
         self._checked_start = False  # whether the first step looked at the meter
+        self._idle_probe = False  # the running probe was started by the idle meter
+        self._idle_misses = 0  # idle-started probes lost since the last switch
 
     # -- the decision (pure: no clock, no Numba) ---------------------------------------------
 
@@ -197,7 +199,13 @@ class ThreadAdapter:
             return False
         if self._time_since >= self._cooldown_s:
             return True
-        return self.current < self.max_threads and self._spare_cpu()
+        # idle CPU seen: probe before the cooldown ends, but each such probe that loses (the meter
+        # misled) doubles the share of the cooldown the next one waits: 1/8, 1/4, 1/2, all of it
+        wait = self._cooldown_s * min(1.0, 0.125 * 2 ** self._idle_misses)
+        if self.current < self.max_threads and self._time_since >= wait and self._spare_cpu():
+            self._idle_probe = True
+            return True
+        return False
 
     def _check_start(self) -> None:
         """Once, before the first step or short prompt batch: the start count from the meter."""
@@ -231,12 +239,14 @@ class ThreadAdapter:
     def _decide(self) -> None:
         probe, times = self._probe, self._probe_times
         self._probe, self._probe_times = None, []
+        by_idle, self._idle_probe = self._idle_probe, False
         est = self.estimate()
         p = statistics.median(times)
         self._since, self._time_since = 0, 0.0
         if est and p < est * (1.0 - self.margin):  # the probed count wins: switch
             self.current = probe
             self.switches += 1
+            self._idle_misses = 0
             if self.idle is not None:  # the idle window starts now
                 self.idle.idle_cpus()
                 self._idle_clock = 0.0
@@ -247,6 +257,7 @@ class ThreadAdapter:
             self._cooldown_s = 0.0
         else:  # it lost: wait longer before the next probe, so that losing probes stay cheap
             self._gap = min(self.max_gap, self._gap * 2)
+            self._idle_misses = self._idle_misses + 1 if by_idle else self._idle_misses
             extra = sum(times) - est * len(times)
             self._cooldown_s = max(0.0, extra) / self.budget
             self._reference = est

@@ -268,3 +268,15 @@ def test_a_short_first_prompt_already_starts_low():
     assert a.batch_threads(512) == 2  # a long prompt keeps every thread, and does not consult the meter
     assert a.batch_threads(5) == 1  # a short one: others hold a CPU, so 1 thread, and decoding starts there
     assert drive(a, BUSY, 3) == [1, 1, 1]
+
+
+def test_idle_meter_that_misleads_costs_ever_less():
+    idle = FakeIdle(1.0)  # claims a free CPU, but 2 threads stay slow
+    a = ThreadAdapter([2, 1], idle=idle)
+    used = drive(a, BUSY, 4000, idle=idle, idle_at=lambda i: 1.0)
+    assert a.current == 1
+    starts = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 4 and gaps[:4] == sorted(gaps[:4]) and gaps[3] > gaps[0]  # ever further apart
+    probe_time = 0.300 * used.count(2)
+    assert probe_time <= 0.10 * 0.015 * used.count(1) + 2 * 0.300  # converges to the budget (5%), here < 10%
