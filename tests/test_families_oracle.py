@@ -13,8 +13,8 @@ templates, in f32 and llama.cpp's Q4_K_M mix. For each:
   cache alone moves these peaked logits by up to 0.6 from its f32 one: comparing across types
   flipped 1-2 of ~185 clear positions on three Q4_K_M files.) No flash attention: it is off
   by default in llama-cpp-python, and it changes the f16 arithmetic;
-- `qllama perplexity` is within 0.3% of llama.cpp's (llama-perplexity's protocol) at a
-  context of more than twice the sliding window, for both cache types;
+- `qllama perplexity` is within 0.3% (f32 caches) / 1% (f16 caches) of llama.cpp's
+  (llama-perplexity's protocol) at a context of more than twice the sliding window;
 - `qllama run --temp 0` (f16 cache) prints llama.cpp's greedy text (f16 cache) up to its first
   near-tie (margin < 0.1).
 Run with `python -m pytest -m oracle tests/test_families_oracle.py -s` to see the measured numbers.
@@ -48,6 +48,11 @@ MARGIN_KV = {"f16": 0.15, "f32": MARGIN}
 # gemma3-f32) / 0.0053 (f32 cache, gemma3-f32-scaled); Q4_K_M 0.54 / 0.40 (qwen3-q4km)
 DLOGIT_MAX = {("f32", "f16"): 0.02, ("f32", "f32"): 0.01, ("q4km", "f16"): 0.8, ("q4km", "f32"): 0.6}
 PPL_TOL = 3e-3
+# Perplexity, measured (random weights: NLL 10-15 nats, so small logit noise moves it): f32
+# caches, worst +0.266% (qwen3-q4km); f16 caches, worst +0.72% (qwen3-q4km) and -0.48%
+# (gemma3-q4km), every f32-weight file within 0.001%. llama.cpp's own f16 vs f32 cache moves
+# gemma3-q4km's perplexity by 0.62%: the f16 bound is of that size.
+PPL_TOL_KV = {"f16": 1e-2, "f32": PPL_TOL}
 PROMPT = "The king is dead; long live the queen. Tell me, good friend, what news from"
 
 _F32 = dict(n_embd=64, n_ff=128, n_head=4, n_layer=2)
@@ -271,7 +276,7 @@ def test_perplexity_within_0_3_percent(files, name, tmp_path, kv):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)["ppl"]
     print(f"\nPPL {name} {kv} cache: qllama {got:.4f} llama.cpp {want:.4f} ({(got / want - 1) * 100:+.3f}%)")
-    assert abs(got / want - 1) <= PPL_TOL
+    assert abs(got / want - 1) <= PPL_TOL_KV[kv]
 
 
 @pytest.mark.parametrize("name", list(CASES))
