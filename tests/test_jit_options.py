@@ -349,3 +349,35 @@ def test_compile_workers_setting(monkeypatch):
     assert compile_pool.default_workers() == 3
     monkeypatch.delenv("QLLAMA_COMPILE_WORKERS")
     assert compile_pool.default_workers() == len(os.sched_getaffinity(0))
+
+
+# -- the cache key covers every kernel module -------------------------------------------------
+
+
+def test_a_change_in_another_kernel_module_recompiles_the_cached_kernel(tmp_path):
+    """Numba alone keys a cached function on its own file: `caller` (in caller.py) would keep
+    the inlined old `helper` after only helper.py changed. With jit.py's locator the stamp covers
+    every module beside jit.py, so the second run sees the new helper."""
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "kpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "jit.py").write_text((Path(qllama.__file__).parent / "kernels" / "jit.py").read_text())
+    (pkg / "caller.py").write_text(
+        "from .jit import kernel\nfrom .helper import helper\n\n\n@kernel\ndef caller(x):\n    return helper(x) + 1\n"
+    )
+    helper = pkg / "helper.py"
+    run = [sys.executable, "-c", "from kpkg.caller import caller; print(caller(1), caller.stats.cache_hits.total())"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def result():
+        out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300, check=True).stdout.split()
+        return int(out[0]), int(out[1])
+
+    helper.write_text("from .jit import kernel\n\n\n@kernel\ndef helper(x):\n    return x * 10\n")
+    assert result() == (11, 0)  # compiled
+    assert result() == (11, 1)  # loaded from the cache
+    helper.write_text("from .jit import kernel\n\n\n@kernel\ndef helper(x):\n    return x * 100\n")
+    assert result() == (101, 0)  # recompiled, not the stale 11

@@ -10,11 +10,70 @@ It is `numba.njit` with two choices fixed for every kernel in the package:
   checks from the inner loops.
 
 Use it as `@kernel` or `@kernel(parallel=True, fastmath=True)`.
+
+Numba's disk cache keys a function on its own source file only. A kernel that calls an
+intrinsic from `_x86.py` or an `@kernel` function from another module compiles that code into
+itself, and would keep the old code after only the other file changed (seen while editing
+`_x86.py`: fused and int8 kernels ran stale intrinsics). So every kernel of this package is
+keyed on the digest of all of `qllama/kernels/*.py` as well: changing any of them recompiles
+the package's kernels on the next run.
 """
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from numba import njit
+from numba.core.caching import CacheImpl
+
+KERNELS_DIR = Path(__file__).resolve().parent
+
+
+def _sources_digest() -> bytes:
+    """sha256 over the names and contents of qllama/kernels/*.py, in name order."""
+    h = hashlib.sha256()
+    for path in sorted(KERNELS_DIR.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.digest()
+
+
+SOURCES_DIGEST = _sources_digest()
+
+
+class PackageStampLocator:
+    """The cache locator Numba would choose for a kernel of this package, with a source stamp
+    that also covers every other kernel module (see the module docstring). Functions defined
+    elsewhere are left to Numba's own locators."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        try:
+            ours = Path(py_file).resolve().parent == KERNELS_DIR
+        except (OSError, TypeError):
+            ours = False
+        if not ours:
+            return None
+        for other in CacheImpl._locator_classes:
+            if other is not cls:
+                inner = other.from_function(py_func, py_file)
+                if inner is not None:
+                    return cls(inner)
+        return None
+
+    def get_source_stamp(self):
+        return (self._inner.get_source_stamp(), SOURCES_DIGEST)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+if PackageStampLocator not in CacheImpl._locator_classes:
+    CacheImpl._locator_classes.insert(0, PackageStampLocator)
 
 FIXED_OPTIONS = {"cache": True, "error_model": "numpy"}
 
