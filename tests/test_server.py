@@ -613,8 +613,10 @@ def test_other_families_batched_and_reused_equal_alone(arch, tmp_path):
     write_model(path, family_spec(arch, n_embd=64, n_layer=2, n_ctx=256, weight_type="q8_0", seed=3, **kw))
     prompts = ["the cat sat on the mat", "the cat sat on the mat and then it", "a dog", "the cat sat on a hat"]
     with serve(path, parallel=2, chunk=5) as s:
+        # alone first: it also compiles the kernels (on an empty cache that can take longer than
+        # TIMEOUT, and a group still running when the next starts finds no slot to reuse)
+        alone = [s.llm.complete(s.llm.tokenize(p, parse_special=True), max_tokens=20, temperature=0) for p in prompts]
         got = [None] * len(prompts)
-
         cached = [None] * len(prompts)
 
         def ask(i):
@@ -628,7 +630,7 @@ def test_other_families_batched_and_reused_equal_alone(arch, tmp_path):
                 t.start()
             for t in threads:
                 t.join(TIMEOUT)
-        alone = [s.llm.complete(s.llm.tokenize(p, parse_special=True), max_tokens=20, temperature=0) for p in prompts]
+                assert not t.is_alive(), "a request did not finish in time"
     assert got == alone
     assert cached[3] > len(s.llm.tokenize("the cat sat on")) - 2  # "the cat sat on" came from a slot
 
