@@ -648,3 +648,18 @@ def test_a_port_in_use_is_one_clear_error():
     sock = bind_socket("127.0.0.1", 0)  # port 0: any free port
     assert sock.getsockname()[1] > 0
     sock.close()
+
+
+def test_a_prompt_sharing_little_goes_to_the_least_recently_used_slot():
+    """A prompt that shares only BOS with a slot's long cached history must not overwrite it
+    while another slot is idle; one sharing at least half its ids reuses the slot that holds them."""
+    from types import SimpleNamespace
+
+    from qllama.server.scheduler import pick_slot
+
+    chat = SimpleNamespace(tokens=[1] + list(range(100, 140)), last_used=7)  # BOS + a long conversation
+    idle = SimpleNamespace(tokens=[], last_used=0)
+    assert pick_slot([chat, idle], [1, 5, 6, 7]) is idle  # shares BOS only: 1 of 4 ids
+    assert pick_slot([chat, idle], [1] + list(range(100, 110)) + [9, 9]) is chat  # 11 of 13 ids
+    older = SimpleNamespace(tokens=[1, 2, 3], last_used=3)
+    assert pick_slot([chat, older], [1, 8, 8, 8, 8]) is older  # neither is similar: the older one

@@ -11,7 +11,10 @@
 New requests join between steps; prompts are evaluated at most `chunk` tokens per step (all
 prompts together, oldest first), so streams that are already decoding keep flowing. A cancelled job (its client went away) leaves its slot
 at the next step. A slot keeps the ids its cache holds after its job ends, and a new prompt
-goes to the free slot sharing the longest prefix with it: only the rest is evaluated.
+goes to the free slot sharing the longest prefix with it, if that prefix is at least half the
+prompt (llama.cpp's --slot-prompt-similarity 0.5); only the rest is evaluated. Otherwise it goes
+to the least recently used free slot, so that a prompt sharing only BOS does not overwrite a
+long cached conversation while an idle slot waits.
 Each request has its own Sampler (and RNG), and each segment is evaluated at its own cache
 positions, so a request's output does not depend on what else runs beside it.
 """
@@ -122,6 +125,18 @@ def rewind(cache, n: int) -> int:
         return cache.rewind(n)
     cache.n_past = n
     return n
+
+
+SLOT_SIMILARITY = 0.5  # the least shared fraction of a prompt for a slot's cache to be chosen
+
+
+def pick_slot(free: Sequence["Slot"], prompt: Sequence[int]) -> "Slot":
+    """The free slot sharing the longest prefix with prompt if that covers SLOT_SIMILARITY of
+    it, else the least recently used free slot (as llama.cpp's server picks)."""
+    best = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+    if common_prefix(best.tokens, prompt) >= SLOT_SIMILARITY * len(prompt):
+        return best
+    return min(free, key=lambda s: s.last_used)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -249,7 +264,7 @@ class Scheduler:
                 job = self._queue.popleft()
                 if job.cancelled:
                     continue
-                slot = max(free, key=lambda s: (common_prefix(s.tokens, job.prompt), -s.last_used))
+                slot = pick_slot(free, job.prompt)
                 # keep the common prefix; evaluate at least the last prompt token (for its logits)
                 keep = rewind(slot.cache, min(common_prefix(slot.tokens, job.prompt), len(job.prompt) - 1))
                 del slot.tokens[keep:]
