@@ -1,15 +1,18 @@
-"""fp16 -> float32 conversion for Numba kernels.
+"""fp16 <-> float32 conversion for Numba kernels.
 
 Numba has no float16 on the CPU, so fp16 fields are read as uint16 (two bytes, little endian)
 and converted through a 65536-entry float32 table (256 KiB, as ggml does on x86). The table is
 built with NumPy's own conversion, so it equals `np.float16(...).astype(np.float32)` for every
-bit pattern, NaN payloads included.
+bit pattern, NaN payloads included. Values held as f16 bits (the KV cache) convert in registers:
+`f16_value` (portable) or `f16c_load` (F16C), and back, rounded to nearest even, with `f16_bits`
+(portable) or `f16c_store` (F16C); `HAVE_F16C` says which the host runs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
+import llvmlite.binding as llvm
 from numba import types
 
 from .jit import kernel
@@ -48,3 +51,73 @@ def f32_as_u32(typingctx, value):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.uint32(value), codegen
+
+
+# -- f16 values (the KV cache, fp16 weights): bits <-> float32 in registers --------------
+
+@kernel(inline="always", boundscheck=False)
+def f16_value(h):
+    """The float32 value of fp16 bits h (int32 0..65535), branch-free so loops vectorise.
+
+    Shift exponent+mantissa into place and multiply by 2^112 (exact for normals and subnormals);
+    Inf/NaN (exponent all ones) get the float32 all-ones exponent, keeping the mantissa.
+    """
+    sign = np.uint32((h & 0x8000) << 16)
+    mag = np.uint32((h & 0x7FFF) << 13)
+    bits = f32_as_u32(u32_as_f32(mag) * np.float32(2.0**112))
+    if (h & 0x7C00) == 0x7C00:
+        bits = mag | np.uint32(0x7F800000)
+    return u32_as_f32(bits | sign)
+
+
+HAVE_F16C = "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+@intrinsic
+def f16c_load(typingctx, h):
+    """uint16 f16 bits -> float32 as LLVM's fpext from half (F16C: vcvtph2ps, vectorised)."""
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+@intrinsic
+def f16c_store(typingctx, x):
+    """float32 -> uint16 f16 bits as LLVM's fptrunc to half: round to nearest even (F16C: vcvtps2ph)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@kernel
+def f16_bits(x):
+    """float32 x -> its f16 bits (uint16), rounded to nearest even, in integer arithmetic (for
+    hosts without F16C; equals NumPy's float32 -> float16 for every non-NaN input)."""
+    a = f32_as_u32(np.float32(x))
+    sign = (a >> np.uint32(16)) & np.uint32(0x8000)
+    a &= np.uint32(0x7FFFFFFF)
+    if a >= 0x7F800000:  # inf stays inf; NaN stays a (quiet) NaN
+        return np.uint16(sign | 0x7C00 | (0x200 | ((a >> 13) & 0x1FF) if a > 0x7F800000 else 0))
+    if a >= 0x38800000:  # a normal f16 (>= 2^-14): rebias the exponent, round away 13 mantissa bits
+        m = a - np.uint32(0x38000000)
+        r = (m + np.uint32(0x0FFF) + ((m >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+        return np.uint16(sign | min(r, np.uint32(0x7C00)))  # a carry past 65504 is inf
+    e = a >> np.uint32(23)  # subnormal f16 or zero: the value in units of 2^-24, rounded
+    shift = np.uint32(126) - e
+    if shift > 31:
+        return np.uint16(sign)
+    mant = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    q = mant >> shift
+    rem = mant & ((np.uint32(1) << shift) - np.uint32(1))
+    half = np.uint32(1) << (shift - np.uint32(1))
+    if rem > half or (rem == half and (q & np.uint32(1)) == 1):
+        q += np.uint32(1)
+    return np.uint16(sign | q)

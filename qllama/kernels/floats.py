@@ -13,7 +13,7 @@ from numba import prange
 
 from .jit import kernel
 
-from ._fp16 import f32_as_u32 as _f32_as_u32
+from ._fp16 import f16_value
 from ._fp16 import u32_as_f32 as _u32_as_f32
 
 _NOPY = dict(boundscheck=False)
@@ -42,21 +42,6 @@ def matvec_bf16(w, x, out):
         for i in range(x.shape[0]):
             acc += _u32_as_f32(np.uint32(wr[i]) << 16) * x[i]
         out[r] = acc
-
-
-@kernel(inline="always", **_NOPY)
-def f16_value(h):
-    """The float32 value of fp16 bits h (int32 0..65535), branch-free so loops vectorise.
-
-    Shift exponent+mantissa into place and multiply by 2^112 (exact for normals and subnormals);
-    Inf/NaN (exponent all ones) get the float32 all-ones exponent, keeping the mantissa.
-    """
-    sign = np.uint32((h & 0x8000) << 16)
-    mag = np.uint32((h & 0x7FFF) << 13)
-    bits = _f32_as_u32(_u32_as_f32(mag) * np.float32(2.0**112))
-    if (h & 0x7C00) == 0x7C00:
-        bits = mag | np.uint32(0x7F800000)
-    return _u32_as_f32(bits | sign)
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)

@@ -40,14 +40,11 @@ from __future__ import annotations
 
 import math
 
-import llvmlite.binding as llvm
 import numpy as np
-from llvmlite import ir
 from numba import prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
-from ._fp16 import f32_as_u32 as _f32_as_u32
-from .floats import f16_value
+from ._fp16 import HAVE_F16C, f16c_load, f16c_store, f16_bits, f16_value
 from .jit import kernel
 
 # float32 constants (module globals are frozen into the kernels with their float32 type)
@@ -79,59 +76,6 @@ ACT_GELU = 1
 
 # -- KV cache element types: float32, or f16 bits in uint16 ---------------------------------
 
-HAVE_F16C = "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
-
-
-@intrinsic
-def _f16c_load(typingctx, h):
-    """uint16 f16 bits -> float32 as LLVM's fpext from half (F16C: vcvtph2ps, vectorised)."""
-    if h != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(h), codegen
-
-
-@intrinsic
-def _f16c_store(typingctx, x):
-    """float32 -> uint16 f16 bits as LLVM's fptrunc to half: round to nearest even (F16C: vcvtps2ph)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(x), codegen
-
-
-@kernel
-def f16_bits(x):
-    """float32 x -> its f16 bits (uint16), rounded to nearest even, in integer arithmetic (for
-    hosts without F16C; equals NumPy's float32 -> float16 for every non-NaN input)."""
-    a = _f32_as_u32(np.float32(x))
-    sign = (a >> np.uint32(16)) & np.uint32(0x8000)
-    a &= np.uint32(0x7FFFFFFF)
-    if a >= 0x7F800000:  # inf stays inf; NaN stays a (quiet) NaN
-        return np.uint16(sign | 0x7C00 | (0x200 | ((a >> 13) & 0x1FF) if a > 0x7F800000 else 0))
-    if a >= 0x38800000:  # a normal f16 (>= 2^-14): rebias the exponent, round away 13 mantissa bits
-        m = a - np.uint32(0x38000000)
-        r = (m + np.uint32(0x0FFF) + ((m >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
-        return np.uint16(sign | min(r, np.uint32(0x7C00)))  # a carry past 65504 is inf
-    e = a >> np.uint32(23)  # subnormal f16 or zero: the value in units of 2^-24, rounded
-    shift = np.uint32(126) - e
-    if shift > 31:
-        return np.uint16(sign)
-    mant = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-    q = mant >> shift
-    rem = mant & ((np.uint32(1) << shift) - np.uint32(1))
-    half = np.uint32(1) << (shift - np.uint32(1))
-    if rem > half or (rem == half and (q & np.uint32(1)) == 1):
-        q += np.uint32(1)
-    return np.uint16(sign | q)
-
-
 def _load(x):
     """A cache element as float32 (f16 bits are converted)."""
 
@@ -150,7 +94,7 @@ def _load_impl(x):
         return lambda x: x
     if x == types.uint16:
         if HAVE_F16C:
-            return lambda x: _f16c_load(x)
+            return lambda x: f16c_load(x)
         return lambda x: f16_value(np.int32(x))
     return None
 
@@ -164,7 +108,7 @@ def _encode_impl(cache, x):
     if not _is_half_array(cache):
         return lambda cache, x: x
     if HAVE_F16C:
-        return lambda cache, x: _f16c_store(np.float32(x))
+        return lambda cache, x: f16c_store(np.float32(x))
     return lambda cache, x: f16_bits(x)
 
 
