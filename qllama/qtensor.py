@@ -323,12 +323,12 @@ class Activation:
         """
         q = self._forms.get(form)
         if q is None:
-            from .kernels import int8
+            from .kernels import act_quant
 
             per_d, per_sum, quantize, sum_dtype = _ACTIVATION_FORMS[form]
             t, n = self.x.shape
             q = (np.empty((t, n), np.int8), np.empty((t, n // per_d), np.float32), np.empty((t, n // per_sum), sum_dtype))
-            getattr(int8, quantize)(self.x, *q)
+            getattr(act_quant, quantize)(self.x, *q)
             self._forms[form] = q
         return q
 
@@ -341,8 +341,7 @@ class Activation:
         return self.quantized("q8_0")
 
 
-# form -> (elements per scale d, quants per int32 sum, its quantizer in kernels/int8.py)
-# form -> (elements per d, elements per sum, quantizer in kernels/int8.py, dtype of the sums)
+# form -> (elements per d, elements per sum, quantizer in kernels/act_quant.py, dtype of the sums)
 _ACTIVATION_FORMS = {"q8_K": (256, 16, "quantize_q8_k", np.int32), "q8_0": (32, 32, "quantize_q8_0", np.int32),
                      "q8_1": (32, 32, "quantize_q8_1", np.float32)}
 

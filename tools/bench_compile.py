@@ -3,7 +3,7 @@
     python tools/bench_compile.py                          # 1B Q4_K_M bench model and the demo, 1 round
     python tools/bench_compile.py --models demo --rounds 3 --modes serial pool
     python tools/bench_compile.py --kernels 15             # the 15 most expensive specialisations
-    python tools/bench_compile.py --models demo --only int8.quantize_q8_k --src /tmp/variant /work/main --rounds 3
+    python tools/bench_compile.py --models demo --only act_quant.quantize_q8_k --src /tmp/variant /work/main --rounds 3
 
 Each measurement is a fresh subprocess with its own empty NUMBA_CACHE_DIR (a temp dir), which
 loads the model and runs `Model.warmup()` (what `qllama run` does before the prompt):
@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", type=int, default=25, help="rows of the per-kernel table")
     ap.add_argument("--json", help="also write every run to this file")
-    ap.add_argument("--only", help="compare kernels (e.g. int8.quantize_q8_k, or layer_ops.glu,layer_ops.glu_serial) across --src trees")
+    ap.add_argument("--only", help="compare kernels (e.g. act_quant.quantize_q8_k, or layer_ops.glu,layer_ops.glu_serial) across --src trees")
     ap.add_argument("--src", nargs="+", default=[str(REPO)],
                     help="source trees for --only; otherwise the tree to measure (default: this repo; a frozen copy "
                          "keeps others' edits from changing the sources between the cold and the warm run)")

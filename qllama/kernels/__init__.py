@@ -5,7 +5,8 @@
 - `legacy.py`  q4_0, q4_1, q5_0, q5_1, q8_0: bit-exact block decoders, fused float mat-vecs
 - `kquants.py` q2_K .. q6_K: the same
 - `dequantize.py` row dequantization of every block type (one kernel, the type a parameter)
-- `int8.py`    activation quantizers (q8_K, q8_0) and the int8-activation mat-mat kernels
+- `act_quant.py` activation quantizers (q8_K, q8_0, q8_1) for the int8 path
+- `int8.py`    the int8-activation mat-mat kernels
                (which serve mat-vec too), for every quantized type
 - `_x86.py`    the AVX2 intrinsics (pmaddubsw / pmaddwd) used by `int8.py`
 - `quantize_k.py` the k-quant block quantizers (q4_K, q5_K, q6_K) of `qllama.quantize`

@@ -9,7 +9,7 @@ the int8 path from 15 to 7 and its parallel regions from 9 to 4 (none at one thr
 
 Results are bit-identical to the unfused int8 path (`kernels/int8.py` through QTensor): each
 row is the same whole-row intrinsic of `_x86.py` (as int8.py's kernels call for one token),
-the activation is rounded by the same arithmetic as int8.py's quantizers (their block helpers,
+the activation is rounded by the same arithmetic as act_quant.py's quantizers (their block helpers,
 or the same loop for q8_K), and the GLU is `layer_ops.glu_serial` itself.
 
 Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K); a
@@ -34,7 +34,8 @@ from ._x86 import (
     row_dot_q6_k,
     row_dot_q8_0,
 )
-from .int8 import FASTMATH, QK8_0, QK_K, _FLT_MAX, _as_fp16, _q8_block, _to_int8
+from .act_quant import QK8_0, QK_K, _FLT_MAX, _as_fp16, _q8_block, _to_int8
+from .int8 import FASTMATH
 from .jit import kernel
 from .layer_ops import glu_serial
 
@@ -104,7 +105,7 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
 
 @kernel(**_NOPY)
 def _q8_k(x, xq, xd, xs):
-    """Token 0 of x in q8_K form: the arithmetic of int8.quantize_q8_k, on this thread."""
+    """Token 0 of x in q8_K form: the arithmetic of act_quant.quantize_q8_k, on this thread."""
     n = x.shape[1]
     for b in range(n // QK_K):
         o = b * QK_K
@@ -138,7 +139,7 @@ def _q8_k(x, xq, xd, xs):
 
 
 def _quantize(form, x, xq, xd, xs):
-    """Token 0 of x into the int8 form `form` (FORMS), as int8.quantize_q8_k / _q8_0 / _q8_1."""
+    """Token 0 of x into the int8 form `form` (FORMS), as act_quant.quantize_q8_k / _q8_0 / _q8_1."""
 
 
 @overload(_quantize, jit_options=_OVERLOAD)
