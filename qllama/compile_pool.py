@@ -47,7 +47,8 @@ STATS: list[dict] = []  # the last compile_jobs: one entry per compiled job (CPU
 
 @dataclass
 class Job:
-    """One specialisation to compile: the kernel `module.name` for `argtypes` (Numba types)."""
+    """One specialisation to compile: the kernel `module.name` (or `module.name[key]`, a
+    kernels/jit.py `Variants` member) for `argtypes` (Numba types)."""
 
     module: str
     name: str
@@ -55,10 +56,11 @@ class Job:
     cost: float = 0.0  # a guess, for the order: larger first
     callees: frozenset = frozenset()  # ids of the kernels it calls (compiled along with it)
     done: bool = field(default=False, compare=False)
+    key: object = None  # the variant's key, or None
 
     @property
     def label(self) -> str:
-        return f"{self.module}.{self.name}"
+        return f"{self.module}.{self.name}" + ("" if self.key is None else f"[{self.key}]")
 
 
 def default_workers() -> int:
@@ -80,13 +82,22 @@ def default_workers() -> int:
 # -- 1. record ----------------------------------------------------------------------------------
 
 
-def _module_name(d) -> tuple[str, str] | None:
-    """(module, attribute) under which a worker can import dispatcher `d`, or None."""
+def _module_name(d) -> tuple[str, str, object] | None:
+    """(module, attribute, variant key or None) under which a worker can import dispatcher `d`, or None."""
+    variant = getattr(d, "_qllama_variant", None)  # (kernels/jit.py Variants)
+    if variant is not None:
+        return variant
     f = d.py_func
     mod = sys.modules.get(f.__module__)
     if mod is None or getattr(mod, f.__name__, None) is not d:
         return None
-    return f.__module__, f.__name__
+    return f.__module__, f.__name__, None
+
+
+def _resolve(module: str, name: str, key):
+    """The dispatcher that `_module_name` named."""
+    d = getattr(importlib.import_module(module), name)
+    return d if key is None else d[key]
 
 
 def _in_disk_cache(d, argtypes: tuple) -> bool:
@@ -145,7 +156,7 @@ def _recording(jobs: list[Job]):
             if key not in seen and where is not None and not kws and not _in_disk_cache(self, argtypes):
                 seen.add(key)
                 cost, callees = _reach(self)
-                jobs.append(Job(where[0], where[1], argtypes, cost, callees))
+                jobs.append(Job(where[0], where[1], argtypes, cost, callees, key=where[2]))
         except Exception:  # an argument Numba cannot type: the real warm-up will say so
             pass
         return _skip
@@ -196,7 +207,7 @@ class _Worker:
 
 
 def _encode(job: Job) -> bytes:
-    return base64.b64encode(pickle.dumps((job.module, job.name, job.argtypes))) + b"\n"
+    return base64.b64encode(pickle.dumps((job.module, job.name, job.key, job.argtypes))) + b"\n"
 
 
 def _stop(w: _Worker) -> None:
@@ -350,8 +361,8 @@ def _locked_cache_saves():
 
 
 def _compile_one(line: bytes) -> str:
-    module, name, argtypes = pickle.loads(base64.b64decode(line))
-    d = getattr(importlib.import_module(module), name)
+    module, name, key, argtypes = pickle.loads(base64.b64decode(line))
+    d = _resolve(module, name, key)
     c0, t0 = time.process_time(), time.perf_counter()
     d.compile(argtypes)
     return f"ok {time.process_time() - c0:.3f} {time.perf_counter() - t0:.3f}"

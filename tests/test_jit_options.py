@@ -20,6 +20,7 @@ from numba.core.caching import NullCache  # noqa: E402
 from numba.core.dispatcher import Dispatcher  # noqa: E402
 
 import qllama  # noqa: E402
+from qllama.kernels.jit import Variants  # noqa: E402
 
 PACKAGE = Path(qllama.__file__).parent
 # modules that need an optional extra to import; they define no kernels (checked by the source scan)
@@ -47,6 +48,9 @@ def _dispatchers() -> dict[str, Dispatcher]:
         for attr, obj in vars(mod).items():
             if isinstance(obj, Dispatcher) and obj.py_func.__module__ == name:
                 found[f"{name}.{attr}"] = obj
+            if isinstance(obj, Variants):  # a family of kernels from one source: one member for the check
+                key = next(iter(obj)) if obj else next(iter(getattr(mod, "DECODERS", {0: None})))
+                found[f"{name}.{attr}[{key}]"] = obj[key]
     return found
 
 
@@ -55,7 +59,7 @@ def test_the_walk_finds_the_kernels():
     # one known kernel of each kernel family, so that an empty walk cannot pass
     for name in ("qllama.kernels.floats.matvec_f32", "qllama.kernels.int8.matmul_q4_k",
                  "qllama.kernels.kquants.matvec_q6_k", "qllama.kernels.legacy.matvec_q8_0",
-                 "qllama.kernels.dequantize.dequantize_rows", "qllama.kernels.quantize_k.quantize_q6_k"):
+                 "qllama.kernels.dequantize.ROWS[12]", "qllama.kernels.quantize_k.quantize_q6_k"):
         assert name in found
     assert len(found) >= 40
 
@@ -106,7 +110,7 @@ def test_a_kernel_divides_by_zero_without_raising():
 
 POOL_KERNELS = '''
 import numpy as np
-from qllama.kernels.jit import kernel
+from qllama.kernels.jit import Variants, kernel
 
 
 @kernel
@@ -132,6 +136,17 @@ def _half(v):
 def halve(x):
     for i in range(x.shape[0]):
         x[i] = _half(x[i])
+
+
+def _make_add(k):
+    def add(x):
+        for i in range(x.shape[0]):
+            x[i] += k
+
+    return add
+
+
+ADD = Variants(_make_add, "ADD")
 '''
 
 
@@ -213,6 +228,27 @@ def test_a_pool_warm_up_leaves_every_kernel_compiled_and_loads_it_from_the_cache
     out = model.forward([0, 0, 0], model.new_cache())  # what a generation calls: nothing more to compile
     assert out[0] == 2 * (0 + 1 + 2 + 3)  # the loaded code computes (x doubled, then summed)
     assert {k: len(getattr(pool_kernels, k).overloads) for k in before} == before
+
+
+def test_variants_compile_in_workers_and_load_from_the_cache(pool_kernels):
+    """Members of a kernels/jit.py Variants family are jobs of their own (module, family, key)."""
+    import importlib
+
+    from qllama import compile_pool
+
+    def step():
+        for k in (3, 5):
+            pool_kernels.ADD[k](np.zeros(2))
+
+    jobs = compile_pool.record_jobs([step])
+    assert sorted((j.name, j.key, j.label.split(".")[-1]) for j in jobs) == [("ADD", 3, "ADD[3]"), ("ADD", 5, "ADD[5]")]
+    assert compile_pool.compile_jobs(jobs, 2) == []
+    fresh = importlib.reload(pool_kernels)  # new dispatchers: both variants come from the disk cache
+    for k in (3, 5):
+        x = np.ones(2)
+        fresh.ADD[k](x)
+        assert x.tolist() == [1 + k, 1 + k]  # each variant kept its own constant
+        assert sum(fresh.ADD[k].stats.cache_misses.values()) == 0 and fresh.ADD[k].stats.cache_hits
 
 
 def _spawned(monkeypatch) -> list:

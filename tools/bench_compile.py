@@ -113,14 +113,16 @@ def child_only(model: str, kernel: str, threads: int) -> dict:
     llm = qllama.load(model, n_threads=threads)
     with _unchecked(llm.forward_model):
         jobs = compile_pool.record_jobs(_forward_passes(llm.forward_model, 5))
-    jobs = [j for j in jobs if j.label.removeprefix("qllama.kernels.") in kernel.split(",")]
+    jobs = [j for j in jobs if j.label.removeprefix("qllama.kernels.").split("[")[0] in kernel.split(",")]
     if not jobs:
         raise SystemExit(f"error: the warm-up of {model} does not call {kernel}")
     import importlib
 
     c0, t0 = time.process_time(), time.perf_counter()
     for j in jobs:
-        getattr(importlib.import_module(j.module), j.name).compile(j.argtypes)
+        d = getattr(importlib.import_module(j.module), j.name)
+        d = d if getattr(j, "key", None) is None else d[j.key]  # (a kernels/jit.py Variants member)
+        d.compile(j.argtypes)
     return dict(cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0, n=len(jobs), kernels=records,
                 src=str(Path(qllama.__file__).parents[1]))
 

@@ -11,6 +11,14 @@ It is `numba.njit` with two choices fixed for every kernel in the package:
 
 Use it as `@kernel` or `@kernel(parallel=True, fastmath=True)`.
 
+`Variants(make, name, **options)` is a family of kernels from one source, one per value of a
+constant (e.g. a block type): `family[key]` is `kernel(**options)(make(key))`, made on first use.
+Where a kernel would branch on a type id at run time, every branch is compiled, and linked and
+optimised again in each caller; a variant compiles only its own (`dequantize.py`: 1 decoder
+instead of 10). `make(key)` returns a closure over `key` (an int): Numba types it as a literal,
+and its disk cache keys the closure on that value. `name` is the family's attribute in its
+module, so that compile_pool's workers can find a variant (`variant_of`).
+
 Numba's disk cache keys a function on its own source file only. A kernel that calls an
 intrinsic from `_x86.py` or an `@kernel` function from another module compiles that code into
 itself, and would keep the old code after only the other file changed (seen while editing
@@ -76,6 +84,25 @@ if PackageStampLocator not in CacheImpl._locator_classes:
     CacheImpl._locator_classes.insert(0, PackageStampLocator)
 
 FIXED_OPTIONS = {"cache": True, "error_model": "numpy"}
+
+
+def variant_of(dispatcher):
+    """(module, attribute, key) of a kernel made by `Variants`, else None."""
+    return getattr(dispatcher, "_qllama_variant", None)
+
+
+class Variants(dict):
+    """key -> kernel(**options)(make(key)), made on first use (see the module docstring)."""
+
+    def __init__(self, make, name: str, **options):
+        super().__init__()
+        self._make, self._name, self._options = make, name, options
+
+    def __missing__(self, key):
+        d = kernel(self._make(key), **self._options)
+        d._qllama_variant = (self._make.__module__, self._name, key)
+        self[key] = d
+        return d
 
 
 def kernel(func=None, **options):
