@@ -259,10 +259,10 @@ def cmp_worker(args) -> None:
 
     for tname in args.types:
         bs = GGML_TYPES_BY_NAME[tname].block_size
-        for ne0, ne1 in CMP_SHAPES:
+        for ne0, ne1 in args.shapes:
             ne0 = -(-ne0 // bs) * bs  # k-quants: the row length rounded up to whole super-blocks
             q = cmp_matrix(tname, ne0, ne1)
-            for n_tok in CMP_TOKENS:
+            for n_tok in args.tokens:
                 act = quantize_activation(rng.standard_normal((n_tok, ne0)).astype(np.float32))
                 out = np.empty((n_tok, ne1), np.float32)
                 q.matmul(act, out)  # compile, quantize the activation once
@@ -292,7 +292,8 @@ def compare(args) -> None:
     import json
 
     root = Path(__file__).resolve().parents[1]
-    argv = ["--cmp-worker", "--threads", str(args.threads[0]), "--types", *args.types]
+    argv = ["--cmp-worker", "--threads", str(args.threads[0]), "--types", *args.types,
+            "--shapes", *(f"{a}x{b}" for a, b in args.shapes), "--tokens", *map(str, args.tokens)]
     with tempfile.TemporaryDirectory() as old:
         arc = subprocess.run(["git", "-C", str(root), "archive", args.compare, "qllama"], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", old], input=arc.stdout, check=True)
@@ -332,6 +333,9 @@ def main() -> None:
     ap.add_argument("--cold-compile", action="store_true", help="measure kernel compile time with an empty cache")
     ap.add_argument("--compare", metavar="REV", help="A B A B: the kernels of git revision REV vs this tree")
     ap.add_argument("--rounds", type=int, default=4, help="passes per side with --compare (default 4)")
+    ap.add_argument("--shapes", nargs="+", type=lambda v: tuple(map(int, v.split("x"))), default=CMP_SHAPES,
+                    help="with --compare: matrix shapes ne0xne1 (default: 896x4864 4864x896 576x1536)")
+    ap.add_argument("--tokens", nargs="+", type=int, default=CMP_TOKENS, help="with --compare: batch sizes (default: 1 4 9 64)")
     ap.add_argument("--asm", action="store_true", help=argparse.SUPPRESS)  # internal: vectorisation report
     ap.add_argument("--cmp-worker", action="store_true", help=argparse.SUPPRESS)  # internal: one side of --compare
     ap.add_argument("--tree", help=argparse.SUPPRESS)  # internal: the worker's source tree

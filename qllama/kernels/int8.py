@@ -13,10 +13,12 @@ each tile of TOKEN_TILE tokens a row is read from memory once (then from L1) and
 every token of the tile. All but q2_K/q3_K use whole-row intrinsics (vector accumulators, one
 horizontal sum per row) and a 4-token variant that unpacks the weights once for 4 tokens and
 computes, per token, exactly what the one-token intrinsic computes (so prefill rows equal
-decode bit for bit); q2_K/q3_K call a per-block intrinsic.
+decode bit for bit); q4_K instead runs 8 rows x 4 tokens per call with the rows in the vector
+lanes (`tile_q4_k`, about half the instructions per product), and its one-token intrinsic
+takes the same per-block float steps; q2_K/q3_K call a per-block intrinsic.
 
-Numba's cache only sees this file: after changing an intrinsic in `_x86.py`, clear the cached
-kernels (`__pycache__/*.nbi, *.nbc` here, in `fused.py`'s too) or they keep the old code.
+Numba's cache key covers every qllama/kernels/*.py (`jit.py`), so a change to an intrinsic in
+`_x86.py` recompiles the kernels that inline it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from ._fp16 import f16_at
 from ._x86 import (
     dot_q2_k,
     dot_q3_k,
-    row_dot4_q4_k,
     row_dot4_q4_legacy,
     row_dot4_q5_k,
     row_dot4_q5_legacy,
@@ -43,6 +44,8 @@ from ._x86 import (
     row_dot_q5_legacy,
     row_dot_q6_k,
     row_dot_q8_0,
+    tile_q4_k,
+    TILE_ROWS,
 )
 from .kquants import scale_q3_k
 
@@ -54,13 +57,15 @@ TOKEN_TILE = 64  # 64 tokens x ne0 int8 activations stay in L2
 
 
 @kernel(**_NOPY)
-def _chunks(n_rows, n_threads):
-    """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk).
+def _chunks(n_rows, n_threads, align=1):
+    """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk, a multiple of align).
 
     (n_threads comes from the caller: `numba.get_num_threads()` inside a kernel defeats caching.)
     """
     n = max(1, min(n_rows, n_threads))
-    return n, (n_rows + n - 1) // n
+    per = (n_rows + n - 1) // n
+    per = (per + align - 1) // align * align
+    return (n_rows + per - 1) // per, per
 
 
 # Row kernels (q4_K, q5_K, q6_K, q8_0, q4_0, q4_1, q5_0, q5_1): the whole row dot product is one intrinsic (`_x86.py`)
@@ -73,21 +78,27 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
     """out[t, r] = row r . x[t] with x in q8_K form (xq (n_tok, ne0), xd (n_tok, ne0/256), xs (n_tok, ne0/16)).
 
     raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows); n_threads: rows are split in that many chunks.
+    Blocks of 8 rows x 4 tokens go through `tile_q4_k`, the rest through `row_dot_q4_k` (the same values).
     """
     n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 144
-    n_chunks, per = _chunks(n_rows, n_threads)
+    n_chunks, per = _chunks(n_rows, n_threads, TILE_ROWS)
     for c in prange(n_chunks):
+        r_end = min(n_rows, (c + 1) * per)
         for t0 in range(0, n_tok, TOKEN_TILE):
-            for r in range(c * per, min(n_rows, (c + 1) * per)):
-                row = raw[r]
-                t1 = min(n_tok, t0 + TOKEN_TILE)
+            t1 = min(n_tok, t0 + TOKEN_TILE)
+            r = c * per
+            while r + TILE_ROWS <= r_end:
                 t = t0
-                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_k(row, nb, xq, xd, xs, t)
+                while t + 4 <= t1:
+                    tile_q4_k(raw, r, nb, xq, xd, xs, t, out)
                     t += 4
-                while t < t1:
-                    out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
-                    t += 1
+                for tt in range(t, t1):
+                    for rr in range(r, r + TILE_ROWS):
+                        out[tt, rr] = row_dot_q4_k(raw[rr], nb, xq[tt], xd[tt], xs[tt])
+                r += TILE_ROWS
+            for rr in range(r, r_end):
+                for tt in range(t0, t1):
+                    out[tt, rr] = row_dot_q4_k(raw[rr], nb, xq[tt], xd[tt], xs[tt])
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
