@@ -304,6 +304,39 @@ def _row_ptrs(context, builder, signature, args):
 N_TILE = 4  # tokens per call of the multi-token row intrinsics (weights unpacked once for all)
 
 
+def _kquant45_head(builder, blk):
+    """(d, dmin as float, the 8 six-bit scales <8 x i16>, the 8 mins <8 x i32>) of the q4_K / q5_K
+    block at i8* blk (ggml's utmp unpacking of the 12 scale bytes)."""
+    def c(v):
+        return ir.Constant(_I32, v)
+
+    d = _load_f16(builder, blk)
+    dmin = _load_f16(builder, _gep8(builder, blk, 2))
+    u = [builder.load(builder.bitcast(_gep8(builder, blk, 4 + 4 * i), ir.PointerType(_I32)), align=1) for i in range(3)]
+    sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
+    mn_lo = builder.and_(u[1], c(0x3F3F3F3F))
+    sc_hi = builder.or_(builder.and_(u[2], c(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u[0], c(6)), c(0x03030303)), c(4)))
+    mn_hi = builder.or_(builder.and_(builder.lshr(u[2], c(4)), c(0x0F0F0F0F)),
+                        builder.shl(builder.and_(builder.lshr(u[1], c(6)), c(0x03030303)), c(4)))
+
+    def bytes8(lo, hi):
+        v = builder.insert_element(ir.Constant(_vec(_I32, 2), None), lo, c(0))
+        return builder.bitcast(builder.insert_element(v, hi, c(1)), _vec(_I8, 8))
+
+    return d, dmin, builder.zext(bytes8(sc_lo, sc_hi), _vec(_I16, 8)), builder.zext(bytes8(mn_lo, mn_hi), _vec(_I32, 8))
+
+
+def _reduce8(builder, vs):
+    """8 x <8 x i32> -> <8 x i32> whose lane r is the sum of vs[r]'s lanes (exact while it fits)."""
+    def sh(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), idx))
+    h = [builder.add(sh(vs[r], vs[r + 1], [0, 8, 2, 10, 4, 12, 6, 14]), sh(vs[r], vs[r + 1], [1, 9, 3, 11, 5, 13, 7, 15]))
+         for r in range(0, 8, 2)]
+    g = [builder.add(sh(h[p], h[p + 1], [0, 1, 8, 9, 4, 5, 12, 13]), sh(h[p], h[p + 1], [2, 3, 10, 11, 6, 7, 14, 15]))
+         for p in range(0, 4, 2)]
+    return builder.add(sh(g[0], g[1], [0, 1, 2, 3, 8, 9, 10, 11]), sh(g[0], g[1], [4, 5, 6, 7, 12, 13, 14, 15]))
+
+
 def _row_kquant45(context, builder, signature, args, kind, exact=False):
     """q4_K / q5_K row(s) times q8_K activation(s): sum_b dx_b * (d_b*isum_b - dmin_b*msum_b).
 
@@ -315,27 +348,9 @@ def _row_kquant45(context, builder, signature, args, kind, exact=False):
     v8f = _vec(ir.FloatType(), 8)
     rowp, toks = _row_ptrs(context, builder, signature, args)
 
-    def c(v):
-        return ir.Constant(_I32, v)
-
     def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
-        d = _load_f16(builder, blk)
-        dmin = _load_f16(builder, _gep8(builder, blk, 2))
-        u = [builder.load(builder.bitcast(_gep8(builder, blk, 4 + 4 * i), ir.PointerType(_I32)), align=1) for i in range(3)]
-        # 6-bit scales and mins, one per byte (ggml's utmp unpacking)
-        sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
-        mn_lo = builder.and_(u[1], c(0x3F3F3F3F))
-        sc_hi = builder.or_(builder.and_(u[2], c(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u[0], c(6)), c(0x03030303)), c(4)))
-        mn_hi = builder.or_(builder.and_(builder.lshr(u[2], c(4)), c(0x0F0F0F0F)),
-                            builder.shl(builder.and_(builder.lshr(u[1], c(6)), c(0x03030303)), c(4)))
-
-        def bytes8(lo, hi):
-            v = builder.insert_element(ir.Constant(_vec(_I32, 2), None), lo, c(0))
-            return builder.bitcast(builder.insert_element(v, hi, c(1)), _vec(_I8, 8))
-
-        sc = builder.zext(bytes8(sc_lo, sc_hi), _vec(_I16, 8))
-        mn = builder.zext(bytes8(mn_lo, mn_hi), _vec(_I32, 8))
+        d, dmin, sc, mn = _kquant45_head(builder, blk)
         qp = builder.bitcast(_gep8(builder, blk, qoff), ir.PointerType(_vec(_I8, 32)))
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
                for xq, _, _ in toks]
@@ -644,6 +659,16 @@ def _prefetch(builder, p):
     builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
+def _prefetch_next_rows(builder, blks, rstride):
+    """Prefetch the same 144-byte block of the next 8 rows: 8 interleaved row streams defeat the
+    hardware prefetcher (an address past the matrix's end is a harmless hint)."""
+    ahead = builder.mul(rstride, ir.Constant(_I64, TILE_ROWS))
+    for p in blks:
+        q = builder.gep(p, [ahead])
+        for off in (0, 64, 128):
+            _prefetch(builder, _gep8(builder, q, off))
+
+
 def _transpose4x2(builder, vs):
     """4 x <8 x i32> (vector r: row r in lanes 0-3, row r+4 in lanes 4-7) -> 4 x <8 x i32> (k: lane r = dword k of row r)."""
     def sh(a, b, idx):
@@ -683,11 +708,7 @@ def _q4k_tile(context, builder, signature, args):
     def body(b, accs):
         boff = builder.mul(b, ir.Constant(_I64, 144))
         blks = [builder.gep(p, [boff]) for p in rowps]
-        ahead = builder.mul(rstride, ir.Constant(_I64, TILE_ROWS))
-        for p in blks:  # the same block of the next 8 rows: 8 interleaved row streams defeat the
-            q = builder.gep(p, [ahead])  # hardware prefetcher (past the matrix's end: a harmless hint)
-            for off in (0, 64, 128):
-                _prefetch(builder, _gep8(builder, q, off))
+        _prefetch_next_rows(builder, blks, rstride)
         # the 16-byte heads (d, dmin, 12 bytes of scales and mins) of the 8 rows, transposed: lane r = row r
         heads = [builder.load(builder.bitcast(p, ir.PointerType(_vec(_I32, 4))), align=1) for p in blks]
         hv = _transpose4x2(builder, [builder.shuffle_vector(heads[r], heads[r + 4], ir.Constant(v8i, list(range(8))))
@@ -765,3 +786,59 @@ def tile_q4_k(typingctx, raw, r0, nb, xq, xd, xs, t0, out):
     if not all(isinstance(v, types.Integer) for v in (r0, nb, t0)):
         return None
     return types.none(raw, r0, nb, xq, xd, xs, t0, out), _q4k_tile
+
+
+def _q4k_rows8(context, builder, signature, args):
+    """Rows r0..r0+7 of raw (q4_K) times one q8_K activation -> 8 float32.
+
+    Each row's block sums are computed as in `row_dot_q4_k` (8 lanes of partial int32 sums), then
+    `_reduce8` puts row r's exact block sums in lane r and `_block_step` runs on the 8 rows at once:
+    the arithmetic of `tile_q4_k`, bit for bit, with one reduction per 8 rows instead of per row.
+    """
+    v8f, v8i = _vec(ir.FloatType(), 8), _vec(_I32, 8)
+    raw = context.make_array(signature.args[0])(context, builder, args[0])
+    r0, nb = args[1], args[2]
+    base = builder.bitcast(raw.data, ir.PointerType(_I8))
+    rstride = builder.extract_value(raw.strides, 0)
+    rowps = [builder.gep(base, [builder.mul(builder.add(r0, ir.Constant(_I64, r)), rstride)]) for r in range(TILE_ROWS)]
+    z = ir.Constant(_I64, 0)
+    xq, xd, xs = (_ptr(context, builder, signature.args[k], args[k], z, ty) for k, ty in ((3, _I8), (4, ir.FloatType()), (5, _I32)))
+
+    def body(b, accs):
+        boff = builder.mul(b, ir.Constant(_I64, 144))
+        xp = builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
+        bs = builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))]), ir.PointerType(_vec(_I32, 16))), align=4)
+        b32 = builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2)))  # 32-element sums
+        isums, msums, ds, dmins = [], [], [], []
+        blks = [builder.gep(p, [boff]) for p in rowps]
+        _prefetch_next_rows(builder, blks, rstride)
+        for blk in blks:
+            d, dmin, sc, mn = _kquant45_head(builder, blk)
+            qp = builder.bitcast(_gep8(builder, blk, 16), ir.PointerType(_vec(_I8, 32)))
+            isums.append(_nibbles_core(builder, qp, [xp], sc, None)[0])
+            msums.append(builder.mul(mn, b32))
+            ds.append(d)
+            dmins.append(dmin)
+        dv, dmv = ir.Constant(v8f, None), ir.Constant(v8f, None)
+        for r in range(TILE_ROWS):
+            dv = builder.insert_element(dv, ds[r], ir.Constant(_I32, r))
+            dmv = builder.insert_element(dmv, dmins[r], ir.Constant(_I32, r))
+        dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
+        return [_block_step(builder, accs[0], dv, dmv, dx, _reduce8(builder, isums), _reduce8(builder, msums))]
+
+    acc = _vec_loop(builder, nb, body, [ir.Constant(v8f, [0.0] * 8)])[0]
+    return context.make_tuple(builder, signature.return_type, [builder.extract_element(acc, ir.Constant(_I32, r)) for r in range(TILE_ROWS)])
+
+
+@intrinsic
+def rows8_dot_q4_k(typingctx, raw, r0, nb, xq, xd, xs):
+    """The q4_K rows r0..r0+7 of raw (n_rows, nb*144) times one q8_K activation (1-D xq, xd, xs)
+    -> 8 float32, each bit for bit row_dot_q4_k's (and tile_q4_k's). The caller guarantees the
+    rows exist."""
+    if not (isinstance(raw, types.Array) and raw.ndim == 2 and raw.dtype == types.uint8 and raw.layout == "C"):
+        return None
+    if not (isinstance(r0, types.Integer) and isinstance(nb, types.Integer)):
+        return None
+    if not all(_is_arr(a, dt) for a, dt in ((xq, types.int8), (xd, types.float32), (xs, types.int32))):
+        return None
+    return types.UniTuple(types.float32, TILE_ROWS)(raw, r0, nb, xq, xd, xs), _q4k_rows8

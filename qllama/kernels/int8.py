@@ -44,6 +44,7 @@ from ._x86 import (
     row_dot_q5_legacy,
     row_dot_q6_k,
     row_dot_q8_0,
+    rows8_dot_q4_k,
     tile_q4_k,
     TILE_ROWS,
 )
@@ -78,7 +79,8 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
     """out[t, r] = row r . x[t] with x in q8_K form (xq (n_tok, ne0), xd (n_tok, ne0/256), xs (n_tok, ne0/16)).
 
     raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows); n_threads: rows are split in that many chunks.
-    Blocks of 8 rows x 4 tokens go through `tile_q4_k`, the rest through `row_dot_q4_k` (the same values).
+    Blocks of 8 rows x 4 tokens go through `tile_q4_k`, 8 rows x 1 token through `rows8_dot_q4_k`, leftover
+    rows through `row_dot_q4_k` (the same values).
     """
     n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 144
     n_chunks, per = _chunks(n_rows, n_threads, TILE_ROWS)
@@ -93,8 +95,8 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
                     tile_q4_k(raw, r, nb, xq, xd, xs, t, out)
                     t += 4
                 for tt in range(t, t1):
-                    for rr in range(r, r + TILE_ROWS):
-                        out[tt, rr] = row_dot_q4_k(raw[rr], nb, xq[tt], xd[tt], xs[tt])
+                    (out[tt, r], out[tt, r + 1], out[tt, r + 2], out[tt, r + 3], out[tt, r + 4], out[tt, r + 5],
+                     out[tt, r + 6], out[tt, r + 7]) = rows8_dot_q4_k(raw, r, nb, xq[tt], xd[tt], xs[tt])
                 r += TILE_ROWS
             for rr in range(r, r_end):
                 for tt in range(t0, t1):
