@@ -199,7 +199,7 @@ def stream_generate(
     Multi-byte characters are never split (the tokenizer's streaming decoder holds back
     incomplete UTF-8). Text that may be the start of a stop string is held back until it is
     known not to be one. The last chunk has a finish_reason (possibly with empty text).
-    lookup > 0 drafts that many tokens per forward from n-gram matches (`qllama.lookup`): the
+    lookup > 0 drafts up to that many tokens per forward from n-gram matches (`qllama.lookup`): the
     same tokens (greedy) or the same distribution (sampling), fewer passes over the weights.
     """
     stops = [s for s in stop if s]

@@ -5,9 +5,12 @@ and print it back. Runs alternate plain / lookup (A B A B ...) in one process so
 machine slows both alike; reported: median decode tokens/s of each, the speedup, the acceptance
 rate and tokens per forward, the load average, and whether the outputs were identical.
 
-    python tools/bench_lookup.py [--model PATH] [--lookup 8] [--reps 5] [-n 400] [-t THREADS]
+    python tools/bench_lookup.py [--model PATH] [--lookup 8] [--reps 5] [-n 400] [-t THREADS] [--temp T]
 
-Without --model it uses tools/fetch_smollm2.py's cached copy.
+Without --model it uses tools/fetch_smollm2.py's cached copy. -n 120 covers the code only; the
+default 400 also the free text the model writes after it (which copies little). --temp T > 0
+samples (seed = the repetition): the same distribution, not the same tokens, so the identity
+check is greedy's only.
 """
 
 from __future__ import annotations
@@ -59,11 +62,12 @@ CODE = '''def parse_config(path):
 TASK = "Fix the typo in this function and print the whole corrected function back:\n\n" + CODE
 
 
-def run(model: qllama.Model, ids: list[int], n: int, lookup: int) -> tuple[list[int], object, float]:
+def run(model: qllama.Model, ids: list[int], n: int, lookup: int, temp: float = 0.0,
+        seed: int = 0) -> tuple[list[int], object, float]:
     """(generated ids, Timings, CPU seconds of this process during the decode)."""
     out: list[int] = []
     cpu = 0.0
-    chunks = model.stream(ids, max_tokens=n, temperature=0, lookup=lookup)
+    chunks = model.stream(ids, max_tokens=n, temperature=temp, seed=seed, lookup=lookup)
     first = next(chunks)  # the prompt is evaluated before the first chunk: CPU time from here on
     out += first.token_ids
     c0 = time.process_time()
@@ -80,6 +84,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="pairs of runs (plain, lookup)")
     ap.add_argument("-n", "--max-tokens", type=int, default=400)
     ap.add_argument("-t", "--threads", type=int)
+    ap.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
     a = ap.parse_args()
     path = a.model
     if path is None:
@@ -90,7 +95,7 @@ def main() -> None:
     model.warmup()
     ids = model.prepare_prompt(TASK)[0]
     print(f"model {os.path.basename(path)}, {model.n_threads} threads, prompt {len(ids)} tokens, "
-          f"max {a.max_tokens} tokens, lookup {a.lookup}")
+          f"max {a.max_tokens} tokens, lookup {a.lookup}, temperature {a.temp}")
     run(model, ids, 16, a.lookup)  # warm the batched shapes
     tps = {0: [], a.lookup: []}
     cpu_tps = {0: [], a.lookup: []}  # tokens per CPU second: the work per token, less sensitive to a busy machine
@@ -99,7 +104,7 @@ def main() -> None:
     for rep in range(a.reps):
         for n_draft in (0, a.lookup):
             model.session.reset()  # every run evaluates the whole prompt: the same work each time
-            out, t, cpu = run(model, ids, a.max_tokens, n_draft)
+            out, t, cpu = run(model, ids, a.max_tokens, n_draft, a.temp, seed=rep)
             tps[n_draft].append(t.gen_tps)
             cpu_tps[n_draft].append((t.gen_tokens - 1) / cpu if cpu > 0 else 0.0)
             outs[n_draft], last[n_draft] = out, t
@@ -111,12 +116,13 @@ def main() -> None:
     plain, fast = statistics.median(tps[0]), statistics.median(tps[a.lookup])
     t = last[a.lookup]
     rate = t.draft_accepted / t.draft_tokens if t.draft_tokens else 0.0
-    print(f"plain greedy : median {plain:7.2f} tok/s")
+    print(f"{'plain greedy' if a.temp <= 0 else 'plain':<13}: median {plain:7.2f} tok/s")
     print(f"lookup {a.lookup:<6}: median {fast:7.2f} tok/s  ({fast / plain:.2f}x), acceptance {100 * rate:.1f}%, "
           f"{t.gen_tokens / max(1, t.gen_forwards):.2f} tokens per forward")
     pc, fc = statistics.median(cpu_tps[0]), statistics.median(cpu_tps[a.lookup])
     print(f"per CPU second: plain {pc:.2f}, lookup {fc:.2f} tokens ({fc / pc:.2f}x)")
-    print(f"identical output: {outs[0] == outs[a.lookup]}; load average during the runs: "
+    same = outs[0] == outs[a.lookup] if a.temp <= 0 else "n/a (sampling)"
+    print(f"identical output: {same}; load average during the runs: "
           f"median {statistics.median(loads):.2f} (1 min), {os.cpu_count()} CPUs")
     print("--- output ---")
     print(model.detokenize(outs[a.lookup]))
