@@ -15,7 +15,7 @@ products (v, a_out, f_out, logits) are then 0 and the float steps about one ulp.
     python tools/compare_layers.py --max-abs               # max |difference| instead of the relative error
     python tools/compare_layers.py --local                 # each operation's own error (see above)
 
-Point names (qllama -> llama.cpp): embed -> embd, blk.i.attn_norm -> attn_norm-i, attn_q ->
+Point names (qllama -> llama.cpp): embed -> embd (Gemma: inp_scaled), blk.i.attn_norm -> attn_norm-i, attn_q ->
 Qcur-i (after RoPE), attn_k -> Kcur-i, attn_v -> Vcur-i, attn_z -> kqv_out-i, attn_out ->
 attn_out-i, ffn_in -> ffn_norm-i, ffn_act -> ffn_swiglu-i / ffn_geglu-i, ffn_out -> ffn_out-i,
 resid -> l_out-i, result_norm -> result_norm, logits -> result_output. qllama's attn_k/attn_v are
@@ -51,7 +51,7 @@ POINTS = {
     "ffn_out": "ffn_out-{i}",
     "resid": "l_out-{i}",
 }
-GLOBAL = {"embed": "embd", "result_norm": "result_norm", "logits": "result_output"}
+GLOBAL = {"embed": ("inp_scaled", "embd"), "result_norm": "result_norm", "logits": "result_output"}  # Gemma scales: inp_scaled
 SHORT = {"attn_norm": "a_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_z": "z", "attn_out": "a_out",
          "ffn_in": "f_norm", "ffn_act": "f_act", "ffn_out": "f_out", "resid": "resid"}
 GGML_F32, GGML_F16 = 0, 1
@@ -175,7 +175,7 @@ def qllama_points(path: str, ids: list[int], rows: np.ndarray, n_ctx: int, kv: s
 
 def llama_names(n_layer: int) -> dict[str, tuple[str, ...]]:
     """qllama point name -> the llama.cpp node names that may hold it."""
-    out = {p: (n,) for p, n in GLOBAL.items()}
+    out = {p: (n,) if isinstance(n, str) else n for p, n in GLOBAL.items()}
     for i in range(n_layer):
         for p, spec in POINTS.items():
             out[f"blk.{i}.{p}"] = tuple(s.format(i=i) for s in ((spec,) if isinstance(spec, str) else spec))
@@ -214,9 +214,10 @@ def compare(ours: dict, theirs: dict, n_layer: int, kv: str, max_abs: bool = Fal
             vals[p] = metric(a, b)
         table.append((i, vals))
     glob = []
-    for p, name in GLOBAL.items():
-        if name in theirs and p in ours:
-            glob.append((p, metric(ours[p], theirs[name].reshape(ours[p].shape))))
+    for p, spec in GLOBAL.items():
+        b = theirs_of(spec)
+        if b is not None and p in ours:
+            glob.append((p, metric(ours[p], b.reshape(ours[p].shape))))
     return table, glob
 
 
@@ -229,7 +230,8 @@ def layer_errors(taps: LlamaCppTaps, path: str, ids: list[int], rows: np.ndarray
     patch = None
     if local:
         which = llama_names(n_layer)
-        patch = {p: theirs[n] for p, ns in which.items() for n in ns if n in theirs and p != "logits"}
+        patch = {p: theirs[next(n for n in ns if n in theirs)] for p, ns in which.items()
+                 if p != "logits" and any(n in theirs for n in ns)}  # the first name present, as `compare` takes it
         theirs = {k: v[rows] for k, v in theirs.items()}
     ours, got = qllama_points(path, ids, rows, n_ctx, kv, patch)
     table, glob = compare(ours, theirs, n_layer, kv, max_abs)
