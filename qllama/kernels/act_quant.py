@@ -38,43 +38,51 @@ def _to_int8(v):
     return int(min(np.float32(127.0), max(np.float32(-127.0), v)))
 
 
+@kernel(**_NOPY)
+def q8_k_row(x, t, xq, xd, xs):
+    """Token t (int64) of x in q8_K form (shapes as `quantize_q8_k`), on the calling thread.
+
+    A separate function, not the body of quantize_q8_k's loop: the parallel loop stays small
+    (its lowering is what costs compile time), and fused.py's one-token step calls the same
+    compiled code. A block holding NaN/Inf gets d = NaN (so results are NaN, not garbage).
+    """
+    n = x.shape[1]
+    for b in range(n // QK_K):
+        o = b * QK_K
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)
+        finite = True
+        for j in range(QK_K):
+            v = x[t, o + j]
+            a = abs(v)
+            if not (a <= _FLT_MAX):
+                finite = False
+            if a > amax:
+                amax = a
+                vmax = v
+        if not finite or amax == 0:
+            xd[t, b] = np.float32(np.nan) if not finite else np.float32(0.0)
+            for j in range(QK_K):
+                xq[t, o + j] = 0
+            for k in range(QK_K // 16):
+                xs[t, b * 16 + k] = 0
+            continue
+        iscale = np.float32(-127.0) / vmax
+        for k in range(QK_K // 16):
+            s = 0
+            for j in range(16):
+                q = _to_int8(np.rint(iscale * x[t, o + 16 * k + j]))
+                xq[t, o + 16 * k + j] = q
+                s += q
+            xs[t, b * 16 + k] = s
+        xd[t, b] = np.float32(1.0) / iscale
+
+
 @kernel(parallel=True, **_NOPY)
 def quantize_q8_k(x, xq, xd, xs):
-    """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/256), xs int32 (n_tok, n/16).
-
-    A block holding NaN/Inf gets d = NaN (so results are NaN, not garbage).
-    """
-    n_tok, n = x.shape
-    for t in prange(n_tok):
-        for b in range(n // QK_K):
-            o = b * QK_K
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            finite = True
-            for j in range(QK_K):
-                v = x[t, o + j]
-                a = abs(v)
-                if not (a <= _FLT_MAX):
-                    finite = False
-                if a > amax:
-                    amax = a
-                    vmax = v
-            if not finite or amax == 0:
-                xd[t, b] = np.float32(np.nan) if not finite else np.float32(0.0)
-                for j in range(QK_K):
-                    xq[t, o + j] = 0
-                for k in range(QK_K // 16):
-                    xs[t, b * 16 + k] = 0
-                continue
-            iscale = np.float32(-127.0) / vmax
-            for k in range(QK_K // 16):
-                s = 0
-                for j in range(16):
-                    q = _to_int8(np.rint(iscale * x[t, o + 16 * k + j]))
-                    xq[t, o + 16 * k + j] = q
-                    s += q
-                xs[t, b * 16 + k] = s
-            xd[t, b] = np.float32(1.0) / iscale
+    """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/256), xs int32 (n_tok, n/16)."""
+    for t in prange(x.shape[0]):
+        q8_k_row(x, np.int64(t), xq, xd, xs)
 
 
 @kernel(**_NOPY)

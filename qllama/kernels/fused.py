@@ -9,8 +9,8 @@ the int8 path from 15 to 7 and its parallel regions from 9 to 4 (none at one thr
 
 Results are bit-identical to the unfused int8 path (`kernels/int8.py` through QTensor): each
 row is the same whole-row intrinsic of `_x86.py` (as int8.py's kernels call for one token),
-the activation is rounded by the same arithmetic as act_quant.py's quantizers (their block helpers,
-or the same loop for q8_K), and the GLU is `layer_ops.glu_serial` itself.
+the activation is rounded by act_quant.py's own per-token code (`_q8_block`, `q8_k_row`), and
+the GLU is `layer_ops.glu_serial` itself.
 
 Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K); a
 group's matrices must share one activation form (FORMS). Others take the unfused path.
@@ -33,8 +33,9 @@ from ._x86 import (
     row_dot_q5_legacy,
     row_dot_q6_k,
     row_dot_q8_0,
+    rows8_dot_q4_k,
 )
-from .act_quant import QK8_0, QK_K, _FLT_MAX, _as_fp16, _q8_block, _to_int8
+from .act_quant import QK8_0, _as_fp16, _q8_block, q8_k_row
 from .int8 import FASTMATH
 from .jit import kernel
 from .layer_ops import glu_serial
@@ -74,8 +75,13 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
     def int_sums(type_id, raw, out, lo, hi, xq, xd, xs):  # q8_K (k-quants) or q8_0 (q8_0, q4_0, q5_0)
         if type_id == Q4_K:
             nb = raw.shape[1] // 144
-            for r in range(lo, hi):
-                out[0, r] = row_dot_q4_k(raw[r], nb, xq, xd, xs)
+            r = lo
+            while r + 8 <= hi:  # 8 rows per call: one reduction of their block sums (same values as row_dot_q4_k)
+                (out[0, r], out[0, r + 1], out[0, r + 2], out[0, r + 3], out[0, r + 4], out[0, r + 5], out[0, r + 6],
+                 out[0, r + 7]) = rows8_dot_q4_k(raw, r, nb, xq, xd, xs)
+                r += 8
+            for rr in range(r, hi):
+                out[0, rr] = row_dot_q4_k(raw[rr], nb, xq, xd, xs)
         elif type_id == Q5_K:
             nb = raw.shape[1] // 176
             for r in range(lo, hi):
@@ -103,41 +109,6 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
 # -- the activation, quantized on the calling thread --
 
 
-@kernel(**_NOPY)
-def _q8_k(x, xq, xd, xs):
-    """Token 0 of x in q8_K form: the arithmetic of act_quant.quantize_q8_k, on this thread."""
-    n = x.shape[1]
-    for b in range(n // QK_K):
-        o = b * QK_K
-        amax = np.float32(0.0)
-        vmax = np.float32(0.0)
-        finite = True
-        for j in range(QK_K):
-            v = x[0, o + j]
-            a = abs(v)
-            if not (a <= _FLT_MAX):
-                finite = False
-            if a > amax:
-                amax = a
-                vmax = v
-        if not finite or amax == 0:
-            xd[0, b] = np.float32(np.nan) if not finite else np.float32(0.0)
-            for j in range(QK_K):
-                xq[0, o + j] = 0
-            for k in range(QK_K // 16):
-                xs[0, b * 16 + k] = 0
-            continue
-        iscale = np.float32(-127.0) / vmax
-        for k in range(QK_K // 16):
-            s = 0
-            for j in range(16):
-                q = _to_int8(np.rint(iscale * x[0, o + 16 * k + j]))
-                xq[0, o + 16 * k + j] = q
-                s += q
-            xs[0, b * 16 + k] = s
-        xd[0, b] = np.float32(1.0) / iscale
-
-
 def _quantize(form, x, xq, xd, xs):
     """Token 0 of x into the int8 form `form` (FORMS), as act_quant.quantize_q8_k / _q8_0 / _q8_1."""
 
@@ -156,7 +127,7 @@ def _quantize_impl(form, x, xq, xd, xs):
 
     def int_sums(form, x, xq, xd, xs):
         if form == 0:
-            _q8_k(x, xq, xd, xs)
+            q8_k_row(x, np.int64(0), xq, xd, xs)
             return
         for b in range(x.shape[1] // QK8_0):
             d, s = _q8_block(x, 0, b * QK8_0, xq)
@@ -182,18 +153,18 @@ def _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, lo, hi):
         _rows(t2, r2, o2, max(lo, n0 + n1) - n0 - n1, hi - n0 - n1, xq0, xd0, xs0)
 
 
-# -- entry points (each one parallel function: few levels of calls keep the compile short) --
+# -- the parallel region, shared by the entry points (their own code then compiles without parfors:
+# a parallel loop is lowered, and its body compiled, once per parallel function) --
 
 
 @kernel(parallel=True, **_NOPY)
-def matvec3(x, form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, n_threads):
-    """Quantize x (1, n) into (xq, xd, xs) in `form` on this thread, then o_i = W_i x for up to
-    three matrices (type ids t_i, packed rows r_i), their rows taken end to end and split into
-    one chunk per thread in one parallel region (none with one thread)."""
-    _quantize(form, x, xq, xd, xs)
+def _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, n_threads):
+    """o_i = W_i x for up to three matrices (type ids t_i, packed rows r_i) and one quantized
+    token x, their rows taken end to end and split into one chunk per thread in one parallel
+    region (none with one thread)."""
     total = r0.shape[0] + r1.shape[0] + r2.shape[0]
-    if n_threads <= 1:
-        _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, 0, total)
+    if n_threads <= 1:  # (np.int64(0): a literal 0 would compile _chunk3 a second time, for Literal[int](0))
+        _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, np.int64(0), total)
         return
     n_chunks = min(total, n_threads)
     per = (total + n_chunks - 1) // n_chunks
@@ -201,30 +172,25 @@ def matvec3(x, form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, n_threads):
         _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, c * per, min(total, (c + 1) * per))
 
 
-@kernel(parallel=True, **_NOPY)
+# -- entry points --
+
+
+@kernel(**_NOPY)
+def matvec3(x, form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, n_threads):
+    """Quantize x (1, n) into (xq, xd, xs) in `form` on this thread, then o_i = W_i x for up to
+    three matrices (type ids t_i, packed rows r_i) in one parallel region (`_rows3`)."""
+    _quantize(form, x, xq, xd, xs)
+    _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, n_threads)
+
+
+@kernel(**_NOPY)
 def ffn(x, form, xq, xd, xs, tg, rg, gate, tu, ru, up, act, form_d, gq, gd, gs, td, rd, out, empty_raw, empty_out,
         n_threads):
     """A gated FFN for one token: gate|up rows in one region, gate = act(gate) * up
     (layer_ops.glu_serial) on this thread, then ffn_down of it into out (1, n_embd) in a second
     region. (gq, gd, gs): the quantized GLU output in ffn_down's form `form_d`."""
     _quantize(form, x, xq, xd, xs)
-    n_g = rg.shape[0]
-    total = n_g + ru.shape[0]
-    n_d = rd.shape[0]
-    if n_threads <= 1:
-        _chunk3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, 0, total)
-        glu_serial(gate, up, gate, act)
-        _quantize(form_d, gate, gq, gd, gs)
-        _chunk3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, 0, n_d)
-        return
-    n_chunks = min(total, n_threads)
-    per = (total + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        _chunk3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, c * per, min(total, (c + 1) * per))
+    _rows3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, n_threads)
     glu_serial(gate, up, gate, act)
     _quantize(form_d, gate, gq, gd, gs)
-    n_chunks = min(n_d, n_threads)
-    per = (n_d + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        _chunk3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, c * per,
-                min(n_d, (c + 1) * per))
+    _rows3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, n_threads)

@@ -397,16 +397,24 @@ def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_
     n_kv = k_cache.shape[0]
     n_max = min(start_pos + n_tok, k_cache.shape[1])
     for job in prange(n_tok * n_kv):
-        t = job // n_kv
-        kvh = job % n_kv
-        qbuf = np.empty((n_rep, q.shape[2]), np.float32)
-        scores = np.empty((n_rep, n_max), np.float32)
-        totals = np.empty(n_rep, np.float32)
-        bits = np.empty(n_max, np.int32)
-        fbits = bits.view(np.float32)
-        lo, n_keys = _key_range(start_pos + t, window)
-        _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, q_scaled, qbuf, scores, totals, bits,
-                fbits, out)
+        j = np.int64(job)
+        _attend_job(q, j // n_kv, j % n_kv, k_cache, vt_cache, start_pos, n_max, n_rep, scale, window, softcap, q_scaled,
+                    out)
+
+
+@kernel(fastmath=True)
+def _attend_job(q, t, kvh, k_cache, vt_cache, start_pos, n_max, n_rep, scale, window, softcap, q_scaled, out):
+    """One job of `attention`'s parallel loop: `_attend` for token t and KV head kvh, with its own
+    scratch. (A function of its own: a parallel loop body is compiled twice over, so it is kept to
+    one call.)"""
+    qbuf = np.empty((n_rep, q.shape[2]), np.float32)
+    scores = np.empty((n_rep, n_max), np.float32)
+    totals = np.empty(n_rep, np.float32)
+    bits = np.empty(n_max, np.int32)
+    fbits = bits.view(np.float32)
+    lo, n_keys = _key_range(start_pos + t, window)
+    _attend(q, t, kvh, k_cache, vt_cache, lo, n_keys, n_rep, scale, softcap, q_scaled, qbuf, scores, totals, bits, fbits,
+            out)
 
 
 # below this many (query head x key) dot products, waking the thread pool costs more than it saves
@@ -458,4 +466,4 @@ def glu(gate, up, out, act):
         tmp = np.empty(EXP_BLOCK, np.float32)
         bits = np.empty(EXP_BLOCK, np.int32)
         fbits = bits.view(np.float32)
-        _glu_row(gate, up, out, t, act, tmp, bits, fbits)
+        _glu_row(gate, up, out, np.int64(t), act, tmp, bits, fbits)  # (int64: glu_serial's compiled _glu_row)
