@@ -170,7 +170,7 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool) ->
     def dequantize(q, ids):
         out = np.empty((ids.size, q.n_cols), np.float32)
         if ids.size:
-            decode(q.raw, ids, tab, out)
+            decode(q.raw, ids, tab, out, parallel=False)  # (a few rows: an embedding lookup)
         return out
 
     ops = TypeOps(matvec, matmul, dequantize, None)

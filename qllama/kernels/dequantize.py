@@ -4,8 +4,8 @@
 `legacy.py` and `kquants.py` (bit-exact, equal to gguf-py). It serves the embedding lookup (a
 few rows) and the float mat-mat of quantized types (a tile of rows at a time).
 
-Each type runs its own kernel, `ROWS[type_id]` (a `jit.Variants` family): it compiles only its
-own decoder. (One kernel branching on the type at run time compiled all ten decoders, ~8 s of
+Each type runs its own kernel, `ROWS[type_id]` (a `jit.Variants` family; `ROWS_SERIAL` on the
+calling thread, for the embedding lookup): it compiles only its own decoder. (One kernel branching on the type at run time compiled all ten decoders, ~8 s of
 CPU on the first run, for the one or two types a model has.)
 """
 
@@ -37,7 +37,7 @@ def _decode_impl(type_id, row, bo, tab, out, oo):
 
 
 def _rows_of(type_id: int):
-    """The kernel of one type: type_id is a constant of the closure (a literal to Numba)."""
+    """The parallel kernel of one type: type_id is a constant of the closure (a literal to Numba)."""
     block = QK_K if Q2_K <= type_id <= Q6_K else lg.QK  # elements per block (k-quants: ids 10..14)
 
     def rows_of(raw, rows, tab, out):
@@ -52,13 +52,31 @@ def _rows_of(type_id: int):
     return rows_of
 
 
+def _rows_serial_of(type_id: int):
+    """`_rows_of` on the calling thread (a few rows: an embedding lookup)."""
+    block = QK_K if Q2_K <= type_id <= Q6_K else lg.QK
+
+    def rows_serial(raw, rows, tab, out):
+        nb = out.shape[1] // block
+        bb = raw.shape[1] // max(nb, 1)
+        for i in range(rows.shape[0]):
+            row = raw[rows[i]]
+            o = out[i]
+            for b in range(nb):
+                _decode(type_id, row, b * bb, tab, o, b * block)
+
+    return rows_serial
+
+
 ROWS = Variants(_rows_of, "ROWS", parallel=True, boundscheck=False)
+ROWS_SERIAL = Variants(_rows_serial_of, "ROWS_SERIAL", boundscheck=False)  # (a parallel kernel compiles ~2x longer)
 
 
-def dequantize_rows(type_id: int, raw, rows, tab, out) -> None:
-    """out[i] = row rows[i] as float32, for any block type (validated by the caller).
+def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) -> None:
+    """out[i] = row rows[i] as float32, for any block type (validated by the caller); the rows
+    spread over the threads, or on this thread with parallel=False.
 
     raw: uint8 (n_rows, nb * block bytes); rows: int64 (n,); tab: `_fp16.FP16_TO_F32`;
     out: float32 (n, nb * block size).
     """
-    ROWS[int(type_id)](raw, rows, tab, out)
+    (ROWS if parallel else ROWS_SERIAL)[int(type_id)](raw, rows, tab, out)
