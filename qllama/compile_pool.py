@@ -152,9 +152,11 @@ def _recording(jobs: list[Job]):
         try:
             argtypes = tuple(self.typeof_pyval(a) for a in args)
             key = (id(self), argtypes)
+            if key in seen:  # (also when it is cached: reading the cache index on every call cost ~1.5 s per warm-up)
+                return _skip
+            seen.add(key)
             where = _module_name(self)
-            if key not in seen and where is not None and not kws and not _in_disk_cache(self, argtypes):
-                seen.add(key)
+            if where is not None and not kws and not _in_disk_cache(self, argtypes):
                 cost, callees = _reach(self)
                 jobs.append(Job(where[0], where[1], argtypes, cost, callees, key=where[2]))
         except Exception:  # an argument Numba cannot type: the real warm-up will say so

@@ -48,9 +48,9 @@ def _dispatchers() -> dict[str, Dispatcher]:
         for attr, obj in vars(mod).items():
             if isinstance(obj, Dispatcher) and obj.py_func.__module__ == name:
                 found[f"{name}.{attr}"] = obj
-            if isinstance(obj, Variants):  # a family of kernels from one source: one member for the check
-                key = next(iter(obj)) if obj else next(iter(getattr(mod, "DECODERS", {0: None})))
-                found[f"{name}.{attr}[{key}]"] = obj[key]
+            if isinstance(obj, Variants):  # a family of kernels from one source: its members made so far, and one more
+                for key in set(obj) | set(list(getattr(mod, "DECODERS", {}))[:1]):
+                    found[f"{name}.{attr}[{key}]"] = obj[key]
     return found
 
 

@@ -239,11 +239,16 @@ def main() -> None:
                     print(f"      compiled in the main process after the pool: {len(here)} specialisations "
                           f"({sum(k['own_cpu'] for k in here):.2f} s CPU) "
                           + ", ".join(f"{k['kernel']} {k['own_cpu']:.2f}" for k in here), flush=True)
+                    per_worker = []
                     for pid in sorted({p["worker"] for p in cold["pool"]}):
                         mine = [p for p in cold["pool"] if p["worker"] == pid]
-                        print(f"      worker {pid}: {sum(p['cpu_s'] for p in mine):6.2f} s CPU compiling: "
+                        per_worker.append(sum(p["cpu_s"] for p in mine))
+                        print(f"      worker {pid}: {per_worker[-1]:6.2f} s CPU compiling: "
                               + ", ".join(f"{p['job'].removeprefix('qllama.kernels.')} {p['cpu_s']:.2f}" for p in mine),
                               flush=True)
+                    if per_worker:
+                        print(f"      critical path (the busiest worker) {max(per_worker):.2f} s CPU of "
+                              f"{sum(per_worker):.2f} s compiled in {len(per_worker)} workers", flush=True)
                 if warm["kernels"]:
                     print(f"      warm run compiled {len(warm['kernels'])} specialisations!", flush=True)
         for mode in args.modes:
