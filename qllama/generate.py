@@ -40,6 +40,7 @@ class Timings:
     draft_tokens: int = 0  # tokens drafted from n-gram matches
     draft_accepted: int = 0  # drafts the model agreed with
     gen_forwards: int = 0  # forward passes while generating with lookup
+    draft_forwards: int = 0  # of those, the ones that verified drafts (the rest: one-token steps)
     decode_threads: str = ""  # the adaptive thread count's state after generating (qllama.threads); "" if fixed
 
     @property
@@ -68,7 +69,7 @@ class Timings:
             rate = 100.0 * self.draft_accepted / self.draft_tokens if self.draft_tokens else 0.0
             per = self.gen_tokens / self.gen_forwards if self.gen_forwards else 0.0
             lines.append(f"lookup           = {self.draft_accepted} of {self.draft_tokens} drafts accepted ({rate:.1f}%), "
-                         f"{per:.2f} tokens per forward ({self.gen_forwards} forwards)")
+                         f"{per:.2f} tokens per forward ({self.gen_forwards} forwards, {self.draft_forwards} with drafts)")
         elif self.lookup_note:
             lines.append(f"lookup           = {self.lookup_note}")
         if self.decode_threads:

@@ -285,6 +285,7 @@ class LookupSteps:
         rows = self._forward(batch)  # (1 + len(drafts), n_vocab)
         t = self.timings
         t.gen_forwards += 1
+        t.draft_forwards += len(drafts) > 0
         t.draft_tokens += len(drafts)
         accepted = 0
         for j in range(len(batch)):

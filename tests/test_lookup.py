@@ -151,6 +151,7 @@ def test_batches_are_whole_token_groups_and_no_match_takes_the_decode_step(model
         fast, _, t = _run(model, ids, max_tokens=60, temperature=0, lookup=9)
         assert fast == plain
         assert len(batches) + len(decodes) == t.gen_forwards and sum(batches) + len(decodes) == t.gen_forwards + t.draft_tokens
+        assert t.draft_forwards == len(batches) and f"({t.gen_forwards} forwards, {len(batches)} with drafts)" in t.report()
         assert all(1 < b <= 10 for b in batches)
         if own:
             assert any(b > lookup.TOKEN_GROUP for b in batches)
