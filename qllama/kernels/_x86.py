@@ -363,14 +363,14 @@ def _row_kquant45(context, builder, signature, args, kind, exact=False):
             msum = builder.mul(mn, builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))))
             if exact:  # the block's exact sums, then the float steps of `_q4k_tile` (bit for bit the same)
                 isum_b, msum_b = _reduce2_i32(builder, isum, msum)
-                out.append(_block_step(builder, acc, d, dmin, xdb, isum_b, msum_b))
-                continue
+                return list(_block_step(builder, accs[0], accs[1], d, dmin, xdb, isum_b, msum_b))
             acc = builder.fadd(acc, builder.fmul(_splat_f(builder, builder.fmul(d, xdb)), builder.sitofp(isum, v8f)))
             out.append(builder.fsub(acc, builder.fmul(_splat_f(builder, builder.fmul(dmin, xdb)), builder.sitofp(msum, v8f))))
         return out
 
-    if exact:
-        return _pack(context, builder, signature, _row_loop(builder, args[1], body, 0, len(toks)))
+    if exact:  # two scalar sums (the block terms and the min terms), subtracted at the end
+        acc, accm = _row_loop(builder, args[1], body, 0, 2)
+        return _exact_fsub(builder, acc, accm)
     return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
 
 
@@ -441,18 +441,23 @@ def _exact_fmul(builder, a, b):
     return builder.fmul(a, b, flags=("arcp",))
 
 
-def _block_step(builder, acc, d, dmin, dx, isum, msum):
-    """acc + (d*dx)*isum - (dmin*dx)*msum as two fused multiply-adds: the float steps per q4_K
-    block, the same in `row_dot_q4_k` (scalars) and `tile_q4_k` (8 rows in the lanes)."""
+def _block_step(builder, acc, accm, d, dmin, dx, isum, msum):
+    """(acc + (d*dx)*isum, accm + (dmin*dx)*msum), each one fused multiply-add: the float steps
+    per q4_K block, the same in `row_dot_q4_k` (scalars) and `tile_q4_k` (8 rows in the lanes).
+    As ggml's vec_dot, the min terms have their own sum, subtracted at the end (`_exact_fsub`)."""
     fty = acc.type
     if isinstance(fty, ir.FloatType):  # as <1 x float>: Numba adds fast-math flags to calls returning a float
         v1, z = _vec(fty, 1), ir.Constant(_I32, 0)
-        one = [builder.insert_element(ir.Constant(v1, None), v, z) for v in (acc, d, dmin, dx)]
-        out = _block_step(builder, *one, builder.insert_element(ir.Constant(_vec(_I32, 1), None), isum, z),
-                          builder.insert_element(ir.Constant(_vec(_I32, 1), None), msum, z))
-        return builder.extract_element(out, z)
-    acc = _fma(builder, _exact_fmul(builder, d, dx), builder.sitofp(isum, fty), acc)
-    return _fma(builder, _exact_fmul(builder, dmin, dx), builder.sitofp(builder.neg(msum), fty), acc)
+        one = [builder.insert_element(ir.Constant(v1, None), v, z) for v in (acc, accm, d, dmin, dx)]
+        ints = [builder.insert_element(ir.Constant(_vec(_I32, 1), None), v, z) for v in (isum, msum)]
+        return tuple(builder.extract_element(v, z) for v in _block_step(builder, *one, *ints))
+    return (_fma(builder, _exact_fmul(builder, d, dx), builder.sitofp(isum, fty), acc),
+            _fma(builder, _exact_fmul(builder, dmin, dx), builder.sitofp(msum, fty), accm))
+
+
+def _exact_fsub(builder, a, b):
+    """a - b, kept from Numba's fast-math flags (see `_exact_fmul`)."""
+    return builder.fsub(a, b, flags=("arcp",))
 
 
 def _row_legacy(context, builder, signature, args, kind):
@@ -762,10 +767,11 @@ def _q4k_tile(context, builder, signature, args):
                 m = _maddwd(builder, mins[p], spl)
                 msum = m if msum is None else builder.add(msum, m)
             dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
-            out.append(_block_step(builder, accs[i], d, dmin, dx, isums[i], msum))
+            out.extend(_block_step(builder, accs[2 * i], accs[2 * i + 1], d, dmin, dx, isums[i], msum))
         return out
 
-    finals = _vec_loop(builder, nb, body, [ir.Constant(v8f, [0.0] * 8)] * N_TILE)
+    sums = _vec_loop(builder, nb, body, [ir.Constant(v8f, [0.0] * 8)] * (2 * N_TILE))
+    finals = [_exact_fsub(builder, sums[2 * i], sums[2 * i + 1]) for i in range(N_TILE)]
     oary = context.make_array(signature.args[7])(context, builder, args[7])
     obase = builder.bitcast(oary.data, ir.PointerType(_I8))
     ostride = builder.extract_value(oary.strides, 0)
@@ -824,9 +830,9 @@ def _q4k_rows8(context, builder, signature, args):
             dv = builder.insert_element(dv, ds[r], ir.Constant(_I32, r))
             dmv = builder.insert_element(dmv, dmins[r], ir.Constant(_I32, r))
         dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
-        return [_block_step(builder, accs[0], dv, dmv, dx, _reduce8(builder, isums), _reduce8(builder, msums))]
+        return list(_block_step(builder, accs[0], accs[1], dv, dmv, dx, _reduce8(builder, isums), _reduce8(builder, msums)))
 
-    acc = _vec_loop(builder, nb, body, [ir.Constant(v8f, [0.0] * 8)])[0]
+    acc = _exact_fsub(builder, *_vec_loop(builder, nb, body, [ir.Constant(v8f, [0.0] * 8)] * 2))
     return context.make_tuple(builder, signature.return_type, [builder.extract_element(acc, ir.Constant(_I32, r)) for r in range(TILE_ROWS)])
 
 
