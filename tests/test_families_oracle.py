@@ -41,21 +41,17 @@ pytestmark = [pytest.mark.oracle, pytest.mark.slow]  # ~15 min on 2 cores: `pyth
 
 MARGIN = 0.1
 # f16 caches on both sides: rounding flips (one fp16 ulp of a K/V value) make their own noise, so
-# a few more near-ties differ. Measured: llama.cpp's own switch from an f16 to an f32 cache flips
-# its argmax at margins up to 0.158 (phi3-q4km; qwen3-q4km 0.103) with max |Δlogit| 0.40-0.58;
-# qllama vs llama.cpp, both f16, the widest margin whose argmax differed was 0.151 (phi3-q4km,
-# after the q4_K tile kernels changed the summation order; before: 0.106, qwen3-q4km);
-# f32 caches: none at >= 0.1
-MARGIN_KV = {"f16": 0.2, "f32": MARGIN}
+# a few more near-ties differ: measured, the widest margin whose argmax differed was 0.106
+# (qwen3-q4km, 1 of 186 clear positions); f32 caches: none at >= 0.1
+MARGIN_KV = {"f16": 0.15, "f32": MARGIN}
 # max |Δlogit| vs llama.cpp, measured over CASES (logit std ~4): f32 weights 0.0097 (f16 cache,
 # gemma3-f32) / 0.0053 (f32 cache, gemma3-f32-scaled); Q4_K_M 0.54 / 0.40 (qwen3-q4km)
 DLOGIT_MAX = {("f32", "f16"): 0.02, ("f32", "f32"): 0.01, ("q4km", "f16"): 0.8, ("q4km", "f32"): 0.6}
 PPL_TOL = 3e-3
 # Perplexity, measured (random weights: NLL 10-15 nats, so small logit noise moves it): f32
-# caches, worst +0.200% (qwen3-q4km); f16 caches, worst -0.98% (gemma3-q4km) and +0.14%
-# (qwen3-q4km), every f32-weight file within 0.001%. llama.cpp's own f16 vs f32 cache moves
-# gemma3-q4km's perplexity by 0.62%, and turning off its repacked kernels (another summation
-# order) by 0.13%: the f16 bound is of that size.
+# caches, worst +0.266% (qwen3-q4km); f16 caches, worst +0.72% (qwen3-q4km) and -0.48%
+# (gemma3-q4km), every f32-weight file within 0.001%. llama.cpp's own f16 vs f32 cache moves
+# gemma3-q4km's perplexity by 0.62%: the f16 bound is of that size.
 PPL_TOL_KV = {"f16": 1e-2, "f32": PPL_TOL}
 PROMPT = "The king is dead; long live the queen. Tell me, good friend, what news from"
 

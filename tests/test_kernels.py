@@ -250,9 +250,8 @@ def test_int8_equals_rounded_activation_product(tid):
 
 @pytest.mark.parametrize("tid", sorted(INT8_TYPES), ids=tname)
 def test_int8_batches_of_1_to_9_tokens(tid):
-    """Every batch size 1..9 (4-token intrinsic calls plus 0-3 one-token ones) on 21 rows (q4_K:
-    8-row tiles plus leftover rows, in each thread's chunk; not a multiple of the threads' row
-    chunks), at 1 and 2 threads: each token's row equals W @ round8(x_t)
+    """Every batch size 1..9 (4-token intrinsic calls plus 0-3 one-token ones) on 21 rows (not a
+    multiple of the threads' row chunks), at 1 and 2 threads: each token's row equals W @ round8(x_t)
     in float64 (independent NumPy reference) and the one-token mat-vec of x_t bit for bit (prompt
     lookup relies on it). Legacy types use 5 blocks per row (an odd count, as 896 = 28 blocks is not
     a multiple of 256)."""
@@ -499,7 +498,7 @@ def test_nonfinite_scale_stays_in_its_row(tid, field, bits):
     every other row exactly as for the undamaged matrix (which matches float64)."""
     rng = np.random.default_rng(500 + tid + 7 * field + bits % 97)
     t = gt.GGML_TYPES[tid]
-    ne0, ne1, row, block = 2 * 256, 10, 2, 1  # 10 rows: q4_K's 8-row tile holds the damaged row
+    ne0, ne1, row, block = 2 * 256, 10, 2, 1
     clean = random_matrix(tid, ne0, ne1, rng)
     bad = clean.copy()
     at = block * t.type_size + FP16_FIELDS[tid][field]

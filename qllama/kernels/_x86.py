@@ -57,16 +57,6 @@ def _maddwd(builder, a, b):
     return builder.call(fn, [a, b])
 
 
-def _reduce2_i32(builder, a, b):
-    """(sum of a's lanes, sum of b's lanes) for two <8 x i32>, as i32, reduced together."""
-    def sh(x, y, idx):
-        return builder.shuffle_vector(x, y, ir.Constant(_vec(_I32, 8), idx))
-    v = builder.add(sh(a, b, [0, 1, 2, 3, 8, 9, 10, 11]), sh(a, b, [4, 5, 6, 7, 12, 13, 14, 15]))  # a in 0-3, b in 4-7
-    v = builder.add(v, sh(v, v, [2, 3, 0, 1, 6, 7, 4, 5]))
-    v = builder.add(v, sh(v, v, [1, 0, 3, 2, 5, 4, 7, 6]))
-    return builder.extract_element(v, ir.Constant(_I32, 0)), builder.extract_element(v, ir.Constant(_I32, 4))
-
-
 def _hsum(builder, v):
     """Horizontal sum of <n x i32> -> i64."""
     n = v.type.count
@@ -208,34 +198,6 @@ def _splat_f(builder, v):
                                   ir.Constant(v8f, None), ir.Constant(_vec(_I32, 8), [0] * 8))
 
 
-def _vec_loop(builder, nb, body, inits):
-    """Emit `for b in range(nb): vals = body(b, vals)` from `inits`; return the final values."""
-    entry = builder.block
-    loop = builder.append_basic_block("blk_loop")
-    done = builder.append_basic_block("blk_done")
-    builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
-    builder.position_at_end(loop)
-    b = builder.phi(_I64)
-    vals = [builder.phi(z.type) for z in inits]
-    vals2 = body(b, vals)
-    b1 = builder.add(b, ir.Constant(_I64, 1))
-    last = builder.block
-    b.add_incoming(ir.Constant(_I64, 0), entry)
-    b.add_incoming(b1, last)
-    for v, v2, z in zip(vals, vals2, inits):
-        v.add_incoming(z, entry)
-        v.add_incoming(v2, last)
-    builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
-    builder.position_at_end(done)
-    finals = []
-    for v2, z in zip(vals2, inits):
-        f = builder.phi(z.type)
-        f.add_incoming(z, entry)
-        f.add_incoming(v2, last)
-        finals.append(f)
-    return finals
-
-
 def _row_loop(builder, nb, body, n_acc, n_scalar=0):
     """Emit `for b in range(nb): accs = body(b, accs)` over n_acc <8 x float> accumulators (then
     n_scalar float ones); return the vector ones' lane sums, then the scalar ones.
@@ -304,53 +266,36 @@ def _row_ptrs(context, builder, signature, args):
 N_TILE = 4  # tokens per call of the multi-token row intrinsics (weights unpacked once for all)
 
 
-def _kquant45_head(builder, blk):
-    """(d, dmin as float, the 8 six-bit scales <8 x i16>, the 8 mins <8 x i32>) of the q4_K / q5_K
-    block at i8* blk (ggml's utmp unpacking of the 12 scale bytes)."""
-    def c(v):
-        return ir.Constant(_I32, v)
-
-    d = _load_f16(builder, blk)
-    dmin = _load_f16(builder, _gep8(builder, blk, 2))
-    u = [builder.load(builder.bitcast(_gep8(builder, blk, 4 + 4 * i), ir.PointerType(_I32)), align=1) for i in range(3)]
-    sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
-    mn_lo = builder.and_(u[1], c(0x3F3F3F3F))
-    sc_hi = builder.or_(builder.and_(u[2], c(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u[0], c(6)), c(0x03030303)), c(4)))
-    mn_hi = builder.or_(builder.and_(builder.lshr(u[2], c(4)), c(0x0F0F0F0F)),
-                        builder.shl(builder.and_(builder.lshr(u[1], c(6)), c(0x03030303)), c(4)))
-
-    def bytes8(lo, hi):
-        v = builder.insert_element(ir.Constant(_vec(_I32, 2), None), lo, c(0))
-        return builder.bitcast(builder.insert_element(v, hi, c(1)), _vec(_I8, 8))
-
-    return d, dmin, builder.zext(bytes8(sc_lo, sc_hi), _vec(_I16, 8)), builder.zext(bytes8(mn_lo, mn_hi), _vec(_I32, 8))
-
-
-def _reduce8(builder, vs):
-    """8 x <8 x i32> -> <8 x i32> whose lane r is the sum of vs[r]'s lanes (exact while it fits)."""
-    def sh(a, b, idx):
-        return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), idx))
-    h = [builder.add(sh(vs[r], vs[r + 1], [0, 8, 2, 10, 4, 12, 6, 14]), sh(vs[r], vs[r + 1], [1, 9, 3, 11, 5, 13, 7, 15]))
-         for r in range(0, 8, 2)]
-    g = [builder.add(sh(h[p], h[p + 1], [0, 1, 8, 9, 4, 5, 12, 13]), sh(h[p], h[p + 1], [2, 3, 10, 11, 6, 7, 14, 15]))
-         for p in range(0, 4, 2)]
-    return builder.add(sh(g[0], g[1], [0, 1, 2, 3, 8, 9, 10, 11]), sh(g[0], g[1], [4, 5, 6, 7, 12, 13, 14, 15]))
-
-
-def _row_kquant45(context, builder, signature, args, kind, exact=False):
+def _row_kquant45(context, builder, signature, args, kind):
     """q4_K / q5_K row(s) times q8_K activation(s): sum_b dx_b * (d_b*isum_b - dmin_b*msum_b).
 
     args: row (u8[]), nb, xq (i8), xd (f32), xs (i32 16-element sums) [, t0: see _row_ptrs].
-    exact: per block the exact int32 isum_b and msum_b, and a scalar float sum (`_block_step`, as
-    `_q4k_tile`); otherwise 8 lanes of partial sums are accumulated in float and summed at the end.
     """
     bsz, qoff, qh_off = (144, 16, None) if kind == "q4" else (176, 48, -32)
     v8f = _vec(ir.FloatType(), 8)
     rowp, toks = _row_ptrs(context, builder, signature, args)
 
+    def c(v):
+        return ir.Constant(_I32, v)
+
     def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
-        d, dmin, sc, mn = _kquant45_head(builder, blk)
+        d = _load_f16(builder, blk)
+        dmin = _load_f16(builder, _gep8(builder, blk, 2))
+        u = [builder.load(builder.bitcast(_gep8(builder, blk, 4 + 4 * i), ir.PointerType(_I32)), align=1) for i in range(3)]
+        # 6-bit scales and mins, one per byte (ggml's utmp unpacking)
+        sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
+        mn_lo = builder.and_(u[1], c(0x3F3F3F3F))
+        sc_hi = builder.or_(builder.and_(u[2], c(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u[0], c(6)), c(0x03030303)), c(4)))
+        mn_hi = builder.or_(builder.and_(builder.lshr(u[2], c(4)), c(0x0F0F0F0F)),
+                            builder.shl(builder.and_(builder.lshr(u[1], c(6)), c(0x03030303)), c(4)))
+
+        def bytes8(lo, hi):
+            v = builder.insert_element(ir.Constant(_vec(_I32, 2), None), lo, c(0))
+            return builder.bitcast(builder.insert_element(v, hi, c(1)), _vec(_I8, 8))
+
+        sc = builder.zext(bytes8(sc_lo, sc_hi), _vec(_I16, 8))
+        mn = builder.zext(bytes8(mn_lo, mn_hi), _vec(_I32, 8))
         qp = builder.bitcast(_gep8(builder, blk, qoff), ir.PointerType(_vec(_I8, 32)))
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
                for xq, _, _ in toks]
@@ -361,16 +306,10 @@ def _row_kquant45(context, builder, signature, args, kind, exact=False):
             bsp = builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))])
             bs = builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4)
             msum = builder.mul(mn, builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))))
-            if exact:  # the block's exact sums, then the float steps of `_q4k_tile` (bit for bit the same)
-                isum_b, msum_b = _reduce2_i32(builder, isum, msum)
-                return list(_block_step(builder, accs[0], accs[1], d, dmin, xdb, isum_b, msum_b))
             acc = builder.fadd(acc, builder.fmul(_splat_f(builder, builder.fmul(d, xdb)), builder.sitofp(isum, v8f)))
             out.append(builder.fsub(acc, builder.fmul(_splat_f(builder, builder.fmul(dmin, xdb)), builder.sitofp(msum, v8f))))
         return out
 
-    if exact:  # two scalar sums (the block terms and the min terms), subtracted at the end
-        acc, accm = _row_loop(builder, args[1], body, 0, 2)
-        return _exact_fsub(builder, acc, accm)
     return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
 
 
@@ -428,36 +367,9 @@ def _fifth_bits(builder, p):
 
 
 def _fma(builder, a, b, c):
-    """a * b + c rounded once (vfmadd), float32 or <n x float>."""
-    name = "llvm.fma.f32" if isinstance(a.type, ir.FloatType) else f"llvm.fma.v{a.type.count}f32"
-    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(a.type, [a.type] * 3))
+    """a * b + c rounded once (vfmadd), float32."""
+    fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
     return builder.call(fn, [a, b, c])
-
-
-def _exact_fmul(builder, a, b):
-    """a * b with no fast-math freedom: the kernels are compiled with fastmath, and Numba adds its
-    flags (reassoc, contract) only to float instructions that have none; `arcp` changes nothing
-    for a product. Used where two kernels must round identically."""
-    return builder.fmul(a, b, flags=("arcp",))
-
-
-def _block_step(builder, acc, accm, d, dmin, dx, isum, msum):
-    """(acc + (d*dx)*isum, accm + (dmin*dx)*msum), each one fused multiply-add: the float steps
-    per q4_K block, the same in `row_dot_q4_k` (scalars) and `tile_q4_k` (8 rows in the lanes).
-    As ggml's vec_dot, the min terms have their own sum, subtracted at the end (`_exact_fsub`)."""
-    fty = acc.type
-    if isinstance(fty, ir.FloatType):  # as <1 x float>: Numba adds fast-math flags to calls returning a float
-        v1, z = _vec(fty, 1), ir.Constant(_I32, 0)
-        one = [builder.insert_element(ir.Constant(v1, None), v, z) for v in (acc, accm, d, dmin, dx)]
-        ints = [builder.insert_element(ir.Constant(_vec(_I32, 1), None), v, z) for v in (isum, msum)]
-        return tuple(builder.extract_element(v, z) for v in _block_step(builder, *one, *ints))
-    return (_fma(builder, _exact_fmul(builder, d, dx), builder.sitofp(isum, fty), acc),
-            _fma(builder, _exact_fmul(builder, dmin, dx), builder.sitofp(msum, fty), accm))
-
-
-def _exact_fsub(builder, a, b):
-    """a - b, kept from Numba's fast-math flags (see `_exact_fmul`)."""
-    return builder.fsub(a, b, flags=("arcp",))
 
 
 def _row_legacy(context, builder, signature, args, kind):
@@ -535,12 +447,9 @@ def _row_sig(row, nb, xq, xd, xs, t0=None, xs_dtypes=(types.int32,)):
 
 @intrinsic
 def row_dot_q4_k(typingctx, row, nb, xq, xd, xs):
-    """A q4_K row (nb super-blocks) times one q8_K activation (xq, xd, xs = 16-element sums) -> float32.
-
-    Per block exact integer sums and scalar float steps: the same value as `tile_q4_k`, bit for bit.
-    """
+    """A q4_K row (nb super-blocks) times one q8_K activation (xq, xd, xs = 16-element sums) -> float32."""
     sig = _row_sig(row, nb, xq, xd, xs)
-    return (sig, lambda c, b, sg, a: _row_kquant45(c, b, sg, a, "q4", exact=True)) if sig else None
+    return (sig, lambda c, b, sg, a: _row_kquant45(c, b, sg, a, "q4")) if sig else None
 
 
 @intrinsic
@@ -558,18 +467,25 @@ def row_dot_q6_k(typingctx, row, nb, xq, xd, xs):
 
 
 @intrinsic
-def row_dot4_q5_k(typingctx, row, nb, xq, xd, xs, t0):
-    """A q5_K row times tokens t0..t0+3 of 2-D q8_K activations -> 4 float32 (weights unpacked once).
+def row_dot4_q4_k(typingctx, row, nb, xq, xd, xs, t0):
+    """A q4_K row times tokens t0..t0+3 of 2-D q8_K activations -> 4 float32 (weights unpacked once).
 
-    Each token's arithmetic is exactly that of row_dot_q5_k (same results, bit for bit).
+    Each token's arithmetic is exactly that of row_dot_q4_k (same results, bit for bit).
     """
+    sig = _row_sig(row, nb, xq, xd, xs, t0)
+    return (sig, lambda c, b, sg, a: _row_kquant45(c, b, sg, a, "q4")) if sig else None
+
+
+@intrinsic
+def row_dot4_q5_k(typingctx, row, nb, xq, xd, xs, t0):
+    """As row_dot4_q4_k for q5_K."""
     sig = _row_sig(row, nb, xq, xd, xs, t0)
     return (sig, lambda c, b, sg, a: _row_kquant45(c, b, sg, a, "q5")) if sig else None
 
 
 @intrinsic
 def row_dot4_q6_k(typingctx, row, nb, xq, xd, xs, t0):
-    """As row_dot4_q5_k for q6_K."""
+    """As row_dot4_q4_k for q6_K."""
     sig = _row_sig(row, nb, xq, xd, xs, t0)
     return (sig, _row_q6_k) if sig else None
 
@@ -583,7 +499,7 @@ def row_dot_q8_0(typingctx, row, nb, xq, xd, xs):
 
 @intrinsic
 def row_dot4_q8_0(typingctx, row, nb, xq, xd, xs, t0):
-    """As row_dot4_q5_k for q8_0 (q8_0 activations)."""
+    """As row_dot4_q4_k for q8_0 (q8_0 activations)."""
     sig = _row_sig(row, nb, xq, xd, xs, t0)
     return (sig, lambda c, b, sg, a: _row_legacy(c, b, sg, a, "q8_0")) if sig else None
 
@@ -624,227 +540,3 @@ def row_dot4_q4_legacy(typingctx, row, nb, xq, xd, xs, t0):
 def row_dot4_q5_legacy(typingctx, row, nb, xq, xd, xs, t0):
     """row_dot_q5_legacy for tokens t0..t0+3 of 2-D activations -> 4 float32."""
     return _legacy_sig(5, row, nb, xq, xd, xs, t0)
-
-
-# -- q4_K: 8 rows x 4 tokens per call, rows in the lanes ------------------------------------------
-#
-# The row kernels above hold one row's 32 consecutive quants per vector, so every pmaddubsw needs
-# its own pmaddwd to apply the sub-block scale. Here a vector holds 4 quants of each of 8 rows (one
-# 32-bit lane per row), the activations' matching 4 bytes are broadcast to every lane, and the 8
-# pmaddubsw of a 32-element sub-block are summed in int16 (|sum| <= 16 * 15 * 127 = 30480) before
-# one pmaddwd applies the 8 rows' scales: about half the instructions per product. The weights are
-# transposed in registers (no repacked copy in memory) once per 4 tokens.
-
-TILE_ROWS = 8
-
-
-def _transpose8(builder, vs):
-    """8 x <8 x i32> (row r: lanes k) -> 8 x <8 x i32> (k: lanes r)."""
-    def sh(a, b, idx):
-        return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), idx))
-    a = []
-    for r in range(0, 8, 2):  # interleave dwords within 128-bit halves
-        a.append((sh(vs[r], vs[r + 1], [0, 8, 1, 9, 4, 12, 5, 13]), sh(vs[r], vs[r + 1], [2, 10, 3, 11, 6, 14, 7, 15])))
-    b = []
-    for p in range(0, 4, 2):  # then 64-bit pairs: rows 4p'..4p'+3, dwords {k, k+4}
-        for h in range(2):
-            b.append(sh(a[p][h], a[p + 1][h], [0, 1, 8, 9, 4, 5, 12, 13]))
-            b.append(sh(a[p][h], a[p + 1][h], [2, 3, 10, 11, 6, 7, 14, 15]))
-    # b[0..3]: rows 0-3, dwords (0,4), (1,5), (2,6), (3,7); b[4..7]: rows 4-7, the same
-    out = [None] * 8
-    for k in range(4):
-        out[k] = sh(b[k], b[4 + k], [0, 1, 2, 3, 8, 9, 10, 11])
-        out[k + 4] = sh(b[k], b[4 + k], [4, 5, 6, 7, 12, 13, 14, 15])
-    return out
-
-
-def _prefetch(builder, p):
-    """A read prefetch of the cache line at i8* p into all cache levels."""
-    fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [ir.PointerType(_I8), _I32, _I32, _I32]))
-    builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-
-
-def _prefetch_next_rows(builder, blks, rstride):
-    """Prefetch the same 144-byte block of the next 8 rows: 8 interleaved row streams defeat the
-    hardware prefetcher (an address past the matrix's end is a harmless hint)."""
-    ahead = builder.mul(rstride, ir.Constant(_I64, TILE_ROWS))
-    for p in blks:
-        q = builder.gep(p, [ahead])
-        for off in (0, 64, 128):
-            _prefetch(builder, _gep8(builder, q, off))
-
-
-def _transpose4x2(builder, vs):
-    """4 x <8 x i32> (vector r: row r in lanes 0-3, row r+4 in lanes 4-7) -> 4 x <8 x i32> (k: lane r = dword k of row r)."""
-    def sh(a, b, idx):
-        return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), idx))
-    lo, hi = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
-    a0, a1, a2, a3 = sh(vs[0], vs[1], lo), sh(vs[0], vs[1], hi), sh(vs[2], vs[3], lo), sh(vs[2], vs[3], hi)
-    p, q = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
-    return [sh(a0, a2, p), sh(a0, a2, q), sh(a1, a3, p), sh(a1, a3, q)]
-
-
-def _q4k_tile(context, builder, signature, args):
-    """out[t0+i, r0+r] = row (r0+r) . x[t0+i] for r < 8, i < 4 (q4_K rows, q8_K activations).
-
-    args: raw (u8 (n_rows, nb*144)), r0, nb, xq, xd, xs, t0, out (f32 (n_tok, n_rows)).
-    Per block and (row, token): the exact int32 isum and msum, then `_block_step`, as
-    `row_dot_q4_k` does.
-    """
-    v8f, v8i, v32b, v16h = _vec(ir.FloatType(), 8), _vec(_I32, 8), _vec(_I8, 32), _vec(_I16, 16)
-    raw = context.make_array(signature.args[0])(context, builder, args[0])
-    r0, nb, t0 = args[1], args[2], args[6]
-    base = builder.bitcast(raw.data, ir.PointerType(_I8))
-    rstride = builder.extract_value(raw.strides, 0)
-    rowps = [builder.gep(base, [builder.mul(builder.add(r0, ir.Constant(_I64, r)), rstride)]) for r in range(TILE_ROWS)]
-    toks = []
-    for i in range(N_TILE):
-        t = builder.add(t0, ir.Constant(_I64, i))
-        ptrs = []
-        for k, ty in ((3, _I8), (4, ir.FloatType()), (5, _I32)):
-            ary = context.make_array(signature.args[k])(context, builder, args[k])
-            p = builder.gep(builder.bitcast(ary.data, ir.PointerType(_I8)), [builder.mul(t, builder.extract_value(ary.strides, 0))])
-            ptrs.append(builder.bitcast(p, ir.PointerType(ty)))
-        toks.append(tuple(ptrs))
-
-    def c32(v):
-        return ir.Constant(v8i, [v] * 8)
-
-    def body(b, accs):
-        boff = builder.mul(b, ir.Constant(_I64, 144))
-        blks = [builder.gep(p, [boff]) for p in rowps]
-        _prefetch_next_rows(builder, blks, rstride)
-        # the 16-byte heads (d, dmin, 12 bytes of scales and mins) of the 8 rows, transposed: lane r = row r
-        heads = [builder.load(builder.bitcast(p, ir.PointerType(_vec(_I32, 4))), align=1) for p in blks]
-        hv = _transpose4x2(builder, [builder.shuffle_vector(heads[r], heads[r + 4], ir.Constant(v8i, list(range(8))))
-                                     for r in range(4)])  # hv[k]: lane r = dword k of row r's head
-        dd = builder.bitcast(hv[0], _vec(_I16, 16))
-        d = builder.fpext(builder.bitcast(_lanes(builder, dd, range(0, 16, 2)), _vec(ir.HalfType(), 8)), v8f)
-        dmin = builder.fpext(builder.bitcast(_lanes(builder, dd, range(1, 16, 2)), _vec(ir.HalfType(), 8)), v8f)
-        u0, u1, u2 = hv[1], hv[2], hv[3]
-        sc_lo = builder.and_(u0, c32(0x3F3F3F3F))
-        mn_lo = builder.and_(u1, c32(0x3F3F3F3F))
-        sc_hi = builder.or_(builder.and_(u2, c32(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u0, c32(6)), c32(0x03030303)), c32(4)))
-        mn_hi = builder.or_(builder.and_(builder.lshr(u2, c32(4)), c32(0x0F0F0F0F)),
-                            builder.shl(builder.and_(builder.lshr(u1, c32(6)), c32(0x03030303)), c32(4)))
-        scales = []  # sub-block k: lane r = s_rk in both int16 halves (the pmaddwd operand)
-        for k in range(8):
-            v = builder.and_(builder.lshr(sc_lo if k < 4 else sc_hi, c32(8 * (k % 4))), c32(0xFF))
-            scales.append(builder.bitcast(builder.or_(v, builder.shl(v, c32(16))), v16h))
-        mins = []  # pair p: lane r = (m_r,2p, m_r,2p+1) as int16
-        for p in range(4):
-            v = mn_lo if p < 2 else mn_hi
-            sh = 16 * (p % 2)
-            lo = builder.and_(builder.lshr(v, c32(sh)), c32(0xFF))
-            hi = builder.and_(builder.lshr(v, c32(sh + 8)), c32(0xFF))
-            mins.append(builder.bitcast(builder.or_(lo, builder.shl(hi, c32(16))), v16h))
-        isums = [c32(0)] * N_TILE
-        xbs = [_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))) for xq, _, _ in toks]
-        for j in range(4):  # 64-element groups: sub-blocks 2j (low nibbles) and 2j+1 (high)
-            rows = [builder.load(builder.bitcast(_gep8(builder, p, 16 + 32 * j), ir.PointerType(v8i)), align=1) for p in blks]
-            tq = [builder.bitcast(v, v32b) for v in _transpose8(builder, rows)]  # tq[k]: bytes 4k..4k+3 of each row
-            for hnib in range(2):
-                w = [builder.and_(builder.lshr(v, _splat(_I8, 32, 4)) if hnib else v, _splat(_I8, 32, 15)) for v in tq]
-                for i in range(N_TILE):
-                    acc16 = None
-                    for k in range(8):
-                        xp = builder.bitcast(_gep8(builder, xbs[i], 64 * j + 32 * hnib + 4 * k), ir.PointerType(_I32))
-                        xw = builder.load(xp, align=1)
-                        xv = builder.bitcast(builder.shuffle_vector(builder.insert_element(ir.Constant(v8i, None), xw, ir.Constant(_I32, 0)),
-                                                                    ir.Constant(v8i, None), ir.Constant(v8i, [0] * 8)), v32b)
-                        p16 = _maddubs(builder, w[k], xv)
-                        acc16 = p16 if acc16 is None else builder.add(acc16, p16)
-                    isums[i] = builder.add(isums[i], _maddwd(builder, acc16, scales[2 * j + hnib]))
-        out = []
-        for i, (_, xd, xs) in enumerate(toks):
-            bsp = builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))])
-            bs = builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4)
-            b32 = builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2)))  # 32-element sums
-            bp = builder.bitcast(builder.trunc(b32, _vec(_I16, 8)), _vec(_I32, 4))  # pair p: (sum 2p, sum 2p+1) as int16
-            msum = None
-            for p in range(4):
-                spl = builder.bitcast(_lanes(builder, bp, [p] * 8), v16h)
-                m = _maddwd(builder, mins[p], spl)
-                msum = m if msum is None else builder.add(msum, m)
-            dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
-            out.extend(_block_step(builder, accs[2 * i], accs[2 * i + 1], d, dmin, dx, isums[i], msum))
-        return out
-
-    sums = _vec_loop(builder, nb, body, [ir.Constant(v8f, [0.0] * 8)] * (2 * N_TILE))
-    finals = [_exact_fsub(builder, sums[2 * i], sums[2 * i + 1]) for i in range(N_TILE)]
-    oary = context.make_array(signature.args[7])(context, builder, args[7])
-    obase = builder.bitcast(oary.data, ir.PointerType(_I8))
-    ostride = builder.extract_value(oary.strides, 0)
-    for i, v in enumerate(finals):
-        off = builder.add(builder.mul(builder.add(t0, ir.Constant(_I64, i)), ostride), builder.mul(r0, ir.Constant(_I64, 4)))
-        builder.store(v, builder.bitcast(builder.gep(obase, [off]), ir.PointerType(v8f)), align=4)
-    return context.get_dummy_value()
-
-
-@intrinsic
-def tile_q4_k(typingctx, raw, r0, nb, xq, xd, xs, t0, out):
-    """out[t0:t0+4, r0:r0+8] = the q4_K rows r0..r0+7 of raw (n_rows, nb*144) times tokens
-    t0..t0+3 of 2-D q8_K activations; each value bit for bit row_dot_q4_k's. The caller
-    guarantees the ranges are in bounds."""
-    arrs = ((raw, types.uint8), (xq, types.int8), (xd, types.float32), (xs, types.int32), (out, types.float32))
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == dt and a.layout == "C" for a, dt in arrs):
-        return None
-    if not all(isinstance(v, types.Integer) for v in (r0, nb, t0)):
-        return None
-    return types.none(raw, r0, nb, xq, xd, xs, t0, out), _q4k_tile
-
-
-def _q4k_rows8(context, builder, signature, args):
-    """Rows r0..r0+7 of raw (q4_K) times one q8_K activation -> 8 float32.
-
-    Each row's block sums are computed as in `row_dot_q4_k` (8 lanes of partial int32 sums), then
-    `_reduce8` puts row r's exact block sums in lane r and `_block_step` runs on the 8 rows at once:
-    the arithmetic of `tile_q4_k`, bit for bit, with one reduction per 8 rows instead of per row.
-    """
-    v8f, v8i = _vec(ir.FloatType(), 8), _vec(_I32, 8)
-    raw = context.make_array(signature.args[0])(context, builder, args[0])
-    r0, nb = args[1], args[2]
-    base = builder.bitcast(raw.data, ir.PointerType(_I8))
-    rstride = builder.extract_value(raw.strides, 0)
-    rowps = [builder.gep(base, [builder.mul(builder.add(r0, ir.Constant(_I64, r)), rstride)]) for r in range(TILE_ROWS)]
-    z = ir.Constant(_I64, 0)
-    xq, xd, xs = (_ptr(context, builder, signature.args[k], args[k], z, ty) for k, ty in ((3, _I8), (4, ir.FloatType()), (5, _I32)))
-
-    def body(b, accs):
-        boff = builder.mul(b, ir.Constant(_I64, 144))
-        xp = builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
-        bs = builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))]), ir.PointerType(_vec(_I32, 16))), align=4)
-        b32 = builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2)))  # 32-element sums
-        isums, msums, ds, dmins = [], [], [], []
-        blks = [builder.gep(p, [boff]) for p in rowps]
-        _prefetch_next_rows(builder, blks, rstride)
-        for blk in blks:
-            d, dmin, sc, mn = _kquant45_head(builder, blk)
-            qp = builder.bitcast(_gep8(builder, blk, 16), ir.PointerType(_vec(_I8, 32)))
-            isums.append(_nibbles_core(builder, qp, [xp], sc, None)[0])
-            msums.append(builder.mul(mn, b32))
-            ds.append(d)
-            dmins.append(dmin)
-        dv, dmv = ir.Constant(v8f, None), ir.Constant(v8f, None)
-        for r in range(TILE_ROWS):
-            dv = builder.insert_element(dv, ds[r], ir.Constant(_I32, r))
-            dmv = builder.insert_element(dmv, dmins[r], ir.Constant(_I32, r))
-        dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
-        return list(_block_step(builder, accs[0], accs[1], dv, dmv, dx, _reduce8(builder, isums), _reduce8(builder, msums)))
-
-    acc = _exact_fsub(builder, *_vec_loop(builder, nb, body, [ir.Constant(v8f, [0.0] * 8)] * 2))
-    return context.make_tuple(builder, signature.return_type, [builder.extract_element(acc, ir.Constant(_I32, r)) for r in range(TILE_ROWS)])
-
-
-@intrinsic
-def rows8_dot_q4_k(typingctx, raw, r0, nb, xq, xd, xs):
-    """The q4_K rows r0..r0+7 of raw (n_rows, nb*144) times one q8_K activation (1-D xq, xd, xs)
-    -> 8 float32, each bit for bit row_dot_q4_k's (and tile_q4_k's). The caller guarantees the
-    rows exist."""
-    if not (isinstance(raw, types.Array) and raw.ndim == 2 and raw.dtype == types.uint8 and raw.layout == "C"):
-        return None
-    if not (isinstance(r0, types.Integer) and isinstance(nb, types.Integer)):
-        return None
-    if not all(_is_arr(a, dt) for a, dt in ((xq, types.int8), (xd, types.float32), (xs, types.int32))):
-        return None
-    return types.UniTuple(types.float32, TILE_ROWS)(raw, r0, nb, xq, xd, xs), _q4k_rows8

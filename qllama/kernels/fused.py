@@ -33,7 +33,6 @@ from ._x86 import (
     row_dot_q5_legacy,
     row_dot_q6_k,
     row_dot_q8_0,
-    rows8_dot_q4_k,
 )
 from .act_quant import QK8_0, _as_fp16, _q8_block, q8_k_row
 from .int8 import FASTMATH
@@ -75,13 +74,8 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
     def int_sums(type_id, raw, out, lo, hi, xq, xd, xs):  # q8_K (k-quants) or q8_0 (q8_0, q4_0, q5_0)
         if type_id == Q4_K:
             nb = raw.shape[1] // 144
-            r = lo
-            while r + 8 <= hi:  # 8 rows per call: one reduction of their block sums (same values as row_dot_q4_k)
-                (out[0, r], out[0, r + 1], out[0, r + 2], out[0, r + 3], out[0, r + 4], out[0, r + 5], out[0, r + 6],
-                 out[0, r + 7]) = rows8_dot_q4_k(raw, r, nb, xq, xd, xs)
-                r += 8
-            for rr in range(r, hi):
-                out[0, rr] = row_dot_q4_k(raw[rr], nb, xq, xd, xs)
+            for r in range(lo, hi):
+                out[0, r] = row_dot_q4_k(raw[r], nb, xq, xd, xs)
         elif type_id == Q5_K:
             nb = raw.shape[1] // 176
             for r in range(lo, hi):

@@ -13,9 +13,7 @@ each tile of TOKEN_TILE tokens a row is read from memory once (then from L1) and
 every token of the tile. All but q2_K/q3_K use whole-row intrinsics (vector accumulators, one
 horizontal sum per row) and a 4-token variant that unpacks the weights once for 4 tokens and
 computes, per token, exactly what the one-token intrinsic computes (so prefill rows equal
-decode bit for bit); q4_K instead runs 8 rows x 4 tokens per call with the rows in the vector
-lanes (`tile_q4_k`, about half the instructions per product), and its one-token intrinsic
-takes the same per-block float steps; q2_K/q3_K call a per-block intrinsic.
+decode bit for bit); q2_K/q3_K call a per-block intrinsic.
 
 Numba's cache key covers every qllama/kernels/*.py (`jit.py`), so a change to an intrinsic in
 `_x86.py` recompiles the kernels that inline it.
@@ -33,6 +31,7 @@ from ._fp16 import f16_at
 from ._x86 import (
     dot_q2_k,
     dot_q3_k,
+    row_dot4_q4_k,
     row_dot4_q4_legacy,
     row_dot4_q5_k,
     row_dot4_q5_legacy,
@@ -44,9 +43,6 @@ from ._x86 import (
     row_dot_q5_legacy,
     row_dot_q6_k,
     row_dot_q8_0,
-    rows8_dot_q4_k,
-    tile_q4_k,
-    TILE_ROWS,
 )
 from .kquants import scale_q3_k
 
@@ -58,15 +54,13 @@ TOKEN_TILE = 64  # 64 tokens x ne0 int8 activations stay in L2
 
 
 @kernel(**_NOPY)
-def _chunks(n_rows, n_threads, align=1):
-    """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk, a multiple of align).
+def _chunks(n_rows, n_threads):
+    """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk).
 
     (n_threads comes from the caller: `numba.get_num_threads()` inside a kernel defeats caching.)
     """
     n = max(1, min(n_rows, n_threads))
-    per = (n_rows + n - 1) // n
-    per = (per + align - 1) // align * align
-    return (n_rows + per - 1) // per, per
+    return n, (n_rows + n - 1) // n
 
 
 # Row kernels (q4_K, q5_K, q6_K, q8_0, q4_0, q4_1, q5_0, q5_1): the whole row dot product is one intrinsic (`_x86.py`)
@@ -79,28 +73,21 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
     """out[t, r] = row r . x[t] with x in q8_K form (xq (n_tok, ne0), xd (n_tok, ne0/256), xs (n_tok, ne0/16)).
 
     raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows); n_threads: rows are split in that many chunks.
-    Blocks of 8 rows x 4 tokens go through `tile_q4_k`, 8 rows x 1 token through `rows8_dot_q4_k`, leftover
-    rows through `row_dot_q4_k` (the same values).
     """
     n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 144
-    n_chunks, per = _chunks(n_rows, n_threads, TILE_ROWS)
+    n_chunks, per = _chunks(n_rows, n_threads)
     for c in prange(n_chunks):
-        r_end = min(n_rows, (c + 1) * per)
         for t0 in range(0, n_tok, TOKEN_TILE):
-            t1 = min(n_tok, t0 + TOKEN_TILE)
-            r = c * per
-            while r + TILE_ROWS <= r_end:
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
+                row = raw[r]
+                t1 = min(n_tok, t0 + TOKEN_TILE)
                 t = t0
-                while t + 4 <= t1:
-                    tile_q4_k(raw, r, nb, xq, xd, xs, t, out)
+                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_k(row, nb, xq, xd, xs, t)
                     t += 4
-                for tt in range(t, t1):
-                    (out[tt, r], out[tt, r + 1], out[tt, r + 2], out[tt, r + 3], out[tt, r + 4], out[tt, r + 5],
-                     out[tt, r + 6], out[tt, r + 7]) = rows8_dot_q4_k(raw, r, nb, xq[tt], xd[tt], xs[tt])
-                r += TILE_ROWS
-            for rr in range(r, r_end):
-                for tt in range(t0, t1):
-                    out[tt, rr] = row_dot_q4_k(raw[rr], nb, xq[tt], xd[tt], xs[tt])
+                while t < t1:
+                    out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
+                    t += 1
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
