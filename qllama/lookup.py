@@ -263,7 +263,9 @@ class LookupSteps:
             return session.decode(batch[0]).reshape(1, -1)
         from .qtensor import set_threads
 
-        step = lambda: session.model.forward(batch, session.cache, all_logits=True)  # noqa: E731
+        def step():
+            return session.model.forward(batch, session.cache, all_logits=True)
+
         threads = getattr(session, "threads", None)
         rows = step() if threads is None else threads.run_batch(len(batch), step, set_threads)
         session.tokens.extend(batch)

@@ -53,7 +53,11 @@ def _rows_of(type_id: int):
 
 
 def _rows_serial_of(type_id: int):
-    """`_rows_of` on the calling thread (a few rows: an embedding lookup)."""
+    """`_rows_of` on the calling thread (a few rows: an embedding lookup).
+
+    Its own function rather than `_rows_of` compiled without parallel=True: Numba keys a cached
+    kernel on the function's name, code and closure values, not on its options, so the two would
+    share (and overwrite) one cache entry."""
     block = QK_K if Q2_K <= type_id <= Q6_K else lg.QK
 
     def rows_serial(raw, rows, tab, out):
