@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from .kernels.jit import OPT_LEVEL
+
 WORKER_CMD = [sys.executable, "-m", "qllama.compile_pool"]  # (tests replace it to simulate failures)
 JOB_TIMEOUT_S = 600.0  # a worker silent this long on one job is killed (its job falls back)
 LOCK_NAME = "qllama-cache-save.lock"
@@ -237,6 +239,10 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
     STATS.clear()
     queue = list(todo)
     env = {**os.environ, "NUMBA_NUM_THREADS": "1", "QLLAMA_POOL_PARENT": str(os.getpid())}
+    if not env.get("NUMBA_OPT", "").strip():
+        # A worker compiles only kernels: its whole process, machine-code generation included,
+        # runs at their level (kernels/jit.py), which the main process sets per kernel only.
+        env["NUMBA_OPT"] = str(OPT_LEVEL)
     try:
         for _ in range(n):
             try:
