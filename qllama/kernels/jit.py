@@ -29,9 +29,11 @@ the package's kernels on the next run.
 Kernels are optimised at LLVM level `OPT_LEVEL` (1), not Numba's default 3: measured on the 1B
 Q4_K_M model, a cold compile takes 37% less CPU time (36.0 -> 22.7 s), and prefill, decode and
 decode at depth 1024 run as fast (`tools/bench_compile.py`; the hot loops are explicit vector
-intrinsics, `_x86.py`, which need no further optimisation). The level applies to qllama's
-kernels only, set around each of their compiles; NUMBA_OPT, when set, wins. It is not part of
-Numba's cache key, so a cache filled at another level is used as it is.
+intrinsics, `_x86.py`, which need no further optimisation). Numba's optimisation passes run
+at this level around each of qllama's compiles only; its machine-code generation has one level
+per process, set when this module creates the code generator (`_machine_code_at_opt_level`).
+NUMBA_OPT, when set, wins. The level is not part of Numba's cache key, so a cache filled at
+another level is used as it is.
 """
 
 from __future__ import annotations
@@ -104,6 +106,27 @@ def _opt_level():
     return type(numba_config.OPT)(OPT_LEVEL)  # (Numba's _OptLevel int subclass)
 
 
+def _machine_code_at_opt_level() -> None:
+    """Create Numba's CPU code generator now, at `_opt_level()`, if nothing created it yet: it
+    fixes the level of its machine-code generation for the process. Kernels compiled here then
+    match those of a compile worker (compile_pool.py), whose whole process runs at that level,
+    instruction for instruction: fused multiply-adds and the like could otherwise differ with
+    the process that compiled a kernel. (Numba code of the user's compiled in this process also
+    gets its machine code at this level; its optimisation passes keep NUMBA_OPT's or 3.)"""
+    from numba.core.registry import cpu_target
+
+    level = _opt_level()
+    if level is None or "_toplevel_target_context" in vars(cpu_target):
+        return
+    with global_compiler_lock:
+        before = numba_config.OPT
+        numba_config.OPT = level
+        try:
+            cpu_target.target_context  # noqa: B018 - creates the code generator
+        finally:
+            numba_config.OPT = before
+
+
 def _compiling_at_opt_level(dispatcher):
     """Make `dispatcher.compile` (each specialisation, nested ones included) run with Numba's
     optimisation level set to `_opt_level()`. Numba reads the level when it optimises each
@@ -111,6 +134,7 @@ def _compiling_at_opt_level(dispatcher):
     level = _opt_level()
     if level is None:
         return dispatcher
+    _machine_code_at_opt_level()
     compile_at_default = dispatcher.compile
 
     def compile(sig):
