@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", type=int, default=25, help="rows of the per-kernel table")
     ap.add_argument("--json", help="also write every run to this file")
-    ap.add_argument("--only", help="compare kernels (e.g. act_quant.quantize_q8_k, or layer_ops.glu,layer_ops.glu_serial) across --src trees")
+    ap.add_argument("--only", help="compare kernels (e.g. act_quant.quantize_q8_k, or layer_ops.glu,layer_ops.rmsnorm) across --src trees")
     ap.add_argument("--src", nargs="+", default=[str(REPO)],
                     help="source trees for --only; otherwise the tree to measure (default: this repo; a frozen copy "
                          "keeps others' edits from changing the sources between the cold and the warm run)")

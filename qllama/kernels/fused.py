@@ -10,7 +10,7 @@ the int8 path from 15 to 7 and its parallel regions from 9 to 4 (none at one thr
 Results are bit-identical to the unfused int8 path (`kernels/int8.py` through QTensor): each
 row is the same whole-row intrinsic of `_x86.py` (as int8.py's kernels call for one token),
 the activation is rounded by act_quant.py's own per-token code (`_q8_block`, `q8_k_row`), and
-the GLU is `layer_ops.glu_serial` itself.
+the GLU is `layer_ops.glu` itself.
 
 Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K); a
 group's matrices must share one activation form (FORMS). Others take the unfused path.
@@ -37,7 +37,7 @@ from ._x86 import (
 from .act_quant import QK8_0, _as_fp16, _q8_block, q8_k_row
 from .int8 import FASTMATH
 from .jit import kernel
-from .layer_ops import glu_serial
+from .layer_ops import glu
 
 _NOPY = dict(boundscheck=False)
 _OVERLOAD = dict(boundscheck=False, error_model="numpy")  # as every kernel (kernels/jit.py)
@@ -181,10 +181,10 @@ def matvec3(x, form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, n_threads):
 def ffn(x, form, xq, xd, xs, tg, rg, gate, tu, ru, up, act, form_d, gq, gd, gs, td, rd, out, empty_raw, empty_out,
         n_threads):
     """A gated FFN for one token: gate|up rows in one region, gate = act(gate) * up
-    (layer_ops.glu_serial) on this thread, then ffn_down of it into out (1, n_embd) in a second
+    (layer_ops.glu) on this thread, then ffn_down of it into out (1, n_embd) in a second
     region. (gq, gd, gs): the quantized GLU output in ffn_down's form `form_d`."""
     _quantize(form, x, xq, xd, xs)
     _rows3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, n_threads)
-    glu_serial(gate, up, gate, act)
+    glu(gate, up, gate, act)
     _quantize(form_d, gate, gq, gd, gs)
     _rows3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, n_threads)

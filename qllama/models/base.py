@@ -518,11 +518,10 @@ class Transformer:
         else:
             gate = self._project("ffn_gate", layer.ffn_gate, hq)  # (T, n_ff)
             up = self._project("ffn_up", layer.ffn_up, hq)  # (T, n_ff)
-        glu = ops.glu if h.shape[0] > 1 else ops.glu_serial
         if self._clock is None:
-            glu(gate, up, gate, act)
+            ops.glu(gate, up, gate, act)
         else:
-            self._clock.run("glu", self._il, glu, gate, up, gate, act)
+            self._clock.run("glu", self._il, ops.glu, gate, up, gate, act)
         if probe:
             gate = probe.fire("ffn_act", self._il, gate)
         y = self._project("ffn_down", layer.ffn_down, quantize_activation(gate))

@@ -190,7 +190,7 @@ class DecodeState:
                 clock.run("quantize x + ffn_gate|up + glu + quantize + ffn_down (fused)", il, self._fused.ffn, h, *pre,
                           act, *post, nt)
             return self.ffn_out
-        from ..kernels.layer_ops import glu_serial
+        from ..kernels.layer_ops import glu
 
         _, gu_calls, gu, down_calls = call
         n_ff = self.gate.shape[1]
@@ -200,7 +200,7 @@ class DecodeState:
         if gu is not None:
             self.gate[:] = gu[:, :n_ff]
             self.up[:] = gu[:, n_ff:]
-        run("glu", glu_serial, self.gate, self.up, self.gate, act)
+        run("glu", glu, self.gate, self.up, self.gate, act)
         for args in down_calls:
             run("quantize x + ffn_down (fused)", self._fused.matvec3, self.gate, *args, nt)
         return self.ffn_out

@@ -72,7 +72,7 @@ class KVCache:
 
     Keys are stored row-major (a score is a dot with one key row); values d-major (`vt`), so
     that each output component is one long dot over the positions (see
-    `kernels.layer_ops._attend`). `n_past`: positions [0, n_past) have been evaluated.
+    `kernels.layer_ops._attend_jobs`). `n_past`: positions [0, n_past) have been evaluated.
     """
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
