@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .jit import kernel
+from .jit import array_kinds, call_address, compiled_address, kernel
 from .quantize_k import fp16_round
 
 _NOPY = dict(boundscheck=False)
@@ -42,9 +42,8 @@ def _to_int8(v):
 def q8_k_row(x, t, xq, xd, xs):
     """Token t (int64) of x in q8_K form (shapes as `quantize_q8_k`), on the calling thread.
 
-    A separate function, not the body of quantize_q8_k's loop: the parallel loop stays small
-    (its lowering is what costs compile time), and fused.py's one-token step calls the same
-    compiled code. A block holding NaN/Inf gets d = NaN (so results are NaN, not garbage).
+    fused.py's one-token step calls it too. A block holding NaN/Inf gets d = NaN (so results
+    are NaN, not garbage).
     """
     n = x.shape[1]
     for b in range(n // QK_K):
@@ -78,13 +77,6 @@ def q8_k_row(x, t, xq, xd, xs):
         xd[t, b] = np.float32(1.0) / iscale
 
 
-@kernel(parallel=True, **_NOPY)
-def quantize_q8_k(x, xq, xd, xs):
-    """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/256), xs int32 (n_tok, n/16)."""
-    for t in prange(x.shape[0]):
-        q8_k_row(x, np.int64(t), xq, xd, xs)
-
-
 @kernel(**_NOPY)
 def _as_fp16(v):
     """v rounded to fp16 as ggml stores a q8_0/q8_1 scale; beyond fp16's range (|v| > 65504, where
@@ -114,25 +106,73 @@ def _q8_block(x, t, o, xq):
     return (d if finite else np.float32(np.nan)), s
 
 
+@kernel(**_NOPY)
+def q8_0_row(x, t, xq, xd, xs):
+    """Token t of x in q8_0 form: xd (n_tok, n/32) = fp16(d) as ggml stores it, xs int32 (n_tok, n/32) sums of xq."""
+    for b in range(x.shape[1] // QK8_0):
+        d, s = _q8_block(x, t, b * QK8_0, xq)
+        xd[t, b] = _as_fp16(d)
+        xs[t, b] = s
+
+
+@kernel(**_NOPY)
+def q8_1_row(x, t, xq, xd, xs):
+    """As q8_0_row, but xs float32 (n_tok, n/32) = fp16(d * sum of xq), ggml's q8_1 `s` (the
+    activation form of q4_1 and q5_1: their min term is m * s)."""
+    for b in range(x.shape[1] // QK8_0):
+        d, s = _q8_block(x, t, b * QK8_0, xq)
+        xd[t, b] = _as_fp16(d)
+        xs[t, b] = _as_fp16(d * np.float32(s))
+
+
+# -- whole activations: each token by one of the row functions above, tokens over the threads.
+# The parallel loop calls the row function by its address (jit.call_address), so the row code
+# compiles once, not again inside the loop (~1 s less per form on a first run). --
+
+
 @kernel(parallel=True, **_NOPY)
-def quantize_q8_0(x, xq, xd, xs):
+def _each_token(row_address, x, xq, xd, xs):
+    """row(x, t, xq, xd, xs) for every token t of x, tokens spread over the threads
+    (row_address: `compiled_address` of row for these types; 0: nothing, as in a recording warm-up)."""
+    if row_address == 0:
+        return
+    for t in prange(x.shape[0]):
+        call_address(row_address, x, np.int64(t), xq, xd, xs)
+
+
+_ROW_ADDRESS: dict = {}  # (row function, array kinds) -> address of its compiled code
+
+
+def _quantize(row, x, xq, xd, xs) -> None:
+    """x float32 (n_tok, n) -> (xq, xd, xs) by `row` for each token: on this thread for one token,
+    else in one parallel region."""
+    if x.shape[0] == 1:  # (one token: no thread wake-up)
+        row(x, 0, xq, xd, xs)
+        return
+    key = (row, array_kinds(x, xq, xd, xs))
+    address = _ROW_ADDRESS.get(key, 0)
+    if not address:
+        row(x, 0, xq, xd, xs)  # token 0 here: compiles, or loads, row for these types
+        address = compiled_address(row, (x, 0, xq, xd, xs))
+        if not address:  # (a warm-up that only records: noting the parallel call is enough)
+            _each_token(0, x, xq, xd, xs)
+            return
+        _ROW_ADDRESS[key] = address
+    _each_token(address, x, xq, xd, xs)
+
+
+def quantize_q8_k(x, xq, xd, xs) -> None:
+    """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/256), xs int32 (n_tok, n/16).
+    All C-contiguous and writable (qtensor.Activation makes them so)."""
+    _quantize(q8_k_row, x, xq, xd, xs)
+
+
+def quantize_q8_0(x, xq, xd, xs) -> None:
     """x: float32 (n_tok, n) -> xq int8 (n_tok, n), xd float32 (n_tok, n/32) = fp16(d) as ggml
     stores it, xs int32 (n_tok, n/32) sums of xq."""
-    n_tok, n = x.shape
-    for t in prange(n_tok):
-        for b in range(n // QK8_0):
-            d, s = _q8_block(x, t, b * QK8_0, xq)
-            xd[t, b] = _as_fp16(d)
-            xs[t, b] = s
+    _quantize(q8_0_row, x, xq, xd, xs)
 
 
-@kernel(parallel=True, **_NOPY)
-def quantize_q8_1(x, xq, xd, xs):
-    """As quantize_q8_0, but xs float32 (n_tok, n/32) = fp16(d * sum of xq), ggml's q8_1 `s`
-    (the activation form of q4_1 and q5_1: their min term is m * s)."""
-    n_tok, n = x.shape
-    for t in prange(n_tok):
-        for b in range(n // QK8_0):
-            d, s = _q8_block(x, t, b * QK8_0, xq)
-            xd[t, b] = _as_fp16(d)
-            xs[t, b] = _as_fp16(d * np.float32(s))
+def quantize_q8_1(x, xq, xd, xs) -> None:
+    """As quantize_q8_0, but xs float32 (n_tok, n/32) = fp16(d * sum of xq) (see q8_1_row)."""
+    _quantize(q8_1_row, x, xq, xd, xs)

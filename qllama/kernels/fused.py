@@ -36,7 +36,7 @@ from ._x86 import (
 )
 from .act_quant import QK8_0, _as_fp16, _q8_block, q8_k_row
 from .int8 import FASTMATH
-from .jit import kernel
+from .jit import call_address, compiled_address, kernel
 from .layer_ops import glu
 
 _NOPY = dict(boundscheck=False)
@@ -147,44 +147,58 @@ def _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, lo, hi):
         _rows(t2, r2, o2, max(lo, n0 + n1) - n0 - n1, hi - n0 - n1, xq0, xd0, xs0)
 
 
-# -- the parallel region, shared by the entry points (their own code then compiles without parfors:
-# a parallel loop is lowered, and its body compiled, once per parallel function) --
+# -- the parallel region, shared by the entry points. It calls _chunk3 by its address
+# (jit.call_address): linked in by name, _chunk3's code (every type's row intrinsic) would be
+# optimised again in _rows3's serial branch, twice in its parallel loop and in both entry points,
+# ~3 s more on a first run. The caller gets the address once from `rows_address`. --
+
+
+def rows_address(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs) -> int:
+    """The address of `_chunk3` compiled for these arguments' types (as `_rows3` passes them on);
+    0 while compile_pool records a warm-up (then nothing is computed: the caller asks again)."""
+    args = (t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, 0, 0)
+    _chunk3(*args)  # an empty range: only compiles, or loads, _chunk3 for these types
+    return compiled_address(_chunk3, args)
 
 
 @kernel(parallel=True, **_NOPY)
-def _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, n_threads):
+def _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, chunk_address, n_threads):
     """o_i = W_i x for up to three matrices (type ids t_i, packed rows r_i) and one quantized
     token x, their rows taken end to end and split into one chunk per thread in one parallel
-    region (none with one thread)."""
+    region (none with one thread). chunk_address: `rows_address` of the same arguments."""
+    if chunk_address == 0:
+        return
     total = r0.shape[0] + r1.shape[0] + r2.shape[0]
-    if n_threads <= 1:  # (np.int64(0): a literal 0 would compile _chunk3 a second time, for Literal[int](0))
-        _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, np.int64(0), total)
+    if n_threads <= 1:
+        call_address(chunk_address, t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, np.int64(0), np.int64(total))
         return
     n_chunks = min(total, n_threads)
     per = (total + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
-        _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, c * per, min(total, (c + 1) * per))
+        call_address(chunk_address, t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, np.int64(c * per),
+                     np.int64(min(total, (c + 1) * per)))
 
 
 # -- entry points --
 
 
 @kernel(**_NOPY)
-def matvec3(x, form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, n_threads):
+def matvec3(x, form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, chunk_address, n_threads):
     """Quantize x (1, n) into (xq, xd, xs) in `form` on this thread, then o_i = W_i x for up to
     three matrices (type ids t_i, packed rows r_i) in one parallel region (`_rows3`)."""
     _quantize(form, x, xq, xd, xs)
-    _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, n_threads)
+    _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, chunk_address, n_threads)
 
 
 @kernel(**_NOPY)
 def ffn(x, form, xq, xd, xs, tg, rg, gate, tu, ru, up, act, form_d, gq, gd, gs, td, rd, out, empty_raw, empty_out,
-        n_threads):
+        gate_up_address, down_address, n_threads):
     """A gated FFN for one token: gate|up rows in one region, gate = act(gate) * up
     (layer_ops.glu) on this thread, then ffn_down of it into out (1, n_embd) in a second
-    region. (gq, gd, gs): the quantized GLU output in ffn_down's form `form_d`."""
+    region. (gq, gd, gs): the quantized GLU output in ffn_down's form `form_d`. The addresses:
+    `rows_address` of the two `_rows3` calls' arguments."""
     _quantize(form, x, xq, xd, xs)
-    _rows3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, n_threads)
+    _rows3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, gate_up_address, n_threads)
     glu(gate, up, gate, act)
     _quantize(form_d, gate, gq, gd, gs)
-    _rows3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, n_threads)
+    _rows3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, down_address, n_threads)

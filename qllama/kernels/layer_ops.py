@@ -47,7 +47,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from ._fp16 import HAVE_F16C, f16c_load, f16c_store, f16_bits, f16_value
-from .jit import kernel
+from .jit import call_address, compiled_address, kernel
 
 # float32 constants (module globals are frozen into the kernels with their float32 type)
 _F0 = np.float32(0.0)
@@ -383,6 +383,11 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
                 r += 1
 
 
+def _typed(start_pos, n_rep, scale, window, softcap, q_scaled) -> tuple:
+    """The scalar arguments of `_attend_jobs` in the one set of types it is compiled for."""
+    return np.int64(start_pos), np.int64(n_rep), np.float32(scale), np.int64(window), np.float32(softcap), bool(q_scaled)
+
+
 def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
     """Causal grouped-query attention over the cache, on the calling thread (decode-sized work).
 
@@ -392,21 +397,44 @@ def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, soft
     positions start_pos + t - window + 1 .. start_pos + t (window 0: from 0). q_scaled: see `_attend_jobs`.
     (A Python function: a compiled wrapper would compile the whole body once more.)
     """
-    _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, 0, 1)
+    _attend_jobs(q, k_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), out, 0, 1)
 
 
 ATTENTION_CHUNKS = 16  # job strides of the parallel form: contiguous runs of them per thread stay balanced
+_JOBS_ADDRESS: dict = {}  # array kinds -> address of _attend_jobs compiled for them
 
 
-@kernel(parallel=True, fastmath=True)
 def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
-    """`attention_serial` with the jobs spread over the threads (one parallel region): chunk c
-    takes every ATTENTION_CHUNKS-th job from c, so that each thread gets early (short) and late
-    (long) tokens of a causal batch alike."""
+    """`attention_serial` with the jobs spread over the threads (one parallel region), computing
+    exactly the same: `_attention_chunks` calls the same compiled `_attend_jobs` by its address."""
+    args = (q, k_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), out)
+    arrays = (q, k_cache, vt_cache, out)
+    if not all(a.flags.c_contiguous and a.flags.aligned for a in arrays):  # (the address is for C-contiguous arrays)
+        _attend_jobs(*args, 0, 1)
+        return
+    kind = tuple((a.dtype.num, a.ndim, a.flags.writeable) for a in arrays)
+    address = _JOBS_ADDRESS.get(kind, 0)
+    if not address:
+        n_jobs = q.shape[0] * k_cache.shape[0]
+        _attend_jobs(*args, n_jobs, 1)  # no jobs: only compiles, or loads, it for these types
+        address = compiled_address(_attend_jobs, (*args, n_jobs, 1))
+        if address:
+            _JOBS_ADDRESS[kind] = address
+    _attention_chunks(address, *args)
+
+
+@kernel(parallel=True)
+def _attention_chunks(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
+    """The parallel region of `attention`: chunk c runs _attend_jobs (at jobs_address) for every
+    ATTENTION_CHUNKS-th job from c, so that each thread gets early (short) and late (long)
+    tokens of a causal batch alike. jobs_address 0: nothing (a recording warm-up's call)."""
+    if jobs_address == 0:
+        return
     n_jobs = q.shape[0] * k_cache.shape[0]
     n_chunks = min(n_jobs, ATTENTION_CHUNKS)
     for c in prange(n_chunks):
-        _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, np.int64(c), n_chunks)
+        call_address(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out,
+                     np.int64(c), np.int64(n_chunks))
 
 
 # below this many (query head x key) dot products, waking the thread pool costs more than it saves
@@ -420,29 +448,38 @@ def attention_parallel_pays(n_tok: int, start_pos: int, n_head: int, n_threads: 
 
 
 @kernel(fastmath=True)
-def glu(gate, up, out, act):
-    """out = act(gate) * up, all (T, n_ff) float32, in blocks of EXP_BLOCK (out may be gate).
+def _glu_row(gate, up, out, t, act, tmp, bits, fbits):
+    """out[t] = act(gate[t]) * up[t] in blocks of EXP_BLOCK (out may be gate).
 
     act(g) = g / (1 + exp(z)): SiLU with z = -g, GELU (tanh form) with z = -2u.
+    (A function of its own: its loops, inlined into `glu`'s row loop, ran ~1.8x slower.)
+    """
+    n_ff = gate.shape[1]
+    for b0 in range(0, n_ff, EXP_BLOCK):
+        m = min(EXP_BLOCK, n_ff - b0)
+        if act == ACT_GELU:
+            for i in range(m):
+                g = gate[t, b0 + i]
+                tmp[i] = _GELU_K * g * (_F1 + _GELU_A * g * g)
+        else:
+            for i in range(m):
+                tmp[i] = -gate[t, b0 + i]
+        _exp_shifted(tmp, m, _F0, bits, fbits)  # exp(z)
+        for i in range(m):
+            g = gate[t, b0 + i]
+            out[t, b0 + i] = g / (_F1 + tmp[i]) * up[t, b0 + i]
+
+
+@kernel(fastmath=True)
+def glu(gate, up, out, act):
+    """out = act(gate) * up, all (T, n_ff) float32 (out may be gate), row by row (`_glu_row`).
+
     On the calling thread even for a prompt: this is O(T n_ff) work next to the O(T n_ff n_embd)
     mat-muls around it (512 x 8192 takes ~5 ms, under 1% of that prompt's time), and a parallel
     form would cost more to compile (~1.5 s on the first run) than it could ever save.
     """
-    n_ff = gate.shape[1]
     tmp = np.empty(EXP_BLOCK, np.float32)
     bits = np.empty(EXP_BLOCK, np.int32)  # int32 scratch for _exp_shifted, and its float32 view
     fbits = bits.view(np.float32)
     for t in range(gate.shape[0]):
-        for b0 in range(0, n_ff, EXP_BLOCK):
-            m = min(EXP_BLOCK, n_ff - b0)
-            if act == ACT_GELU:
-                for i in range(m):
-                    g = gate[t, b0 + i]
-                    tmp[i] = _GELU_K * g * (_F1 + _GELU_A * g * g)
-            else:
-                for i in range(m):
-                    tmp[i] = -gate[t, b0 + i]
-            _exp_shifted(tmp, m, _F0, bits, fbits)  # exp(z)
-            for i in range(m):
-                g = gate[t, b0 + i]
-                out[t, b0 + i] = g / (_F1 + tmp[i]) * up[t, b0 + i]
+        _glu_row(gate, up, out, t, act, tmp, bits, fbits)

@@ -117,6 +117,7 @@ class DecodeState:
             self.ffn_calls.append(self._ffn_call(lw, n_ff))
         self._out_w = plan.weights.output
         self._out_ok = plan.weights.output.type_id in fused.FUSED_TYPES
+        self._logits_address = 0  # the output matrix's chunk address, found on first use
 
     def _qbuf(self, form: str, n: int):
         key = (form, n)
@@ -126,8 +127,9 @@ class DecodeState:
                                 np.empty((1, n // per_sum), sum_dtype))
         return self._quant[key]
 
-    def _calls(self, mats: list[tuple[QTensor, np.ndarray]]) -> list[tuple]:
-        """matvec3 argument tuples (all but x and n_threads): matrices grouped by activation form, in order."""
+    def _calls(self, mats: list[tuple[QTensor, np.ndarray]]) -> list[list]:
+        """matvec3 argument lists (all but x and n_threads): matrices grouped by activation form, in
+        order. The last item is the chunk address (`fused.rows_address`), 0 until `_ready` finds it."""
         groups: dict[str, list] = {}
         for w, out in mats:
             groups.setdefault(_form(w), []).append((w, out))
@@ -136,8 +138,15 @@ class DecodeState:
             slots = []
             for i in range(3):
                 slots += [ms[i][0].type_id, ms[i][0].raw, ms[i][1]] if i < len(ms) else [0, self._empty_raw, self._empty_out]
-            calls.append((self._fused.FORMS[form], *self._qbuf(form, ms[0][0].n_cols), *slots))
+            calls.append([self._fused.FORMS[form], *self._qbuf(form, ms[0][0].n_cols), *slots, 0])
         return calls
+
+    def _ready(self, call: list) -> list:
+        """call with its chunk address found (on first use: a warm-up that only records gets 0,
+        and the next use asks again)."""
+        if not call[-1]:
+            call[-1] = self._fused.rows_address(*call[4:13], *call[1:4])
+        return call
 
     def _ffn_call(self, lw, n_ff: int):
         """("ffn", args before act, args after act) for separate gate and up of one form; else
@@ -149,7 +158,7 @@ class DecodeState:
                    up.type_id, up.raw, self.up)
             post = (self._fused.FORMS[fd], *self._qbuf(fd, down.n_cols), down.type_id, down.raw, self.ffn_out,
                     self._empty_raw, self._empty_out)
-            return ("ffn", pre, post)
+            return ("ffn", pre, post, [0, 0])  # (+ the two chunk addresses, found on first use)
         if gate is None:  # gate|up in one matrix, gate first
             gu = np.empty((1, 2 * n_ff), np.float32)
             return ("split", self._calls([(up, gu)]), gu, self._calls([(down, self.ffn_out)]))
@@ -162,6 +171,7 @@ class DecodeState:
         calls, fused_out = self.qkv_calls[il]
         mv = self._fused.matvec3
         for args in calls:
+            args = self._ready(args)
             if clock is None:
                 mv(h, *args, nt)
             else:
@@ -174,6 +184,7 @@ class DecodeState:
     def out_proj(self, il: int, attn: np.ndarray, nt: int, clock: KernelClock | None) -> np.ndarray:
         mv = self._fused.matvec3
         for args in self.out_calls[il]:
+            args = self._ready(args)
             if clock is None:
                 mv(attn, *args, nt)
             else:
@@ -183,12 +194,16 @@ class DecodeState:
     def ffn(self, il: int, h: np.ndarray, act: int, nt: int, clock: KernelClock | None) -> np.ndarray:
         call = self.ffn_calls[il]
         if call[0] == "ffn":
-            _, pre, post = call
+            _, pre, post, addresses = call
+            if not addresses[0]:
+                er, eo = self._empty_raw, self._empty_out
+                addresses[0] = self._fused.rows_address(*pre[4:10], pre[4], er, eo, *pre[1:4])
+                addresses[1] = self._fused.rows_address(*post[4:7], post[4], er, eo, post[4], er, eo, *post[1:4])
             if clock is None:
-                self._fused.ffn(h, *pre, act, *post, nt)
+                self._fused.ffn(h, *pre, act, *post, *addresses, nt)
             else:
                 clock.run("quantize x + ffn_gate|up + glu + quantize + ffn_down (fused)", il, self._fused.ffn, h, *pre,
-                          act, *post, nt)
+                          act, *post, *addresses, nt)
             return self.ffn_out
         from ..kernels.layer_ops import glu
 
@@ -196,12 +211,14 @@ class DecodeState:
         n_ff = self.gate.shape[1]
         run = (lambda kind, fn, *a: fn(*a)) if clock is None else (lambda kind, fn, *a: clock.run(kind, il, fn, *a))
         for args in gu_calls:
+            args = self._ready(args)
             run("quantize x + ffn_gate|up (fused)", self._fused.matvec3, h, *args, nt)
         if gu is not None:
             self.gate[:] = gu[:, :n_ff]
             self.up[:] = gu[:, n_ff:]
         run("glu", glu, self.gate, self.up, self.gate, act)
         for args in down_calls:
+            args = self._ready(args)
             run("quantize x + ffn_down (fused)", self._fused.matvec3, self.gate, *args, nt)
         return self.ffn_out
 
@@ -212,8 +229,10 @@ class DecodeState:
         w = self._out_w
         out = np.empty((1, w.n_rows), np.float32)
         form = _form(w)
-        args = (self._fused.FORMS[form], *self._qbuf(form, w.n_cols), w.type_id, w.raw, out,
-                0, self._empty_raw, self._empty_out, 0, self._empty_raw, self._empty_out)
+        args = [self._fused.FORMS[form], *self._qbuf(form, w.n_cols), w.type_id, w.raw, out,
+                0, self._empty_raw, self._empty_out, 0, self._empty_raw, self._empty_out, self._logits_address]
+        if not args[-1]:  # (the same types on every call: `out` is a new array of the same kind)
+            self._logits_address = self._ready(args)[-1]
         if clock is None:
             self._fused.matvec3(hn, *args, nt)
         else:
