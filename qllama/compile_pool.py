@@ -241,7 +241,7 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
     env = {**os.environ, "NUMBA_NUM_THREADS": "1", "QLLAMA_POOL_PARENT": str(os.getpid())}
     if not env.get("NUMBA_OPT", "").strip():
         # A worker compiles only kernels: its whole process, machine-code generation included,
-        # runs at their level (kernels/jit.py), which the main process sets per kernel only.
+        # runs at their optimisation level, as kernels/jit.py sets it in the main process.
         env["NUMBA_OPT"] = str(OPT_LEVEL)
     try:
         for _ in range(n):

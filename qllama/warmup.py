@@ -25,6 +25,9 @@ from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
 PREFILL_TOKENS = 5  # >= 4: the int8 prefill kernels work on groups of 4 tokens, plus a remainder
+# depth of the third pass: attention runs in parallel there for any model with >= 2 heads
+# (layer_ops.attention_parallel_pays), and costs little (at n_ctx 4096 it took ~0.2 s of a 1B warm-up)
+FAR_DEPTH = 2048
 
 
 def kernel_types(gguf) -> list[str]:
@@ -35,7 +38,7 @@ def kernel_types(gguf) -> list[str]:
 def warm_up(model, tokens: int = PREFILL_TOKENS, workers: int | None = None) -> float:
     """Run the forward pass of `model` (a LlamaModel-like object with `new_cache()` and
     `forward(ids, cache)`) on a scratch cache so that every kernel it uses is compiled or
-    loaded: a prompt batch, one decode step, and a batch near the end of the context (where
+    loaded: a prompt batch, one decode step, and a batch FAR_DEPTH tokens into the context (where
     attention is long enough to run in parallel). Returns the seconds it took.
 
     Kernels that neither this process nor Numba's disk cache holds are first compiled by
@@ -85,9 +88,10 @@ def _forward_passes(model, tokens: int) -> list:
         if cache.n_past < n_ctx:
             model.forward([0], cache)
 
-    def far():  # a batch near the end of the context: attention long enough to run in parallel
-        if n_ctx - tokens > first + 1:
-            cache.n_past = n_ctx - tokens
+    def far():  # a batch deep enough into the context for attention to run in parallel
+        depth = min(n_ctx - tokens, FAR_DEPTH)
+        if depth > first + 1:
+            cache.n_past = depth
             model.forward([0] * tokens, cache)
 
     return [prompt, decode, far]
