@@ -9,11 +9,11 @@ the int8 path from 15 to 7 and its parallel regions from 9 to 4 (none at one thr
 
 Results are bit-identical to the unfused int8 path (`kernels/int8.py` through QTensor): each
 row is the same whole-row intrinsic of `_x86.py` (as int8.py's kernels call for one token),
-the activation is rounded by act_quant.py's own per-token code (`_q8_block`, `q8_k_row`), and
-the GLU is `layer_ops.glu` itself.
+the activation is rounded by act_quant.py's own per-token code (`q8_k_row`, `q8_0_row`,
+`q8_1_row`, called by address), and the GLU is `layer_ops.glu` itself.
 
 Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K); a
-group's matrices must share one activation form (FORMS). Others take the unfused path.
+group's matrices must share one activation form. Others take the unfused path.
 Shapes: x (1, n) float32; xq int8 (1, n), xd float32 (1, n/32 or n/256), xs int32 or float32
 (1, n/32 or n/16) as `qtensor.Activation.quantized` makes them; raw uint8 (rows, row_bytes);
 outputs float32 (1, rows). An unused slot is an empty raw (0, 1) with an empty output (1, 0).
@@ -34,16 +34,14 @@ from ._x86 import (
     row_dot_q6_k,
     row_dot_q8_0,
 )
-from .act_quant import QK8_0, _as_fp16, _q8_block, q8_k_row
+from .act_quant import q8_0_row, q8_1_row, q8_k_row
 from .int8 import FASTMATH
-from .jit import call_address, compiled_address, kernel
+from .jit import array_kinds, call_address, compiled_address, kernel
 from .layer_ops import glu
 
 _NOPY = dict(boundscheck=False)
 _OVERLOAD = dict(boundscheck=False, error_model="numpy")  # as every kernel (kernels/jit.py)
 
-# activation forms, as qtensor's TYPES name them -> the code the kernels take
-FORMS = {"q8_K": 0, "q8_0": 1, "q8_1": 2}
 FUSED_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
 
 
@@ -100,35 +98,42 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
     return int_sums
 
 
-# -- the activation, quantized on the calling thread --
+# -- the activation, quantized on the calling thread by act_quant's row function, called by its
+# address (found once by `quant_address`): a form's code is not compiled into these kernels again,
+# and a model's unused forms not at all --
+
+_ROW_OF_FORM = {"q8_K": q8_k_row, "q8_0": q8_0_row, "q8_1": q8_1_row}
 
 
-def _quantize(form, x, xq, xd, xs):
-    """Token 0 of x into the int8 form `form` (FORMS), as act_quant.quantize_q8_k / _q8_0 / _q8_1."""
+_ADDRESSES: dict = {}  # (kernel, argument kinds) -> address, for the functions below
 
 
-@overload(_quantize, jit_options=_OVERLOAD)
-def _quantize_impl(form, x, xq, xd, xs):
-    if xs.dtype == types.float32:  # q8_1: s = fp16(d * sum)
+def _address_of(dispatcher, args, run) -> int:
+    """compiled_address(dispatcher, args), remembered by the arguments' kinds; run() first
+    compiles or loads it (0 while compile_pool records: then asked again next time)."""
+    key = (dispatcher, tuple(array_kinds(a)[0] if isinstance(a, np.ndarray) else type(a) for a in args))
+    address = _ADDRESSES.get(key, 0)
+    if not address:
+        run()
+        address = compiled_address(dispatcher, args)
+        if address:
+            _ADDRESSES[key] = address
+    return address
 
-        def q8_1(form, x, xq, xd, xs):
-            for b in range(x.shape[1] // QK8_0):
-                d, s = _q8_block(x, 0, b * QK8_0, xq)
-                xd[0, b] = _as_fp16(d)
-                xs[0, b] = _as_fp16(d * np.float32(s))
 
-        return q8_1
+def glu_address(gate, up, act: int) -> int:
+    """The address of layer_ops.glu compiled for (gate, up, gate, act) as `ffn` calls it (gate is
+    overwritten meanwhile); 0 while compile_pool records."""
+    args = (gate, up, gate, act)
+    return _address_of(glu, args, lambda: glu(*args))
 
-    def int_sums(form, x, xq, xd, xs):
-        if form == 0:
-            q8_k_row(x, np.int64(0), xq, xd, xs)
-            return
-        for b in range(x.shape[1] // QK8_0):
-            d, s = _q8_block(x, 0, b * QK8_0, xq)
-            xd[0, b] = _as_fp16(d)
-            xs[0, b] = s
 
-    return int_sums
+def quant_address(form: str, x, xq, xd, xs) -> int:
+    """The address of the act_quant row function of `form` ("q8_K", "q8_0", "q8_1") compiled for
+    these arguments' types (token 0 of x is quantized meanwhile); 0 while compile_pool records."""
+    row = _ROW_OF_FORM[form]
+    args = (x, 0, xq, xd, xs)
+    return _address_of(row, args, lambda: row(*args))
 
 
 # -- rows of up to three matrices in one region --
@@ -157,8 +162,7 @@ def rows_address(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs) -> int:
     """The address of `_chunk3` compiled for these arguments' types (as `_rows3` passes them on);
     0 while compile_pool records a warm-up (then nothing is computed: the caller asks again)."""
     args = (t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, 0, 0)
-    _chunk3(*args)  # an empty range: only compiles, or loads, _chunk3 for these types
-    return compiled_address(_chunk3, args)
+    return _address_of(_chunk3, args, lambda: _chunk3(*args))  # (an empty range: only compiles, or loads, it)
 
 
 @kernel(parallel=True, **_NOPY)
@@ -183,22 +187,28 @@ def _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, chunk_address, n_thre
 
 
 @kernel(**_NOPY)
-def matvec3(x, form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, chunk_address, n_threads):
-    """Quantize x (1, n) into (xq, xd, xs) in `form` on this thread, then o_i = W_i x for up to
-    three matrices (type ids t_i, packed rows r_i) in one parallel region (`_rows3`)."""
-    _quantize(form, x, xq, xd, xs)
+def matvec3(x, quant_address, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, chunk_address, n_threads):
+    """Quantize x (1, n) into (xq, xd, xs) on this thread (quant_address: `quant_address` of x and
+    them), then o_i = W_i x for up to three matrices (type ids t_i, packed rows r_i) in one
+    parallel region (`_rows3`). An address 0 (a recording warm-up): nothing is computed."""
+    if quant_address == 0:
+        return
+    call_address(quant_address, x, np.int64(0), xq, xd, xs)
     _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, chunk_address, n_threads)
 
 
 @kernel(**_NOPY)
-def ffn(x, form, xq, xd, xs, tg, rg, gate, tu, ru, up, act, form_d, gq, gd, gs, td, rd, out, empty_raw, empty_out,
-        gate_up_address, down_address, n_threads):
+def ffn(x, quant_address, xq, xd, xs, tg, rg, gate, tu, ru, up, act, quant_d_address, gq, gd, gs, td, rd, out,
+        empty_raw, empty_out, gate_up_address, down_address, glu_address, n_threads):
     """A gated FFN for one token: gate|up rows in one region, gate = act(gate) * up
     (layer_ops.glu) on this thread, then ffn_down of it into out (1, n_embd) in a second
-    region. (gq, gd, gs): the quantized GLU output in ffn_down's form `form_d`. The addresses:
-    `rows_address` of the two `_rows3` calls' arguments."""
-    _quantize(form, x, xq, xd, xs)
+    region. (gq, gd, gs): the quantized GLU output in ffn_down's form. The addresses:
+    `quant_address` of x and of gate, `rows_address` of the two `_rows3` calls' arguments,
+    `glu_address`."""
+    if quant_address == 0 or quant_d_address == 0 or glu_address == 0:
+        return
+    call_address(quant_address, x, np.int64(0), xq, xd, xs)
     _rows3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, gate_up_address, n_threads)
-    glu(gate, up, gate, act)
-    _quantize(form_d, gate, gq, gd, gs)
+    call_address(glu_address, gate, up, gate, act)
+    call_address(quant_d_address, gate, np.int64(0), gq, gd, gs)
     _rows3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, down_address, n_threads)

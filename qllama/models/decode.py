@@ -117,7 +117,7 @@ class DecodeState:
             self.ffn_calls.append(self._ffn_call(lw, n_ff))
         self._out_w = plan.weights.output
         self._out_ok = plan.weights.output.type_id in fused.FUSED_TYPES
-        self._logits_address = 0  # the output matrix's chunk address, found on first use
+        self._logits_addresses = [0, 0]  # the output matrix's chunk and quantizer addresses, found on first use
 
     def _qbuf(self, form: str, n: int):
         key = (form, n)
@@ -128,8 +128,9 @@ class DecodeState:
         return self._quant[key]
 
     def _calls(self, mats: list[tuple[QTensor, np.ndarray]]) -> list[list]:
-        """matvec3 argument lists (all but x and n_threads): matrices grouped by activation form, in
-        order. The last item is the chunk address (`fused.rows_address`), 0 until `_ready` finds it."""
+        """One list per fused.matvec3 call: matrices grouped by activation form, in order, as
+        [form, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, chunk address, quantizer address];
+        the addresses are 0 until `_ready` finds them."""
         groups: dict[str, list] = {}
         for w, out in mats:
             groups.setdefault(_form(w), []).append((w, out))
@@ -138,15 +139,18 @@ class DecodeState:
             slots = []
             for i in range(3):
                 slots += [ms[i][0].type_id, ms[i][0].raw, ms[i][1]] if i < len(ms) else [0, self._empty_raw, self._empty_out]
-            calls.append([self._fused.FORMS[form], *self._qbuf(form, ms[0][0].n_cols), *slots, 0])
+            calls.append([form, *self._qbuf(form, ms[0][0].n_cols), *slots, 0, 0])
         return calls
 
-    def _ready(self, call: list) -> list:
-        """call with its chunk address found (on first use: a warm-up that only records gets 0,
-        and the next use asks again)."""
+    def _ready(self, call: list, x: np.ndarray) -> tuple:
+        """fused.matvec3's arguments after x for `call` (see `_calls`), n_threads apart. The
+        addresses are found on first use (a warm-up that only records gets 0, and the next use
+        asks again)."""
+        if not call[-2]:
+            call[-2] = self._fused.rows_address(*call[4:13], *call[1:4])
         if not call[-1]:
-            call[-1] = self._fused.rows_address(*call[4:13], *call[1:4])
-        return call
+            call[-1] = self._fused.quant_address(call[0], x, *call[1:4])
+        return (call[-1], *call[1:-1])
 
     def _ffn_call(self, lw, n_ff: int):
         """("ffn", args before act, args after act) for separate gate and up of one form; else
@@ -154,11 +158,10 @@ class DecodeState:
         gate, up, down = lw.ffn_gate, lw.ffn_up, lw.ffn_down
         if gate is not None and _form(gate) == _form(up):
             fg, fd = _form(gate), _form(down)
-            pre = (self._fused.FORMS[fg], *self._qbuf(fg, gate.n_cols), gate.type_id, gate.raw, self.gate,
-                   up.type_id, up.raw, self.up)
-            post = (self._fused.FORMS[fd], *self._qbuf(fd, down.n_cols), down.type_id, down.raw, self.ffn_out,
-                    self._empty_raw, self._empty_out)
-            return ("ffn", pre, post, [0, 0])  # (+ the two chunk addresses, found on first use)
+            pre = (fg, *self._qbuf(fg, gate.n_cols), gate.type_id, gate.raw, self.gate, up.type_id, up.raw, self.up)
+            post = (fd, *self._qbuf(fd, down.n_cols), down.type_id, down.raw, self.ffn_out, self._empty_raw,
+                    self._empty_out)
+            return ("ffn", pre, post, [0, 0, 0, 0, 0])  # (+ the kernels' addresses, found on first use)
         if gate is None:  # gate|up in one matrix, gate first
             gu = np.empty((1, 2 * n_ff), np.float32)
             return ("split", self._calls([(up, gu)]), gu, self._calls([(down, self.ffn_out)]))
@@ -170,8 +173,8 @@ class DecodeState:
         """-> q (1, q_dim), k, v (1, kv_dim): views of this state's buffers."""
         calls, fused_out = self.qkv_calls[il]
         mv = self._fused.matvec3
-        for args in calls:
-            args = self._ready(args)
+        for call in calls:
+            args = self._ready(call, h)
             if clock is None:
                 mv(h, *args, nt)
             else:
@@ -183,8 +186,8 @@ class DecodeState:
 
     def out_proj(self, il: int, attn: np.ndarray, nt: int, clock: KernelClock | None) -> np.ndarray:
         mv = self._fused.matvec3
-        for args in self.out_calls[il]:
-            args = self._ready(args)
+        for call in self.out_calls[il]:
+            args = self._ready(call, attn)
             if clock is None:
                 mv(attn, *args, nt)
             else:
@@ -194,31 +197,34 @@ class DecodeState:
     def ffn(self, il: int, h: np.ndarray, act: int, nt: int, clock: KernelClock | None) -> np.ndarray:
         call = self.ffn_calls[il]
         if call[0] == "ffn":
-            _, pre, post, addresses = call
-            if not addresses[0]:
+            _, pre, post, ad = call
+            if not all(ad):
                 er, eo = self._empty_raw, self._empty_out
-                addresses[0] = self._fused.rows_address(*pre[4:10], pre[4], er, eo, *pre[1:4])
-                addresses[1] = self._fused.rows_address(*post[4:7], post[4], er, eo, post[4], er, eo, *post[1:4])
+                ad[0] = self._fused.rows_address(*pre[4:10], pre[4], er, eo, *pre[1:4])
+                ad[1] = self._fused.rows_address(*post[4:7], post[4], er, eo, post[4], er, eo, *post[1:4])
+                ad[2] = self._fused.quant_address(pre[0], h, *pre[1:4])
+                ad[3] = self._fused.quant_address(post[0], self.gate, *post[1:4])
+                ad[4] = self._fused.glu_address(self.gate, self.up, act)
+            args = (ad[2], *pre[1:], act, ad[3], *post[1:], ad[0], ad[1], ad[4], nt)
             if clock is None:
-                self._fused.ffn(h, *pre, act, *post, *addresses, nt)
+                self._fused.ffn(h, *args)
             else:
-                clock.run("quantize x + ffn_gate|up + glu + quantize + ffn_down (fused)", il, self._fused.ffn, h, *pre,
-                          act, *post, *addresses, nt)
+                clock.run("quantize x + ffn_gate|up + glu + quantize + ffn_down (fused)", il, self._fused.ffn, h, *args)
             return self.ffn_out
         from ..kernels.layer_ops import glu
 
         _, gu_calls, gu, down_calls = call
         n_ff = self.gate.shape[1]
         run = (lambda kind, fn, *a: fn(*a)) if clock is None else (lambda kind, fn, *a: clock.run(kind, il, fn, *a))
-        for args in gu_calls:
-            args = self._ready(args)
+        for call in gu_calls:
+            args = self._ready(call, h)
             run("quantize x + ffn_gate|up (fused)", self._fused.matvec3, h, *args, nt)
         if gu is not None:
             self.gate[:] = gu[:, :n_ff]
             self.up[:] = gu[:, n_ff:]
         run("glu", glu, self.gate, self.up, self.gate, act)
-        for args in down_calls:
-            args = self._ready(args)
+        for call in down_calls:
+            args = self._ready(call, self.gate)
             run("quantize x + ffn_down (fused)", self._fused.matvec3, self.gate, *args, nt)
         return self.ffn_out
 
@@ -229,10 +235,10 @@ class DecodeState:
         w = self._out_w
         out = np.empty((1, w.n_rows), np.float32)
         form = _form(w)
-        args = [self._fused.FORMS[form], *self._qbuf(form, w.n_cols), w.type_id, w.raw, out,
-                0, self._empty_raw, self._empty_out, 0, self._empty_raw, self._empty_out, self._logits_address]
-        if not args[-1]:  # (the same types on every call: `out` is a new array of the same kind)
-            self._logits_address = self._ready(args)[-1]
+        call = [form, *self._qbuf(form, w.n_cols), w.type_id, w.raw, out, 0, self._empty_raw, self._empty_out, 0,
+                self._empty_raw, self._empty_out, *self._logits_addresses]
+        args = self._ready(call, hn)
+        self._logits_addresses = call[-2:]  # (the same types on every call: `out` is a new array of the same kind)
         if clock is None:
             self._fused.matvec3(hn, *args, nt)
         else:
