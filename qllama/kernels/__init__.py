@@ -12,8 +12,11 @@
 - `quantize_k.py` the k-quant block quantizers (q4_K, q5_K, q6_K) of `qllama.quantize`
 - `layer_ops.py` the non-matmul parts of a transformer layer (norms, RoPE, attention, FFN gates)
 - `scan.py`    scans of packed data for non-finite floats (`qllama inspect --check`)
+- `fused.py`   one-token decode kernels: a layer's Q|K|V, gate|up, GLU and ffn_down in few calls
 - `jit.py`     `kernel`, the one decorator every kernel is compiled with (cache=True,
-               error_model="numpy": float arithmetic never raises)
+               error_model="numpy": float arithmetic never raises; LLVM level 1), and
+               `call_address`: a kernel calling another compiled kernel by address, so that a
+               long body compiles once rather than again inside each caller
 
 Kernels take validated input (shapes, dtypes, sizes are checked in `qllama.qtensor`) and run
 with `boundscheck=False`. Importing this package compiles nothing (Numba compiles lazily).
