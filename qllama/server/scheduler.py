@@ -180,8 +180,14 @@ class Scheduler:
     # -- the asyncio side ------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Run the loop in a worker thread (tests; `qllama serve` runs it on its main thread: see `run`)."""
         self._thread = threading.Thread(target=self._loop, name="qllama-scheduler", daemon=True)
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until `close`. Numba's parallel regions cost far
+        less when launched from the main thread (~12 us against ~90 us each with the OpenMP layer)."""
+        self._loop()
 
     def submit(self, job: Job) -> None:
         """Queue a job; raises QueueFull or ShuttingDown."""
