@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .jit import kernel
+from .jit import Variants, kernel
 
 from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1
 from ._fp16 import f16_at
@@ -147,44 +147,46 @@ def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
                     t += 1
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
-    """q4_0, q4_1, q5_0, q5_1 rows times int8 activations, as ggml's vec_dot kernels:
+def _legacy_of(type_id: int):
+    """The mat-mul of one of q4_0, q4_1, q5_0, q5_1 (type_id, a constant of the closure) times
+    int8 activations, as ggml's vec_dot kernels:
 
     q4_0: d*(q-8), q5_0: d*(q-16) with q8_0 activations (xs int32 sums of xq) -> d*dx*(sum q xq - off*xs);
     q4_1 / q5_1: d*q + m with q8_1 activations (xs float32 s = fp16(dx * sum xq)) -> d*dx*sum q xq + m*s.
-    The activation form selects _0 or _1 inside the row intrinsics (`_x86.py`); type_id the block size.
+    The activation form selects _0 or _1 inside the row intrinsics (`_x86.py`); type_id the block
+    size and the 4- or 5-bit intrinsics, so a variant compiles one of them.
     """
-    n_rows, n_tok = raw.shape[0], xq.shape[0]
     five = type_id == Q5_0 or type_id == Q5_1
-    if type_id == Q4_0:
-        bb = 18
-    elif type_id == Q4_1:
-        bb = 20
-    elif type_id == Q5_0:
-        bb = 22
-    else:
-        bb = 24
-    nb = raw.shape[1] // bb
-    n_chunks, per = _chunks(n_rows, n_threads)
-    for c in prange(n_chunks):
-        for t0 in range(0, n_tok, TOKEN_TILE):
-            for r in range(c * per, min(n_rows, (c + 1) * per)):
-                row = raw[r]
-                t1 = min(n_tok, t0 + TOKEN_TILE)
-                t = t0
-                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                    if five:
-                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_legacy(row, nb, xq, xd, xs, t)
-                    else:
-                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_legacy(row, nb, xq, xd, xs, t)
-                    t += 4
-                while t < t1:
-                    if five:
-                        out[t, r] = row_dot_q5_legacy(row, nb, xq[t], xd[t], xs[t])
-                    else:
-                        out[t, r] = row_dot_q4_legacy(row, nb, xq[t], xd[t], xs[t])
-                    t += 1
+    bb = {Q4_0: 18, Q4_1: 20, Q5_0: 22}.get(type_id, 24)  # bytes per block (Q5_1: 24)
+
+    def matmul_legacy(raw, xq, xd, xs, tab, out, n_threads):
+        n_rows, n_tok = raw.shape[0], xq.shape[0]
+        nb = raw.shape[1] // bb
+        n_chunks, per = _chunks(n_rows, n_threads)
+        for c in prange(n_chunks):
+            for t0 in range(0, n_tok, TOKEN_TILE):
+                for r in range(c * per, min(n_rows, (c + 1) * per)):
+                    row = raw[r]
+                    t1 = min(n_tok, t0 + TOKEN_TILE)
+                    t = t0
+                    while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                        if five:
+                            out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_legacy(row, nb, xq, xd, xs, t)
+                        else:
+                            out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_legacy(row, nb, xq, xd, xs, t)
+                        t += 4
+                    while t < t1:
+                        if five:
+                            out[t, r] = row_dot_q5_legacy(row, nb, xq[t], xd[t], xs[t])
+                        else:
+                            out[t, r] = row_dot_q4_legacy(row, nb, xq[t], xd[t], xs[t])
+                        t += 1
+
+    return matmul_legacy
+
+
+# one kernel per legacy type, made on first use (a model compiles only the types it has)
+MATMUL_LEGACY = Variants(_legacy_of, "MATMUL_LEGACY", parallel=True, fastmath=FASTMATH, **_NOPY)
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
