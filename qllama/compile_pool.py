@@ -39,9 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import numpy as np
-
-from .kernels.jit import OPT_LEVEL, array_kinds
+from .kernels.jit import OPT_LEVEL, argument_kinds
 
 WORKER_CMD = [sys.executable, "-m", "qllama.compile_pool"]  # (tests replace it to simulate failures)
 JOB_TIMEOUT_S = 600.0  # a worker silent this long on one job is killed (its job falls back)
@@ -154,7 +152,7 @@ def _recording(jobs: list[Job]):
 
     def record(self, *args, **kws):
         try:
-            quick = (id(self), tuple(_kind(a) for a in args))  # (typing every argument of every call cost ~0.3 s per warm-up)
+            quick = (id(self), argument_kinds(args))  # (typing every argument of every call cost ~0.3 s per warm-up)
             if quick in seen:
                 return _skip
             seen.add(quick)
@@ -176,13 +174,6 @@ def _recording(jobs: list[Job]):
         yield
     finally:
         Dispatcher._compile_for_args = original
-
-
-def _kind(a):
-    """What decides the Numba type of a kernel argument, cheaper to get than the type itself."""
-    if isinstance(a, np.ndarray):
-        return array_kinds(a)
-    return type(a)
 
 
 def _skip(*args, **kws):

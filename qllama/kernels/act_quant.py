@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .jit import array_kinds, call_address, compiled_address, kernel
+from .jit import address_of, call_address, kernel
 from .quantize_k import fp16_round
 
 _NOPY = dict(boundscheck=False)
@@ -140,25 +140,15 @@ def _each_token(row_address, x, xq, xd, xs):
         call_address(row_address, x, np.int64(t), xq, xd, xs)
 
 
-_ROW_ADDRESS: dict = {}  # (row function, array kinds) -> address of its compiled code
-
-
 def _quantize(row, x, xq, xd, xs) -> None:
     """x float32 (n_tok, n) -> (xq, xd, xs) by `row` for each token: on this thread for one token,
     else in one parallel region."""
     if x.shape[0] == 1:  # (one token: no thread wake-up)
         row(x, 0, xq, xd, xs)
         return
-    key = (row, array_kinds(x, xq, xd, xs))
-    address = _ROW_ADDRESS.get(key, 0)
-    if not address:
-        row(x, 0, xq, xd, xs)  # token 0 here: compiles, or loads, row for these types
-        address = compiled_address(row, (x, 0, xq, xd, xs))
-        if not address:  # (a warm-up that only records: noting the parallel call is enough)
-            _each_token(0, x, xq, xd, xs)
-            return
-        _ROW_ADDRESS[key] = address
-    _each_token(address, x, xq, xd, xs)
+    args = (x, 0, xq, xd, xs)
+    address = address_of(row, args, lambda: row(*args))  # (token 0 is quantized here meanwhile)
+    _each_token(address, x, xq, xd, xs)  # (address 0, a recording warm-up: only noted)
 
 
 def quantize_q8_k(x, xq, xd, xs) -> None:

@@ -36,7 +36,7 @@ from ._x86 import (
 )
 from .act_quant import q8_0_row, q8_1_row, q8_k_row
 from .int8 import FASTMATH
-from .jit import array_kinds, call_address, compiled_address, kernel
+from .jit import address_of, call_address, kernel
 from .layer_ops import glu
 
 _NOPY = dict(boundscheck=False)
@@ -105,27 +105,11 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
 _ROW_OF_FORM = {"q8_K": q8_k_row, "q8_0": q8_0_row, "q8_1": q8_1_row}
 
 
-_ADDRESSES: dict = {}  # (kernel, argument kinds) -> address, for the functions below
-
-
-def _address_of(dispatcher, args, run) -> int:
-    """compiled_address(dispatcher, args), remembered by the arguments' kinds; run() first
-    compiles or loads it (0 while compile_pool records: then asked again next time)."""
-    key = (dispatcher, tuple(array_kinds(a)[0] if isinstance(a, np.ndarray) else type(a) for a in args))
-    address = _ADDRESSES.get(key, 0)
-    if not address:
-        run()
-        address = compiled_address(dispatcher, args)
-        if address:
-            _ADDRESSES[key] = address
-    return address
-
-
 def glu_address(gate, up, act: int) -> int:
     """The address of layer_ops.glu compiled for (gate, up, gate, act) as `ffn` calls it (gate is
     overwritten meanwhile); 0 while compile_pool records."""
     args = (gate, up, gate, act)
-    return _address_of(glu, args, lambda: glu(*args))
+    return address_of(glu, args, lambda: glu(*args))
 
 
 def quant_address(form: str, x, xq, xd, xs) -> int:
@@ -133,7 +117,7 @@ def quant_address(form: str, x, xq, xd, xs) -> int:
     these arguments' types (token 0 of x is quantized meanwhile); 0 while compile_pool records."""
     row = _ROW_OF_FORM[form]
     args = (x, 0, xq, xd, xs)
-    return _address_of(row, args, lambda: row(*args))
+    return address_of(row, args, lambda: row(*args))
 
 
 # -- rows of up to three matrices in one region --
@@ -162,7 +146,7 @@ def rows_address(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs) -> int:
     """The address of `_chunk3` compiled for these arguments' types (as `_rows3` passes them on);
     0 while compile_pool records a warm-up (then nothing is computed: the caller asks again)."""
     args = (t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, 0, 0)
-    return _address_of(_chunk3, args, lambda: _chunk3(*args))  # (an empty range: only compiles, or loads, it)
+    return address_of(_chunk3, args, lambda: _chunk3(*args))  # (an empty range: only compiles, or loads, it)
 
 
 @kernel(parallel=True, **_NOPY)

@@ -185,11 +185,30 @@ def kernel(func=None, **options):
 # -- calling a compiled kernel by its address ---------------------------------------------------
 
 
-def array_kinds(*arrays) -> tuple:
-    """What decides the Numba types of these arrays (dtype, dimensions, layout, writable, aligned):
-    a cache key for `compiled_address` that is cheaper than typing them."""
+def argument_kinds(args) -> tuple:
+    """What decides the Numba types of these arguments, cheaper to get than the types: for an
+    array its dtype, dimensions, layout, writability and alignment; for anything else its class."""
+    import numpy as np
+
     return tuple((a.dtype.num, a.ndim, a.flags.c_contiguous, a.flags.f_contiguous, a.flags.writeable, a.flags.aligned)
-                 for a in arrays)
+                 if isinstance(a, np.ndarray) else type(a) for a in args)
+
+
+_ADDRESSES: dict = {}  # (kernel, argument kinds) -> address, for `address_of`
+
+
+def address_of(dispatcher, args, prepare) -> int:
+    """`compiled_address(dispatcher, args)`, remembered by the arguments' kinds. `prepare()` first
+    calls dispatcher on arguments of these types, which compiles or loads it. 0 while
+    compile_pool records a warm-up (not remembered: the caller asks again next time)."""
+    key = (dispatcher, argument_kinds(args))
+    address = _ADDRESSES.get(key, 0)
+    if not address:
+        prepare()
+        address = compiled_address(dispatcher, args)
+        if address:
+            _ADDRESSES[key] = address
+    return address
 
 
 def compiled_address(dispatcher, args) -> int:
@@ -207,7 +226,7 @@ def compiled_address(dispatcher, args) -> int:
 @intrinsic
 def call_address(typingctx, address, *args):
     """In a kernel: call the compiled function at `address` (from `compiled_address`, for these
-    very argument types: nothing checks them) with `args`; its result is dropped.
+    very argument types: nothing checks them; see `address_of`) with `args`; its result is dropped.
 
     Why: a kernel that calls another kernel by name links that kernel's code into its own and
     optimises it again, every caller, and a parallel loop twice over. Called by address, a long

@@ -47,7 +47,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from ._fp16 import HAVE_F16C, f16c_load, f16c_store, f16_bits, f16_value
-from .jit import call_address, compiled_address, kernel
+from .jit import address_of, call_address, kernel
 
 # float32 constants (module globals are frozen into the kernels with their float32 type)
 _F0 = np.float32(0.0)
@@ -401,7 +401,6 @@ def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, soft
 
 
 ATTENTION_CHUNKS = 16  # job strides of the parallel form: contiguous runs of them per thread stay balanced
-_JOBS_ADDRESS: dict = {}  # array kinds -> address of _attend_jobs compiled for them
 
 
 def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
@@ -412,15 +411,8 @@ def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_
     if not all(a.flags.c_contiguous and a.flags.aligned for a in arrays):  # (the address is for C-contiguous arrays)
         _attend_jobs(*args, 0, 1)
         return
-    kind = tuple((a.dtype.num, a.ndim, a.flags.writeable) for a in arrays)
-    address = _JOBS_ADDRESS.get(kind, 0)
-    if not address:
-        n_jobs = q.shape[0] * k_cache.shape[0]
-        _attend_jobs(*args, n_jobs, 1)  # no jobs: only compiles, or loads, it for these types
-        address = compiled_address(_attend_jobs, (*args, n_jobs, 1))
-        if address:
-            _JOBS_ADDRESS[kind] = address
-    _attention_chunks(address, *args)
+    no_jobs = (*args, q.shape[0] * k_cache.shape[0], 1)  # (first = every job: only compiles, or loads, it)
+    _attention_chunks(address_of(_attend_jobs, no_jobs, lambda: _attend_jobs(*no_jobs)), *args)
 
 
 @kernel(parallel=True)
