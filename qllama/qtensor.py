@@ -63,6 +63,10 @@ __all__ = [
 ]
 
 FLOAT_MATMUL_TILE_BYTES = 1 << 20  # decoded rows per step of the float mat-mat of quantized types
+# batches of at least this many tokens take a type's int8 gemm kernel when it has one (the same
+# values as its row kernel, faster from 2 tokens on: kernels/_x86_gemm.py); the warm-up's prompt
+# (warmup.PREFILL_TOKENS) is longer, so it compiles or loads that kernel
+GEMM_MIN_TOKENS = 2
 
 
 # -- the per-type table ------------------------------------------------------------------------
@@ -134,10 +138,11 @@ def _half_ops(is_bf16: bool) -> TypeOps:
     )
 
 
-def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool | str) -> TypeOps:
+def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool | str, gemm: str | None) -> TypeOps:
     """A quantized type. family: the module of its float mat-vec `matvec_<type>` (legacy or kquants);
     int8_kernel: its mat-mat in kernels/int8.py, called with the type id first when `takes_type`
-    is True, or the type's member of that Variants family when it is "variant"."""
+    is True, or the type's member of that Variants family when it is "variant"; gemm: its mat-mat
+    for batches of at least GEMM_MIN_TOKENS tokens, if it has one."""
     import importlib
 
     from .kernels import floats, int8
@@ -182,10 +187,12 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool | s
         elif takes_type:
             kernel = partial(kernel, type_id)
         form = TYPES[type_id].int8_form
+        big = getattr(int8, gemm) if gemm else kernel
 
         def int8_matmul(q, act, out, nt):
             xq, xd, xs = act.quantized(form)
-            kernel(q.raw, xq, xd, xs, tab, out, nt)
+            k = big if xq.shape[0] >= GEMM_MIN_TOKENS and q.n_rows % 8 == 0 else kernel  # (gemm: 8 rows per pass)
+            k(q.raw, xq, xd, xs, tab, out, nt)
 
         ops = ops._replace(int8=int8_matmul)
     return ops
@@ -195,22 +202,22 @@ _register(F32, np.float32, None, _f32_ops)
 _register(F16, np.uint16, None, partial(_half_ops, False))
 _register(BF16, np.uint16, None, partial(_half_ops, True))
 # quantized types: kernel module of the float path, int8 activation form, int8 mat-mat kernel
-# (kernels/int8.py) and whether that kernel serves several types: True, it takes the type id;
-# "variant", it is a jit.Variants family with one kernel per type
-for _tid, _family, _form, _kernel, _shared in (
-    (Q4_0, "legacy", "q8_0", "MATMUL_LEGACY", "variant"),
-    (Q4_1, "legacy", "q8_1", "MATMUL_LEGACY", "variant"),
-    (Q5_0, "legacy", "q8_0", "MATMUL_LEGACY", "variant"),
-    (Q5_1, "legacy", "q8_1", "MATMUL_LEGACY", "variant"),
-    (Q8_0, "legacy", "q8_0", "matmul_q8_0", False),
-    (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True),
-    (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True),
-    (Q4_K, "kquants", "q8_K", "matmul_q4_k", False),
-    (Q5_K, "kquants", "q8_K", "matmul_q5_k", False),
-    (Q6_K, "kquants", "q8_K", "matmul_q6_k", False),
+# (kernels/int8.py), whether that kernel serves several types (True: it takes the type id;
+# "variant": it is a jit.Variants family with one kernel per type), and its gemm for batches (or None)
+for _tid, _family, _form, _kernel, _shared, _gemm in (
+    (Q4_0, "legacy", "q8_0", "MATMUL_LEGACY", "variant", None),
+    (Q4_1, "legacy", "q8_1", "MATMUL_LEGACY", "variant", None),
+    (Q5_0, "legacy", "q8_0", "MATMUL_LEGACY", "variant", None),
+    (Q5_1, "legacy", "q8_1", "MATMUL_LEGACY", "variant", None),
+    (Q8_0, "legacy", "q8_0", "matmul_q8_0", False, None),
+    (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
+    (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
+    (Q4_K, "kquants", "q8_K", "matmul_q4_k", False, "gemm_q4_k"),
+    (Q5_K, "kquants", "q8_K", "matmul_q5_k", False, None),
+    (Q6_K, "kquants", "q8_K", "matmul_q6_k", False, None),
 ):
-    _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared))
-del _tid, _family, _form, _kernel, _shared
+    _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm))
+del _tid, _family, _form, _kernel, _shared, _gemm
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(TYPES)
 # types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)

@@ -44,6 +44,7 @@ from ._x86 import (
     row_dot_q6_k,
     row_dot_q8_0,
 )
+from ._x86_gemm import Q4K_PACKED_BYTES, TILE_ROWS, pack8_q4_k, tile8_q4_k
 from .kquants import scale_q3_k
 
 _NOPY = dict(boundscheck=False)
@@ -88,6 +89,21 @@ def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
                 while t < t1:
                     out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
                     t += 1
+
+
+@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
+def gemm_q4_k(raw, xq, xd, xs, tab, out, n_threads):
+    """matmul_q4_k (the same values, bit for bit) for batches of a few tokens or more, when n_rows
+    is a multiple of 8 (`_x86_gemm.py`): per group of 8 rows, the rows are packed once into a
+    per-thread scratch, then multiplied with every token."""
+    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 144
+    n_groups = n_rows // TILE_ROWS
+    n_chunks, per = _chunks(n_groups, n_threads)
+    for c in prange(n_chunks):
+        pack = np.empty(nb * Q4K_PACKED_BYTES, np.uint8)  # 8 rows, packed: per thread, in L1 or L2
+        for g in range(c * per, min(n_groups, (c + 1) * per)):
+            pack8_q4_k(raw, g * TILE_ROWS, nb, pack)
+            tile8_q4_k(pack, nb, xq, xd, xs, 0, n_tok, out, g * TILE_ROWS)
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)

@@ -1,0 +1,279 @@
+"""AVX2 q4_K x q8_K mat-mat for batches (`int8.gemm_q4_k`): 8 rows per pass, rows in the lanes.
+
+The row intrinsics of `_x86.py` hold 32 consecutive quants of one row per vector and read each
+token's activations once per row; with many tokens that activation traffic (L2) is what bounds
+them. Here a vector holds 4 quants of each of 8 rows (one 32-bit lane per row) and the matching
+4 activation bytes are broadcast to every lane (llama.cpp's repacked "q4_Kx8" arrangement), so
+each activation byte is loaded once for 8 rows.
+
+Unlike llama.cpp, no repacked copy of the weights is kept: `pack8_q4_k` writes 8 rows'
+transposed quants (unpacked to bytes) and decoded scales into a small per-thread scratch (2624
+bytes per block), and `tile8_q4_k` then reads that scratch for every token of the batch, so the
+transposition is paid once per 8 rows and batch.
+
+Rounding: each row's value is bit for bit that of the one-token row kernel (`_x86._row_kquant45`):
+the same 8 lanes of exact int32 partial sums, the same two fused multiply-adds per block and the
+same pairwise sum at the end (see `_tile_codegen`). So a prompt, a batch of lookup drafts and
+the server's steps of several streams give every row the logits of one-token decode, as the
+other int8 kernels do. Keeping those 8 lanes costs one `pmaddwd` per `pmaddubsw` (summing 8
+`pmaddubsw` in int16 first, as llama.cpp does, measured ~25% faster but rounds differently).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ._x86 import _I8, _I16, _I32, _I64, _gep8, _lanes, _maddubs, _maddwd, _splat, _splat_f, _vec
+
+TILE_ROWS = 8
+# scratch bytes per q4_K block of 8 rows (lane r = row r): d and dmin (8 f32 each), 8 scale vectors
+# (16 x i16), 8 min vectors (8 f32), then 64 vectors of transposed quants (groups of 64
+# elements j, low/high nibbles, byte quads k)
+_D, _DMIN, _SCALES, _MINS, _QUANTS = 0, 32, 64, 320, 576
+Q4K_PACKED_BYTES = 2624
+
+_V8F = _vec(ir.FloatType(), 8)
+_V8I = _vec(_I32, 8)
+_V32B = _vec(_I8, 32)
+_V16H = _vec(_I16, 16)
+
+
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _block_loop(builder, n, body, inits):
+    """Emit `for b in range(n): vals = body(b, vals)` from `inits`; return the final values."""
+    entry = builder.block
+    loop = builder.append_basic_block("blk_loop")
+    done = builder.append_basic_block("blk_done")
+    builder.cbranch(builder.icmp_signed(">", n, _c64(0)), loop, done)
+    builder.position_at_end(loop)
+    b = builder.phi(_I64)
+    vals = [builder.phi(z.type) for z in inits]
+    vals2 = body(b, vals)
+    b1 = builder.add(b, _c64(1))
+    last = builder.block
+    b.add_incoming(_c64(0), entry)
+    b.add_incoming(b1, last)
+    for v, v2, z in zip(vals, vals2, inits):
+        v.add_incoming(z, entry)
+        v.add_incoming(v2, last)
+    builder.cbranch(builder.icmp_signed("<", b1, n), loop, done)
+    builder.position_at_end(done)
+    finals = []
+    for v2, z in zip(vals2, inits):
+        f = builder.phi(z.type)
+        f.add_incoming(z, entry)
+        f.add_incoming(v2, last)
+        finals.append(f)
+    return finals
+
+
+def _shuffle(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(_V8I, idx))
+
+
+def _transpose8(builder, vs):
+    """8 x <8 x i32> (vector r: row r, lanes k) -> 8 x <8 x i32> (vector k: lane r = dword k of row r)."""
+    a = []
+    for r in range(0, 8, 2):  # interleave dwords within 128-bit halves
+        a.append((_shuffle(builder, vs[r], vs[r + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
+                  _shuffle(builder, vs[r], vs[r + 1], [2, 10, 3, 11, 6, 14, 7, 15])))
+    b = []
+    for p in range(0, 4, 2):  # then 64-bit pairs: rows 4p'..4p'+3, dwords {k, k+4}
+        for h in range(2):
+            b.append(_shuffle(builder, a[p][h], a[p + 1][h], [0, 1, 8, 9, 4, 5, 12, 13]))
+            b.append(_shuffle(builder, a[p][h], a[p + 1][h], [2, 3, 10, 11, 6, 7, 14, 15]))
+    # b[0..3]: rows 0-3, dwords (0,4), (1,5), (2,6), (3,7); b[4..7]: rows 4-7, the same
+    out = [None] * 8
+    for k in range(4):
+        out[k] = _shuffle(builder, b[k], b[4 + k], [0, 1, 2, 3, 8, 9, 10, 11])
+        out[k + 4] = _shuffle(builder, b[k], b[4 + k], [4, 5, 6, 7, 12, 13, 14, 15])
+    return out
+
+
+def _transpose4x2(builder, vs):
+    """4 x <8 x i32> (vector r: row r in lanes 0-3, row r+4 in lanes 4-7) -> 4 x <8 x i32>
+    (vector k: lane r = dword k of row r)."""
+    lo, hi = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    a0, a1 = _shuffle(builder, vs[0], vs[1], lo), _shuffle(builder, vs[0], vs[1], hi)
+    a2, a3 = _shuffle(builder, vs[2], vs[3], lo), _shuffle(builder, vs[2], vs[3], hi)
+    p, q = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    return [_shuffle(builder, a0, a2, p), _shuffle(builder, a0, a2, q), _shuffle(builder, a1, a3, p),
+            _shuffle(builder, a1, a3, q)]
+
+
+def _store(builder, v, p, off):
+    builder.store(v, builder.bitcast(_gep8(builder, p, off), ir.PointerType(v.type)), align=1)
+
+
+def _load(builder, ty, p, off):
+    return builder.load(builder.bitcast(_gep8(builder, p, off), ir.PointerType(ty)), align=1)
+
+
+def _pack8_codegen(context, builder, signature, args):
+    raw = context.make_array(signature.args[0])(context, builder, args[0])
+    r0, nb = args[1], args[2]
+    pack = context.make_array(signature.args[3])(context, builder, args[3])
+    base = builder.bitcast(raw.data, ir.PointerType(_I8))
+    rstride = builder.extract_value(raw.strides, 0)
+    rowps = [builder.gep(base, [builder.mul(builder.add(r0, _c64(r)), rstride)]) for r in range(TILE_ROWS)]
+    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+
+    def c32(v):
+        return ir.Constant(_V8I, [v] * 8)
+
+    def body(b, _):
+        blks = [builder.gep(p, [builder.mul(b, _c64(144))]) for p in rowps]
+        dst = builder.gep(pbase, [builder.mul(b, _c64(Q4K_PACKED_BYTES))])
+        # the 16-byte heads (d, dmin, 12 bytes of scales and mins) of the 8 rows, transposed: lane r = row r
+        heads = [_load(builder, _vec(_I32, 4), p, 0) for p in blks]
+        hv = _transpose4x2(builder, [builder.shuffle_vector(heads[r], heads[r + 4], ir.Constant(_V8I, list(range(8))))
+                                     for r in range(4)])
+        dd = builder.bitcast(hv[0], _V16H)
+        for off, lanes in ((_D, range(0, 16, 2)), (_DMIN, range(1, 16, 2))):
+            _store(builder, builder.fpext(builder.bitcast(_lanes(builder, dd, lanes), _vec(ir.HalfType(), 8)), _V8F), dst, off)
+        u0, u1, u2 = hv[1], hv[2], hv[3]  # ggml's utmp unpacking of the 6-bit scales and mins, 8 rows at once
+        sc_lo = builder.and_(u0, c32(0x3F3F3F3F))
+        mn_lo = builder.and_(u1, c32(0x3F3F3F3F))
+        sc_hi = builder.or_(builder.and_(u2, c32(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u0, c32(6)), c32(0x03030303)), c32(4)))
+        mn_hi = builder.or_(builder.and_(builder.lshr(u2, c32(4)), c32(0x0F0F0F0F)),
+                            builder.shl(builder.and_(builder.lshr(u1, c32(6)), c32(0x03030303)), c32(4)))
+        for k in range(8):  # sub-block k: lane r = s_rk in both int16 halves (the pmaddwd operand)
+            v = builder.and_(builder.lshr(sc_lo if k < 4 else sc_hi, c32(8 * (k % 4))), c32(0xFF))
+            _store(builder, builder.or_(v, builder.shl(v, c32(16))), dst, _SCALES + 32 * k)
+        for k in range(8):  # sub-block k: lane r = m_rk as a float (m * a 32-element sum is exact in float32)
+            v = builder.and_(builder.lshr(mn_lo if k < 4 else mn_hi, c32(8 * (k % 4))), c32(0xFF))
+            _store(builder, builder.sitofp(v, _V8F), dst, _MINS + 32 * k)
+        for j in range(4):  # 64-element groups: their 32 packed bytes, bytes 4k..4k+3 of each row in vector k
+            rows = [_load(builder, _V8I, p, 16 + 32 * j) for p in blks]
+            for k, v in enumerate(_transpose8(builder, rows)):
+                v = builder.bitcast(v, _V32B)
+                _store(builder, builder.and_(v, _splat(_I8, 32, 15)), dst, _QUANTS + 512 * j + 32 * k)
+                _store(builder, builder.lshr(v, _splat(_I8, 32, 4)), dst, _QUANTS + 512 * j + 256 + 32 * k)
+        return []
+
+    _block_loop(builder, nb, body, [])
+    return context.get_dummy_value()
+
+
+@intrinsic
+def pack8_q4_k(typingctx, raw, r0, nb, pack):
+    """Write rows r0..r0+7 of raw (q4_K, (n_rows, nb*144)) into pack (>= nb * Q4K_PACKED_BYTES
+    bytes) in the layout `tile8x4_q4_k` reads. The caller guarantees the ranges are in bounds."""
+    if not (isinstance(raw, types.Array) and raw.ndim == 2 and raw.dtype == types.uint8 and raw.layout == "C"):
+        return None
+    if not (isinstance(pack, types.Array) and pack.ndim == 1 and pack.dtype == types.uint8 and pack.layout == "C"):
+        return None
+    if not all(isinstance(v, types.Integer) for v in (r0, nb)):
+        return None
+    return types.none(raw, r0, nb, pack), _pack8_codegen
+
+
+def _fma(builder, a, b, c):
+    fn = builder.module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
+    return builder.call(fn, [a, b, c])
+
+
+def _range_loop(builder, lo, hi, body):
+    """Emit `for t in range(lo, hi): body(t)` (i64 bounds)."""
+    entry = builder.block
+    loop = builder.append_basic_block("tok_loop")
+    done = builder.append_basic_block("tok_done")
+    builder.cbranch(builder.icmp_signed("<", lo, hi), loop, done)
+    builder.position_at_end(loop)
+    t = builder.phi(_I64)
+    body(t)
+    t1 = builder.add(t, _c64(1))
+    t.add_incoming(lo, entry)
+    t.add_incoming(t1, builder.block)
+    builder.cbranch(builder.icmp_signed("<", t1, hi), loop, done)
+    builder.position_at_end(done)
+
+
+def _token_ptr(context, builder, aty, aval, t, elty):
+    """elty* to row t of the 2-D C array aval."""
+    ary = context.make_array(aty)(context, builder, aval)
+    p = builder.gep(builder.bitcast(ary.data, ir.PointerType(_I8)), [builder.mul(t, builder.extract_value(ary.strides, 0))])
+    return builder.bitcast(p, ir.PointerType(elty))
+
+
+def _exact(op, builder, a, b):
+    """a op b with no fast-math freedom (the kernels compile with fastmath; Numba adds its flags
+    only to float instructions that have none, and `arcp` changes nothing here)."""
+    return getattr(builder, op)(a, b, flags=("arcp",))
+
+
+def _tile_codegen(context, builder, signature, args):
+    """One token per iteration, so that each weight vector is loaded for one `pmaddubsw` (with
+    the weights reused for several tokens in registers, LLVM hoisted and spilled them).
+
+    Bit for bit the one-token row kernel's value (`_x86._row_kquant45`): that kernel keeps 8
+    lanes of partial sums, lane l holding quants 4l..4l+3 of every 32-element sub-block, so
+    here row r's lane l is vector l's lane r: isum_l = sum over sub-blocks of
+    scale * (4 products), exact in int32; per block acc_l = fma(-dmin*dx, m*bsum, fma(d*dx,
+    isum_l, acc_l)), the two fused multiply-adds of that kernel; at the end its pairwise sum
+    ((0+4)+(2+6)) + ((1+5)+(3+7))."""
+    pack = context.make_array(signature.args[0])(context, builder, args[0])
+    nb, t0, t1, r0 = args[1], args[5], args[6], args[8]
+    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    oty, oval = signature.args[7], args[7]
+    sa = signature.args
+
+    def token(t):
+        xq = _token_ptr(context, builder, sa[2], args[2], t, _I8)
+        xd = _token_ptr(context, builder, sa[3], args[3], t, ir.FloatType())
+        xs = _token_ptr(context, builder, sa[4], args[4], t, _I32)
+
+        def block(b, accs):
+            src = builder.gep(pbase, [builder.mul(b, _c64(Q4K_PACKED_BYTES))])
+            xb = _gep8(builder, xq, builder.mul(b, _c64(256)))
+            isums = [None] * 8
+            for j in range(4):  # 64-element groups: sub-blocks 2j (low nibbles) and 2j+1 (high)
+                for hnib in range(2):
+                    scale = _load(builder, _V16H, src, _SCALES + 32 * (2 * j + hnib))
+                    for k in range(8):  # 4 quants of each row against the token's matching 4 activations
+                        w = _load(builder, _V32B, src, _QUANTS + 512 * j + 256 * hnib + 32 * k)
+                        xw = _load(builder, _I32, xb, 64 * j + 32 * hnib + 4 * k)
+                        xv = builder.insert_element(ir.Constant(_V8I, None), xw, ir.Constant(_I32, 0))
+                        xv = builder.bitcast(builder.shuffle_vector(xv, ir.Constant(_V8I, None), ir.Constant(_V8I, [0] * 8)), _V32B)
+                        m = _maddwd(builder, _maddubs(builder, w, xv), scale)
+                        isums[k] = m if isums[k] is None else builder.add(isums[k], m)
+            bs = builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
+            bsum = builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F)
+            dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
+            a = _exact("fmul", builder, _load(builder, _V8F, src, _D), dx)
+            neg_b = _exact("fmul", builder, builder.fneg(_load(builder, _V8F, src, _DMIN)), dx)
+            out = []
+            for k in range(8):
+                msum = _exact("fmul", builder, _load(builder, _V8F, src, _MINS + 32 * k), _lanes(builder, bsum, [k] * 8))
+                out.append(_fma(builder, neg_b, msum, _fma(builder, a, builder.sitofp(isums[k], _V8F), accs[k])))
+            return out
+
+        acc = _block_loop(builder, nb, block, [ir.Constant(_V8F, [0.0] * 8)] * 8)
+        s04, s26 = _exact("fadd", builder, acc[0], acc[4]), _exact("fadd", builder, acc[2], acc[6])
+        s15, s37 = _exact("fadd", builder, acc[1], acc[5]), _exact("fadd", builder, acc[3], acc[7])
+        y = _exact("fadd", builder, _exact("fadd", builder, s04, s26), _exact("fadd", builder, s15, s37))
+        orow = _token_ptr(context, builder, oty, oval, t, ir.FloatType())
+        _store(builder, y, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
+
+    _range_loop(builder, t0, t1, token)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def tile8_q4_k(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
+    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q4_k` times tokens t0..t1-1 of 2-D q8_K
+    activations (xq (n_tok, ne0) int8, xd (n_tok, ne0/256), xs (n_tok, ne0/16) int32).
+    The caller guarantees the ranges are in bounds."""
+    if not (isinstance(pack, types.Array) and pack.ndim == 1 and pack.dtype == types.uint8 and pack.layout == "C"):
+        return None
+    arrs = ((xq, types.int8), (xd, types.float32), (xs, types.int32), (out, types.float32))
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == dt and a.layout == "C" for a, dt in arrs):
+        return None
+    if not all(isinstance(v, types.Integer) for v in (nb, t0, t1, r0)):
+        return None
+    return types.none(pack, nb, xq, xd, xs, t0, t1, out, r0), _tile_codegen
