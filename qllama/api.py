@@ -59,7 +59,6 @@ class Model:
         self.gguf = GGUFFile(self.path)
         self.metadata: dict[str, Any] = self.gguf.metadata
         self.args = read_args(self.metadata)  # one error line for an unsupported architecture
-        self.tokenizer = Tokenizer.from_gguf(self.gguf)
         if n_ctx is None or n_ctx == 0:
             n_ctx = self.args.default_n_ctx()
         if n_ctx < 1:
@@ -71,7 +70,16 @@ class Model:
         check_context(self.args, n_ctx, batch_size, kv_types=self.kv_types)  # before anything n_ctx-sized is allocated
         set_threads(n_threads)  # None: the physical cores
         self.n_threads = get_threads()
-        self._model = build_model(self.gguf, self.args, n_ctx, batch_size)  # checks every tensor
+        from . import compile_pool
+
+        if compile_pool.default_workers() > 0 and not self.kernels_cached():
+            compile_pool.prestart()  # the first run's compile workers start up while the model loads
+        try:
+            self.tokenizer = Tokenizer.from_gguf(self.gguf)
+            self._model = build_model(self.gguf, self.args, n_ctx, batch_size)  # checks every tensor
+        except BaseException:
+            compile_pool.stop_prestarted()
+            raise
         self._model.kv_types = self.kv_types
         self.weights = self._model.weights
         self.session = Session(self._model, batch_size=batch_size, adapt_threads=n_threads is None)  # default: adaptive decode threads

@@ -1,4 +1,4 @@
-"""A first-run Numba compile spread over worker processes (one per CPU).
+"""A first-run Numba compile spread over this process and worker processes (one per other CPU).
 
 Numba compiles one function at a time, on one core, under a global lock, so a cold warm-up
 (tens of seconds) leaves every other core idle. `precompile(steps)` splits that work:
@@ -7,10 +7,11 @@ Numba compiles one function at a time, on one core, under a global lock, so a co
    compiled code in this process replaced by a recorder: the call notes (kernel, argument types)
    and returns without computing anything. Kernels that Numba's disk cache already holds are not
    noted (loading them is cheap).
-2. Compile. Worker processes (`python -m qllama.compile_pool`) take the noted specialisations
-   one at a time, most expensive first, and compile them into the disk cache that this process
-   uses (the same NUMBA_CACHE_DIR or __pycache__ directories).
-3. The caller then runs the real warm-up, which loads every kernel from the disk cache.
+2. Compile. This process and worker processes (`python -m qllama.compile_pool`, started ahead
+   by `prestart` while the model loads) take the noted specialisations one at a time, most
+   expensive first (`MEASURED_S`), and compile them into the disk cache that this process uses
+   (the same NUMBA_CACHE_DIR or __pycache__ directories).
+3. The caller then runs the real warm-up, which loads the workers' kernels from the disk cache.
 
 Nothing here is needed for correctness: whatever the pool did not compile (a worker failed,
 was killed, timed out; a kernel the recording could not reach) is compiled by the real warm-up
@@ -22,7 +23,8 @@ is read-modify-write: two processes saving different specialisations of one func
 same time can lose one entry or, worse, point it at the other's code. Workers therefore save
 under an exclusive lock on a file in the cache directory (`_locked_cache_saves`).
 
-QLLAMA_COMPILE_WORKERS=N sets the number of workers (0: compile in this process only).
+QLLAMA_COMPILE_WORKERS=N sets the number of worker processes besides this one (0: compile in
+this process only, during the warm-up itself).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import pickle
 import selectors
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -55,7 +58,7 @@ class Job:
     module: str
     name: str
     argtypes: tuple
-    cost: float = 0.0  # a guess, for the order: larger first
+    cost: float = 0.0  # expected compile seconds (`_cost`), for the order: larger first
     callees: frozenset = frozenset()  # ids of the kernels it calls (compiled along with it)
     done: bool = field(default=False, compare=False)
     key: object = None  # the variant's key, or None
@@ -66,7 +69,8 @@ class Job:
 
 
 def default_workers() -> int:
-    """Worker processes for a cold compile: QLLAMA_COMPILE_WORKERS, else the CPUs this process may use."""
+    """Worker processes for a cold compile, besides this process: QLLAMA_COMPILE_WORKERS, else the
+    CPUs this process may use, less one."""
     if os.name != "posix":  # (pipes in selectors, fcntl locks: POSIX only; elsewhere compile in-process)
         return 0
     env = os.environ.get("QLLAMA_COMPILE_WORKERS", "").strip()
@@ -76,9 +80,9 @@ def default_workers() -> int:
         except ValueError:
             pass
     try:
-        return len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0)) - 1
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return (os.cpu_count() or 1) - 1
 
 
 # -- 1. record ----------------------------------------------------------------------------------
@@ -125,6 +129,26 @@ def _called(func) -> list:
     return [d for d in found if isinstance(d, Dispatcher)]
 
 
+# Measured compile CPU seconds of the kernels that cold warm-ups compile (tools/bench_compile.py
+# prints them per job; 2-core AMD EPYC, LLVM level 1). Only their order matters: the pool hands
+# out the longest first, so that no long job starts last while the other worker idles. Kernels
+# not listed get `_reach`'s guess from their bytecode, which misses what intrinsics and
+# overloads generate (ROWS_SERIAL, guessed among the cheapest, took ~1.5 s and often ran last).
+MEASURED_S = {
+    "layer_ops._attend_jobs": 4.6, "int8.gemm_q4_k": 2.0, "int8.matmul_q4_k": 1.9, "int8.matmul_q5_k": 1.9,
+    "int8.matmul_q6_k": 1.3, "int8.MATMUL_LEGACY": 1.5, "int8.matmul_q8_0": 1.25, "dequantize.ROWS_SERIAL": 1.3,
+    "fused.ffn": 1.4, "fused._chunk3": 1.2, "layer_ops.glu": 1.0, "act_quant.q8_0_row": 0.9,
+    "act_quant.q8_1_row": 0.9, "layer_ops._attention_chunks": 0.7, "layer_ops.rope_store": 0.75,
+    "act_quant.q8_k_row": 0.55, "act_quant._each_token": 0.45, "fused.matvec3": 0.3, "layer_ops.rmsnorm": 0.25,
+}
+_GUESS_S_PER_BYTE = 1.0 / 4000  # `_reach`'s bytecode guess in seconds, roughly, next to MEASURED_S
+
+
+def _cost(module: str, name: str, guess: float) -> float:
+    """Compile seconds expected for kernel module.name: measured if listed, else guessed."""
+    return MEASURED_S.get(f"{module.rsplit('.', 1)[-1]}.{name}", guess * _GUESS_S_PER_BYTE)
+
+
 def _reach(d) -> tuple[float, frozenset]:
     """(compile-cost guess, ids of the kernels it calls, transitively) for dispatcher d.
 
@@ -163,8 +187,8 @@ def _recording(jobs: list[Job]):
             seen.add(key)
             where = _module_name(self)
             if where is not None and not kws and not _in_disk_cache(self, argtypes):
-                cost, callees = _reach(self)
-                jobs.append(Job(where[0], where[1], argtypes, cost, callees, key=where[2]))
+                guess, callees = _reach(self)
+                jobs.append(Job(where[0], where[1], argtypes, _cost(where[0], where[1], guess), callees, key=where[2]))
         except Exception:  # an argument Numba cannot type: the real warm-up will say so
             pass
         return _skip
@@ -208,7 +232,7 @@ def record_jobs(steps: Iterable[Callable[[], object]]) -> list[Job]:
 
 @dataclass
 class _Worker:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: this process
     job: Job | None = None
     since: float = 0.0
     buf: bytes = b""
@@ -229,45 +253,102 @@ def _stop(w: _Worker) -> None:
         w.proc.stdout.close()
 
 
-def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = None) -> list[Job]:
-    """Compile `jobs` in up to n_workers worker processes into the disk cache. Returns the jobs
-    that failed or were not attempted (the caller's warm-up compiles them itself)."""
+_PRESTARTED: list[subprocess.Popen] = []  # workers started ahead of a cold warm-up (`prestart`)
+IDLE_EXIT_S = 120.0  # a worker that gets no job this long after it started exits
+
+
+def _worker_env() -> dict:
+    env = {**os.environ, "NUMBA_NUM_THREADS": "1", "QLLAMA_POOL_PARENT": str(os.getpid())}
+    if not env.get("NUMBA_OPT", "").strip():
+        # A worker compiles only kernels: its whole process, machine-code generation included,
+        # runs at their optimisation level, as kernels/jit.py sets it in the main process.
+        env["NUMBA_OPT"] = str(OPT_LEVEL)
+    return env
+
+
+def _spawn() -> subprocess.Popen:
+    return subprocess.Popen(WORKER_CMD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=_worker_env())
+
+
+def prestart(n_workers: int | None = None) -> int:
+    """Start the workers of a cold warm-up ahead of it, e.g. while the model loads: each imports
+    Numba and the kernels and initialises its compiler meanwhile (~1 s that would otherwise
+    delay its first job). The next `compile_jobs` takes them; `stop_prestarted` (also run at
+    exit) stops unused ones, and each exits by itself after IDLE_EXIT_S without a job.
+    Returns the number of workers waiting."""
+    n = default_workers() if n_workers is None else n_workers
+    while len(_PRESTARTED) < n:
+        try:
+            _PRESTARTED.append(_spawn())
+        except OSError:
+            break
+    if _PRESTARTED:
+        import atexit
+
+        atexit.register(stop_prestarted)
+    return len(_PRESTARTED)
+
+
+def stop_prestarted() -> None:
+    """Stop the prestarted workers that no compile took."""
+    while _PRESTARTED:
+        _stop(_Worker(_PRESTARTED.pop()))
+
+
+def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = None, here: bool = True) -> list[Job]:
+    """Compile `jobs` into the disk cache in up to n_workers worker processes and, with `here`,
+    in this process at the same time. Returns the jobs that failed or were not attempted (the
+    caller's warm-up compiles them itself).
+
+    This process takes jobs from the same queue (most expensive first) on its own thread while
+    another thread hands jobs to the workers: it needs no start-up of its own, and the code it
+    compiled is in memory already when the real warm-up runs. If every worker fails, it
+    compiles what is left."""
     job_timeout = JOB_TIMEOUT_S if job_timeout is None else job_timeout
     todo = [j for j in jobs if not j.done]
-    n = min(n_workers, len(todo))
+    n = min(n_workers, len(todo) - 1 if here else len(todo))  # (this process takes one job at least)
     if n < 1:
+        stop_prestarted()
         return todo
     workers: list[_Worker] = []
     sel = selectors.DefaultSelector()
     t_start = time.monotonic()
     STATS.clear()
     queue = list(todo)
-    env = {**os.environ, "NUMBA_NUM_THREADS": "1", "QLLAMA_POOL_PARENT": str(os.getpid())}
-    if not env.get("NUMBA_OPT", "").strip():
-        # A worker compiles only kernels: its whole process, machine-code generation included,
-        # runs at their optimisation level, as kernels/jit.py sets it in the main process.
-        env["NUMBA_OPT"] = str(OPT_LEVEL)
+    lock = threading.Lock()  # queue and here.job, shared by the two threads
+    me_too, here = here, _Worker(None)  # this process, as a worker: its running job
+    failed: list[BaseException] = []
     try:
         for _ in range(n):
-            try:
-                p = subprocess.Popen(WORKER_CMD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env)
-            except OSError:
-                break
+            if _PRESTARTED and _PRESTARTED[0].poll() is None:
+                p = _PRESTARTED.pop(0)
+            else:
+                try:
+                    p = _spawn()
+                except OSError:
+                    break
             w = _Worker(p)
             workers.append(w)
             sel.register(p.stdout, selectors.EVENT_READ, w)
         alive = list(workers)
 
-        def hand_out(w: _Worker) -> None:
+        def take(w: _Worker) -> Job | None:
             """The next job for w, most expensive first, preferring one that shares no callee with
             the jobs running elsewhere: a shared callee compiled once is then loaded by the other."""
-            if not queue:
+            with lock:
+                if not queue:
+                    return None
+                others = [o for o in alive + [here] if o is not w and o.job is not None]
+                running = frozenset().union(*(o.job.callees for o in others))
+                job = queue.pop(next((i for i, j in enumerate(queue) if not (j.callees & running)), 0))
+                w.job, w.since = job, time.monotonic()
+                return job
+
+        def hand_out(w: _Worker) -> None:
+            if take(w) is None:
                 w.job = None
                 return
-            running = frozenset().union(*(o.job.callees for o in alive if o is not w and o.job is not None))
-            w.job = queue.pop(next((i for i, j in enumerate(queue) if not (j.callees & running)), 0))
-            w.since = time.monotonic()
             try:
                 w.proc.stdin.write(_encode(w.job))
                 w.proc.stdin.flush()
@@ -279,50 +360,79 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
                 alive.remove(w)
                 with contextlib.suppress(KeyError, ValueError):
                     sel.unregister(w.proc.stdout)
-            if requeue and w.job is not None and alive:
-                queue.insert(0, w.job)  # one retry elsewhere; a job that kills workers falls back later
+            if requeue and w.job is not None:
+                with lock:
+                    queue.insert(0, w.job)  # one retry elsewhere (this process included)
             w.job = None
             _stop(w)
 
-        while alive:
-            for w in list(alive):
-                if w.job is None and queue:
-                    hand_out(w)
-            busy = [w for w in alive if w.job is not None]
-            if not busy:
-                break
-            now = time.monotonic()
-            for w in busy:
-                if now - w.since > job_timeout:
-                    retire(w, requeue=False)
-            busy = [w for w in alive if w.job is not None]
-            if not busy:
-                continue
-            wait = max(0.05, min(job_timeout - (now - w.since) for w in busy))
-            for key, _ in sel.select(timeout=wait):
-                w = key.data
-                if w not in alive:
-                    continue
-                chunk = os.read(w.proc.stdout.fileno(), 4096)
-                if not chunk:  # the worker exited (crashed, killed)
-                    retire(w, requeue=True)
-                    continue
-                w.buf += chunk
-                while b"\n" in w.buf and w.job is not None:
-                    line, w.buf = w.buf.split(b"\n", 1)
-                    if line.startswith(b"ok"):
-                        w.job.done = True
-                        with contextlib.suppress(ValueError):
-                            cpu, wall = (float(v) for v in line.split()[1:3])
-                            STATS.append(dict(job=w.job.label, worker=w.proc.pid, cpu_s=cpu, wall_s=wall,
-                                              start_s=w.since - t_start))
-                    w.job = None
-                    hand_out(w)
+        def serve() -> None:
+            try:
+                _serve_workers(alive, sel, hand_out, retire, job_timeout, t_start)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+                failed.append(e)
+
+        server = threading.Thread(target=serve, name="qllama-compile-pool", daemon=True)
+        server.start()
+        with _locked_cache_saves():
+            while me_too and take(here) is not None:
+                job, t0, c0 = here.job, time.perf_counter(), time.process_time()
+                try:
+                    _resolve(job.module, job.name, job.key).compile(job.argtypes)
+                    job.done = True
+                except Exception:  # noqa: BLE001 - the real warm-up compiles it again and reports
+                    pass
+                STATS.append(dict(job=job.label, worker=os.getpid(), cpu_s=time.process_time() - c0,
+                                  wall_s=time.perf_counter() - t0, start_s=t0 - t_start))
+                here.job = None
+        server.join()
+        if failed:
+            raise failed[0]
     finally:
         for w in workers:
             _stop(w)
         sel.close()
+        stop_prestarted()
     return [j for j in jobs if not j.done]
+
+
+def _serve_workers(alive: list[_Worker], sel, hand_out, retire, job_timeout: float, t_start: float) -> None:
+    """Hand jobs to the worker processes and collect their answers until none is busy and no
+    job is left for them."""
+    while alive:
+        for w in list(alive):
+            if w.job is None:
+                hand_out(w)
+        busy = [w for w in alive if w.job is not None]
+        if not busy:
+            break
+        now = time.monotonic()
+        for w in busy:
+            if now - w.since > job_timeout:
+                retire(w, requeue=False)
+        busy = [w for w in alive if w.job is not None]
+        if not busy:
+            continue
+        wait = max(0.05, min(job_timeout - (now - w.since) for w in busy))
+        for key, _ in sel.select(timeout=wait):
+            w = key.data
+            if w not in alive:
+                continue
+            chunk = os.read(w.proc.stdout.fileno(), 4096)
+            if not chunk:  # the worker exited (crashed, killed)
+                retire(w, requeue=True)
+                continue
+            w.buf += chunk
+            while b"\n" in w.buf and w.job is not None:
+                line, w.buf = w.buf.split(b"\n", 1)
+                if line.startswith(b"ok"):
+                    w.job.done = True
+                    with contextlib.suppress(ValueError):
+                        cpu, wall = (float(v) for v in line.split()[1:3])
+                        STATS.append(dict(job=w.job.label, worker=w.proc.pid, cpu_s=cpu, wall_s=wall,
+                                          start_s=w.since - t_start))
+                w.job = None
+                hand_out(w)
 
 
 def precompile(steps: Iterable[Callable[[], object]], n_workers: int | None = None) -> tuple[int, int]:
@@ -333,10 +443,12 @@ def precompile(steps: Iterable[Callable[[], object]], n_workers: int | None = No
         return 0, 0
     jobs = record_jobs(steps)
     if len(jobs) < 2:  # one job: compiling it here is as fast
+        stop_prestarted()
         return len(jobs), 0
     try:
         left = compile_jobs(jobs, n)
     except Exception:  # the pool itself broke (e.g. no pipes or processes here): the warm-up compiles all
+        stop_prestarted()
         return len(jobs), 0
     return len(jobs), len(jobs) - len(left)
 
@@ -395,12 +507,29 @@ def _die_with_parent() -> None:
         sys.exit(1)
 
 
+def _initialise() -> None:
+    """What a worker's first compile would otherwise pay: import the kernel modules and compile
+    (or load) one small kernel that attention needs anyway (Numba's typing and LLVM set-up)."""
+    from numba import types
+
+    for m in ("act_quant", "dequantize", "fused", "int8", "layer_ops"):
+        importlib.import_module(f"qllama.kernels.{m}")
+    importlib.import_module("qllama.kernels.layer_ops")._key_range.compile((types.int64, types.int64))
+
+
 def worker_main() -> None:
     """Read jobs (one per line) from stdin, compile each, answer `ok` or `err <reason>` per job."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C at the terminal: die at once, quietly
     _die_with_parent()
+    with contextlib.suppress(Exception):  # (only a head start: the first job imports what it needs)
+        _initialise()
+    sel = selectors.DefaultSelector()
+    sel.register(sys.stdin, selectors.EVENT_READ)
+    if not sel.select(IDLE_EXIT_S):
+        return  # prestarted, and no warm-up came
+    sel.close()
     out = sys.stdout
     with _locked_cache_saves():
         for line in sys.stdin.buffer:

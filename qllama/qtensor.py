@@ -145,6 +145,7 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool | s
     for batches of at least GEMM_MIN_TOKENS tokens, if it has one."""
     import importlib
 
+    from . import dequantize_np as numpy_rows
     from .kernels import floats, int8
     from .kernels._x86 import HAVE_AVX2
     from .kernels.dequantize import dequantize_rows
@@ -173,10 +174,12 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool | s
             floats.matmul_f32(wv, x, y, nt)
             out[:, r0 : r0 + n] = y
 
-    def dequantize(q, ids):
+    def dequantize(q, ids):  # (a few rows: an embedding lookup)
+        if type_id in numpy_rows.DECODERS:  # no kernel to compile for it
+            return numpy_rows.dequantize_rows(type_id, q.raw, ids)
         out = np.empty((ids.size, q.n_cols), np.float32)
         if ids.size:
-            decode(q.raw, ids, tab, out, parallel=False)  # (a few rows: an embedding lookup)
+            decode(q.raw, ids, tab, out, parallel=False)
         return out
 
     ops = TypeOps(matvec, matmul, dequantize, None)

@@ -221,13 +221,37 @@ def test_a_pool_warm_up_leaves_every_kernel_compiled_and_loads_it_from_the_cache
 
     model = ToyModel(pool_kernels)
     warm_up(model, workers=2)
-    # the workers compiled everything: this process only loaded it from the disk cache
-    assert _misses(pool_kernels) == {"scale": 0, "total": 0, "halve": 0}
+    # every specialisation was compiled once, here or by a worker (then loaded from the disk cache)
+    assert all(n <= 1 for k in ("scale", "total", "halve") for n in getattr(pool_kernels, k).stats.cache_misses.values())
     assert len(pool_kernels.scale.overloads) == 2 and pool_kernels.total.overloads and pool_kernels.halve.overloads
     before = {k: len(getattr(pool_kernels, k).overloads) for k in ("scale", "total", "halve")}
     out = model.forward([0, 0, 0], model.new_cache())  # what a generation calls: nothing more to compile
     assert out[0] == 2 * (0 + 1 + 2 + 3)  # the loaded code computes (x doubled, then summed)
     assert {k: len(getattr(pool_kernels, k).overloads) for k in before} == before
+
+
+def test_workers_alone_compile_every_job_into_the_disk_cache(pool_kernels):
+    """With here=False this process compiles nothing: all it runs afterwards comes from the cache."""
+    from qllama import compile_pool
+
+    model = ToyModel(pool_kernels)
+    jobs = compile_pool.record_jobs([lambda: model.forward([0], model.new_cache())])
+    assert compile_pool.compile_jobs(jobs, 2, here=False) == []
+    assert {s["worker"] for s in compile_pool.STATS} - {os.getpid()} and os.getpid() not in {s["worker"] for s in compile_pool.STATS}
+    model.forward([0], model.new_cache())
+    assert _misses(pool_kernels) == {"scale": 0, "total": 0, "halve": 0}
+
+
+def test_this_process_compiles_alongside_the_workers(pool_kernels, monkeypatch):
+    """With workers that never answer, this process compiles every job itself, in compile_jobs."""
+    from qllama import compile_pool
+
+    monkeypatch.setattr(compile_pool, "WORKER_CMD", [sys.executable, "-c", FAILING_WORKERS["exits at once"]])
+    model = ToyModel(pool_kernels)
+    jobs = compile_pool.record_jobs([lambda: model.forward([0], model.new_cache())])
+    assert compile_pool.compile_jobs(jobs, 1) == []
+    assert {s["worker"] for s in compile_pool.STATS} == {os.getpid()} and len(compile_pool.STATS) == 4
+    assert _misses(pool_kernels) == {"scale": 2, "total": 1, "halve": 1}
 
 
 def test_variants_compile_in_workers_and_load_from_the_cache(pool_kernels):
@@ -306,7 +330,7 @@ def test_one_failing_worker_leaves_its_jobs_to_the_others(pool_kernels, monkeypa
     model = ToyModel(pool_kernels)
     jobs = compile_pool.record_jobs([lambda: model.forward([0], model.new_cache())])
     assert len(jobs) == 4
-    assert compile_pool.compile_jobs(jobs, 2) == []  # the healthy worker compiled all four
+    assert compile_pool.compile_jobs(jobs, 2, here=False) == []  # the healthy worker compiled all four
     model.forward([0], model.new_cache())
     assert _misses(pool_kernels) == {"scale": 0, "total": 0, "halve": 0}
 
@@ -384,7 +408,7 @@ def test_compile_workers_setting(monkeypatch):
     monkeypatch.setenv("QLLAMA_COMPILE_WORKERS", "3")
     assert compile_pool.default_workers() == 3
     monkeypatch.delenv("QLLAMA_COMPILE_WORKERS")
-    assert compile_pool.default_workers() == len(os.sched_getaffinity(0))
+    assert compile_pool.default_workers() == len(os.sched_getaffinity(0)) - 1  # (this process compiles too)
 
 
 # -- the cache key covers every kernel module -------------------------------------------------

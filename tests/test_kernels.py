@@ -139,6 +139,31 @@ def test_dequantize_special_blocks(tid):
     assert_bits_equal(q.dequantize(), ref)
 
 
+@pytest.mark.parametrize("tid", K_TYPES + LEGACY_TYPES, ids=tname)
+def test_numpy_row_decoders_equal_the_kernels(tid):
+    """The embedding lookup's NumPy decoders (qllama/dequantize_np.py) and the Numba row kernels
+    (serial and parallel, used by the float mat-mat) give the same bits, special blocks included."""
+    from qllama import dequantize_np
+    from qllama.kernels.dequantize import dequantize_rows
+    from qllama.qtensor import _fp16_table
+
+    if tid not in dequantize_np.DECODERS:
+        pytest.skip(f"{tname(tid)} keeps the Numba decoder for the lookup")
+    rng = np.random.default_rng(150 + tid)
+    t = gt.GGML_TYPES[tid]
+    ne0, ne1 = 3 * t.block_size, 12
+    raw = random_matrix(tid, ne0, ne1, rng).reshape(ne1, 3, t.type_size).copy()
+    for f in FP16_FIELDS[tid]:  # half the rows with special scales (zero, subnormal, Inf, NaN, ...)
+        raw[::2, :, f : f + 2] = _special_fp16(rng, (ne1 // 2) * 3).reshape(ne1 // 2, 3, 1).view(np.uint8)
+    raw = raw.reshape(ne1, -1)
+    rows = np.array([3, 0, 11, 3, 6], np.int64)
+    got = dequantize_np.dequantize_rows(tid, raw, rows)
+    for parallel in (False, True):
+        ref = np.empty((rows.size, ne0), np.float32)
+        dequantize_rows(tid, raw, rows, _fp16_table(), ref, parallel=parallel)
+        assert_bits_equal(got, ref)
+
+
 @pytest.mark.parametrize("tid", [gt.F16, gt.BF16], ids=tname)
 def test_dequantize_all_half_bit_patterns(tid):
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
