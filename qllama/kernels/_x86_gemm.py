@@ -148,12 +148,16 @@ def _pack8_codegen(context, builder, signature, args):
         for k in range(8):  # sub-block k: lane r = m_rk as a float (m * a 32-element sum is exact in float32)
             v = builder.and_(builder.lshr(mn_lo if k < 4 else mn_hi, c32(8 * (k % 4))), c32(0xFF))
             _store(builder, builder.sitofp(v, _V8F), dst, _MINS + 32 * k)
-        for j in range(4):  # 64-element groups: their 32 packed bytes, bytes 4k..4k+3 of each row in vector k
-            rows = [_load(builder, _V8I, p, 16 + 32 * j) for p in blks]
+        def group(j, _):  # 64-element group j: its 32 packed bytes, bytes 4k..4k+3 of each row in vector k
+            rows = [_load(builder, _V8I, p, builder.add(builder.mul(j, _c64(32)), _c64(16))) for p in blks]
+            dj = _gep8(builder, dst, builder.add(builder.mul(j, _c64(512)), _c64(_QUANTS)))
             for k, v in enumerate(_transpose8(builder, rows)):
                 v = builder.bitcast(v, _V32B)
-                _store(builder, builder.and_(v, _splat(_I8, 32, 15)), dst, _QUANTS + 512 * j + 32 * k)
-                _store(builder, builder.lshr(v, _splat(_I8, 32, 4)), dst, _QUANTS + 512 * j + 256 + 32 * k)
+                _store(builder, builder.and_(v, _splat(_I8, 32, 15)), dj, 32 * k)
+                _store(builder, builder.lshr(v, _splat(_I8, 32, 4)), dj, 256 + 32 * k)
+            return []
+
+        _block_loop(builder, _c64(4), group, [])
         return []
 
     _block_loop(builder, nb, body, [])
@@ -231,17 +235,21 @@ def _tile_codegen(context, builder, signature, args):
         def block(b, accs):
             src = builder.gep(pbase, [builder.mul(b, _c64(Q4K_PACKED_BYTES))])
             xb = _gep8(builder, xq, builder.mul(b, _c64(256)))
-            isums = [None] * 8
-            for j in range(4):  # 64-element groups: sub-blocks 2j (low nibbles) and 2j+1 (high)
-                for hnib in range(2):
-                    scale = _load(builder, _V16H, src, _SCALES + 32 * (2 * j + hnib))
-                    for k in range(8):  # 4 quants of each row against the token's matching 4 activations
-                        w = _load(builder, _V32B, src, _QUANTS + 512 * j + 256 * hnib + 32 * k)
-                        xw = _load(builder, _I32, xb, 64 * j + 32 * hnib + 4 * k)
-                        xv = builder.insert_element(ir.Constant(_V8I, None), xw, ir.Constant(_I32, 0))
-                        xv = builder.bitcast(builder.shuffle_vector(xv, ir.Constant(_V8I, None), ir.Constant(_V8I, [0] * 8)), _V32B)
-                        m = _maddwd(builder, _maddubs(builder, w, xv), scale)
-                        isums[k] = m if isums[k] is None else builder.add(isums[k], m)
+            def sub_block(sb, isums):  # sub-block sb = 2j + h: group j's low (h = 0) or high nibbles
+                scale = _load(builder, _V16H, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES)))
+                wsb = _gep8(builder, src, builder.add(builder.mul(sb, _c64(256)), _c64(_QUANTS)))
+                xsb = _gep8(builder, xb, builder.mul(sb, _c64(32)))
+                out = []
+                for k in range(8):  # 4 quants of each row against the token's matching 4 activations
+                    w = _load(builder, _V32B, wsb, 32 * k)
+                    xw = _load(builder, _I32, xsb, 4 * k)
+                    xv = builder.insert_element(ir.Constant(_V8I, None), xw, ir.Constant(_I32, 0))
+                    xv = builder.bitcast(builder.shuffle_vector(xv, ir.Constant(_V8I, None), ir.Constant(_V8I, [0] * 8)), _V32B)
+                    out.append(builder.add(isums[k], _maddwd(builder, _maddubs(builder, w, xv), scale)))
+                return out
+
+            # (a loop, not unrolled: an eighth of the code for LLVM to compile, at no measured cost)
+            isums = _block_loop(builder, _c64(8), sub_block, [ir.Constant(_V8I, [0] * 8)] * 8)
             bs = builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
             bsum = builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F)
             dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
