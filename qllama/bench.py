@@ -122,8 +122,10 @@ class BenchRunner:
         self.cache.n_past = depth
 
     def warmup(self) -> float:
-        """Run every kernel once (a 2-token batch, then one decode step); returns the seconds spent
-        beyond a second identical run: the Numba compile / cache-load time."""
+        """Compile or load every kernel as `qllama run` does (`Model.warmup`: the compile pool on a
+        cold cache), then run a 2-token batch and one decode step twice; returns the warm-up's
+        seconds plus what the first of those runs took beyond the second: the Numba compile /
+        cache-load time."""
 
         def once() -> float:
             t0 = time.perf_counter()
@@ -132,11 +134,12 @@ class BenchRunner:
             self.model.forward(random_tokens(1, self.n_vocab, seed=8), self.cache)
             return time.perf_counter() - t0
 
+        warm = self.llm.warmup()
         first = once()
         second = once()
         self._prefix = []
         self.cache.n_past = 0
-        return max(0.0, first - second)
+        return warm + max(0.0, first - second)
 
     def pp(self, n: int, depth: int = 0) -> float:
         """Seconds to evaluate n random prompt tokens after `depth` cached tokens."""

@@ -254,7 +254,7 @@ def _stop(w: _Worker) -> None:
 
 
 _PRESTARTED: list[subprocess.Popen] = []  # workers started ahead of a cold warm-up (`prestart`)
-IDLE_EXIT_S = 120.0  # a worker that gets no job this long after it started exits
+IDLE_EXIT_S = 30.0  # a worker that gets no job this long after it started exits (a load with no warm-up)
 
 
 def _worker_env() -> dict:
