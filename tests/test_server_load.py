@@ -149,7 +149,8 @@ def test_sigterm_ends_streams_with_an_error_event_and_exits_0(tmp_path):
     srv = ServerProcess(dots, "--parallel", "2")
     try:
         events = [[] for _ in range(3)]  # two decoding, one waiting for a slot
-        started = threading.Barrier(4, timeout=TIMEOUT)
+        decoding = threading.Barrier(3, timeout=TIMEOUT)  # readers 0 and 1 have their first tokens
+        queued = threading.Barrier(2, timeout=TIMEOUT)  # reader 2 has its response headers (no slot)
 
         def reader(i):
             body = {"prompt": "hello", "max_tokens": 4000, "temperature": 0, "stream": True}
@@ -157,13 +158,19 @@ def test_sigterm_ends_streams_with_an_error_event_and_exits_0(tmp_path):
                 lines = (line for line in r.iter_lines() if line)
                 if i < 2:
                     events[i].append(next(lines))
-                started.wait()
+                    decoding.wait()
+                else:
+                    queued.wait()
                 events[i].extend(lines)
 
+        # (reader 2 starts only once 0 and 1 hold both slots: started together, the one left
+        # waiting could be 0 or 1, whose first token would come after a whole 4000-token stream)
         threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        started.wait()
+        threads[0].start()
+        threads[1].start()
+        decoding.wait()
+        threads[2].start()
+        queued.wait()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(TIMEOUT) == 0
         for t in threads:
