@@ -28,18 +28,22 @@ def load(
     batch_size: int = 512,
     type_k: str | int | None = None,
     type_v: str | int | None = None,
+    warmup_next: bool = False,
 ) -> "Model":
     """Open a GGUF model: maps the file, checks every tensor, builds the tokenizer and KV cache.
 
     n_ctx defaults to min(the model's context length, 4096); n_threads to the physical cores.
     type_k / type_v: the KV cache's key and value type, "f16" (the default, as llama.cpp's) or
     "f32" (twice the memory); llama-cpp-python's ggml type ids 1 (F16) and 0 (F32) work too.
+    warmup_next: `warmup()` comes next; on a first run its compile workers then start up while
+    the model loads (they exit by themselves if no warm-up comes).
     `path` may also be a model reference (`demo`, `org/repo[:QUANT]`, `org/repo/file.gguf`,
     `hf://...`): see `qllama.hub`; it is downloaded into the Hugging Face cache if needed.
     """
     from .hub import resolve
 
-    return Model(resolve(path), n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size, type_k=type_k, type_v=type_v)
+    return Model(resolve(path), n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size, type_k=type_k, type_v=type_v,
+                 warmup_next=warmup_next)
 
 
 class Model:
@@ -50,7 +54,7 @@ class Model:
     """
 
     def __init__(self, path, *, n_ctx: int | None = None, n_threads: int | None = None, batch_size: int = 512,
-                 type_k: str | int | None = None, type_v: str | int | None = None):
+                 type_k: str | int | None = None, type_v: str | int | None = None, warmup_next: bool = False):
         from .models.kvcache import kv_type
 
         t0 = time.perf_counter()
@@ -72,7 +76,7 @@ class Model:
         self.n_threads = get_threads()
         from . import compile_pool
 
-        if compile_pool.default_workers() > 0 and not self.kernels_cached():
+        if warmup_next and compile_pool.default_workers() > 0 and not self.kernels_cached():
             compile_pool.prestart()  # the first run's compile workers start up while the model loads
         try:
             self.tokenizer = Tokenizer.from_gguf(self.gguf)

@@ -88,7 +88,8 @@ class BenchRunner:
                  type_k: str = "f16", type_v: str = "f16"):
         from .api import load
 
-        self.llm = load(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size, type_k=type_k, type_v=type_v)
+        self.llm = load(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size, type_k=type_k, type_v=type_v,
+                        warmup_next=True)
         self.model = self.llm.forward_model
         self.cache = self.model.new_cache()
         self.batch_size = batch_size

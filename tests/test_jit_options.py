@@ -441,3 +441,39 @@ def test_a_change_in_another_kernel_module_recompiles_the_cached_kernel(tmp_path
     assert result() == (11, 1)  # loaded from the cache
     helper.write_text("from .jit import kernel\n\n\n@kernel\ndef helper(x):\n    return x * 100\n")
     assert result() == (101, 0)  # recompiled, not the stale 11
+
+
+def test_prestarted_workers_serve_the_next_compile_or_are_stopped(pool_kernels, monkeypatch):
+    from qllama import compile_pool
+
+    procs = _spawned(monkeypatch)
+    assert compile_pool.prestart(1) == 1 and len(procs) == 1
+    model = ToyModel(pool_kernels)
+    jobs = compile_pool.record_jobs([lambda: model.forward([0], model.new_cache())])
+    assert compile_pool.compile_jobs(jobs, 1, here=False) == []
+    assert len(procs) == 1 and procs[0].poll() is not None  # the prestarted worker compiled, then stopped
+    model.forward([0], model.new_cache())
+    assert _misses(pool_kernels) == {"scale": 0, "total": 0, "halve": 0}
+    assert compile_pool.prestart(2) == 2
+    compile_pool.stop_prestarted()  # no compile came (also run at exit)
+    assert len(procs) == 3 and all(p.wait(5) is not None for p in procs)
+
+
+def test_only_a_load_that_announces_a_warm_up_starts_compile_workers(tmp_path, monkeypatch):
+    import qllama
+    from qllama import api, compile_pool
+    from tools.make_model import ModelSpec, write_model
+
+    path = tmp_path / "m.gguf"
+    write_model(path, ModelSpec(weight_type="q8_0", seed=5, n_ctx=32))
+    started = []
+    monkeypatch.setattr(compile_pool, "prestart", lambda n=None: started.append(n) or 1)
+    monkeypatch.setattr(compile_pool, "default_workers", lambda: 1)
+    monkeypatch.setattr(api.Model, "kernels_cached", lambda self: False)  # a first run
+    qllama.load(path)
+    assert started == []
+    qllama.load(path, warmup_next=True)
+    assert started == [None]
+    monkeypatch.setattr(api.Model, "kernels_cached", lambda self: True)  # a later run
+    qllama.load(path, warmup_next=True)
+    assert started == [None]

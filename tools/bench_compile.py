@@ -91,7 +91,7 @@ def child(model: str, mode: str, threads: int) -> dict:
     records = _install_compile_timer()
     import qllama
 
-    llm = qllama.load(model, n_threads=threads)
+    llm = qllama.load(model, n_threads=threads, warmup_next=True)
     cold = not llm.kernels_cached()
     cpu0, t0 = _cpu_s(), time.perf_counter()
     llm.warmup()

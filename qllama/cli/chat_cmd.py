@@ -309,7 +309,8 @@ def command(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat
     """
     from ..api import load
 
-    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size, type_k=type_k, type_v=type_v)
+    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size, type_k=type_k, type_v=type_v,
+               warmup_next=True)
     sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                     repeat_last_n=repeat_last_n, seed=seed)
     chat = ChatSession(llm, system=system_prompt, chat_template=chat_template, max_tokens=max_tokens,

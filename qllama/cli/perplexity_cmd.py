@@ -33,7 +33,8 @@ def command(model, file, file_opt, ctx_size, chunks, threads, type_k, type_v, as
         raise click.UsageError("give the text file once: as FILE or with -f FILE")
     file = file if file is not None else file_opt
     text = read_text_file(file)
-    llm = load(model, n_ctx=ctx_size, n_threads=threads, batch_size=ctx_size, type_k=type_k, type_v=type_v)
+    llm = load(model, n_ctx=ctx_size, n_threads=threads, batch_size=ctx_size, type_k=type_k, type_v=type_v,
+               warmup_next=True)
     warm_up(llm)
     tty = sys.stderr.isatty()
 

@@ -70,7 +70,8 @@ def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k
     from ..api import load
     from .warm import warm_up
 
-    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size, type_k=type_k, type_v=type_v)
+    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size, type_k=type_k, type_v=type_v,
+               warmup_next=True)
     if verbose:
         err(f"loaded {llm!r} in {llm.load_s:.2f} s, {llm.n_threads} threads")
     if check_tensors:

@@ -84,7 +84,7 @@ def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queu
     warning = security_warning(host, api_key)
     if warning:
         err(warning)
-    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, type_k=type_k, type_v=type_v)
+    llm = load(model, n_ctx=ctx_size or None, n_threads=threads, type_k=type_k, type_v=type_v, warmup_next=True)
     template = llm.chat_template(chat_template)  # a bad NAME or FILE fails here, before serving
     from .warm import warm_up
 
