@@ -138,10 +138,10 @@ def _half_ops(is_bf16: bool) -> TypeOps:
     )
 
 
-def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool | str, gemm: str | None) -> TypeOps:
+def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, gemm: str | None) -> TypeOps:
     """A quantized type. family: the module of its float mat-vec `matvec_<type>` (legacy or kquants);
     int8_kernel: its mat-mat in kernels/int8.py, called with the type id first when `takes_type`
-    is True, or the type's member of that Variants family when it is "variant"; gemm: its mat-mat
+    is True; gemm: its mat-mat
     for batches of at least GEMM_MIN_TOKENS tokens, if it has one."""
     import importlib
 
@@ -185,9 +185,7 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool | s
     ops = TypeOps(matvec, matmul, dequantize, None)
     if HAVE_AVX2:
         kernel = getattr(int8, int8_kernel)
-        if takes_type == "variant":
-            kernel = kernel[type_id]
-        elif takes_type:
+        if takes_type:
             kernel = partial(kernel, type_id)
         form = TYPES[type_id].int8_form
         big = getattr(int8, gemm) if gemm else kernel
@@ -205,13 +203,13 @@ _register(F32, np.float32, None, _f32_ops)
 _register(F16, np.uint16, None, partial(_half_ops, False))
 _register(BF16, np.uint16, None, partial(_half_ops, True))
 # quantized types: kernel module of the float path, int8 activation form, int8 mat-mat kernel
-# (kernels/int8.py), whether that kernel serves several types (True: it takes the type id;
-# "variant": it is a jit.Variants family with one kernel per type), and its gemm for batches (or None)
+# (kernels/int8.py), whether that kernel serves several types (then it takes the type id first),
+# and its gemm for batches (or None)
 for _tid, _family, _form, _kernel, _shared, _gemm in (
-    (Q4_0, "legacy", "q8_0", "MATMUL_LEGACY", "variant", None),
-    (Q4_1, "legacy", "q8_1", "MATMUL_LEGACY", "variant", None),
-    (Q5_0, "legacy", "q8_0", "MATMUL_LEGACY", "variant", None),
-    (Q5_1, "legacy", "q8_1", "MATMUL_LEGACY", "variant", None),
+    (Q4_0, "legacy", "q8_0", "matmul_legacy", True, None),
+    (Q4_1, "legacy", "q8_1", "matmul_legacy", True, None),
+    (Q5_0, "legacy", "q8_0", "matmul_legacy", True, None),
+    (Q5_1, "legacy", "q8_1", "matmul_legacy", True, None),
     (Q8_0, "legacy", "q8_0", "matmul_q8_0", False, None),
     (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
     (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),

@@ -7,13 +7,14 @@ Weight blocks are then dotted with integer arithmetic (`_x86.py`): exact integer
 float scales, so the only error versus float is the rounding of x to 8 bits, like llama.cpp
 (measured: max|y - y64| / max|y64| from 2e-3 to 1.3e-2 on random data; see the tests).
 
-Each mat-mul kernel takes x as (n_tok, ne0) and serves both decode (n_tok = 1) and prefill:
-rows are split over threads (one `prange` over one contiguous chunk of rows per thread); for
-each tile of TOKEN_TILE tokens a row is read from memory once (then from L1) and applied to
-every token of the tile. All but q2_K/q3_K use whole-row intrinsics (vector accumulators, one
-horizontal sum per row) and a 4-token variant that unpacks the weights once for 4 tokens and
-computes, per token, exactly what the one-token intrinsic computes (so prefill rows equal
-decode bit for bit); q2_K/q3_K call a per-block intrinsic.
+Each mat-mul takes x as (n_tok, ne0) and serves both decode (n_tok = 1) and prefill: rows are
+split over threads (`_row_chunks`: one contiguous chunk of rows per thread, each by a serial row
+kernel called by address); for each tile of TOKEN_TILE tokens a row is read from memory once
+(then from L1) and applied to every token of the tile. All but q2_K/q3_K use whole-row
+intrinsics (vector accumulators, one horizontal sum per row) and a 4-token variant that unpacks
+the weights once for 4 tokens and computes, per token, exactly what the one-token intrinsic
+computes (so prefill rows equal decode bit for bit); q2_K/q3_K call a per-block intrinsic.
+q4_K batches take `gemm_q4_k` (8 rows per pass, the same values: `_x86_gemm.py`).
 
 Numba's cache key covers every qllama/kernels/*.py (`jit.py`), so a change to an intrinsic in
 `_x86.py` recompiles the kernels that inline it.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .jit import Variants, kernel
+from .jit import Variants, address_of, call_address, kernel
 
 from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1
 from ._fp16 import f16_at
@@ -64,108 +65,146 @@ def _chunks(n_rows, n_threads):
     return n, (n_rows + n - 1) // n
 
 
+# The parallel loop of the mat-muls: one contiguous chunk of rows per thread, each chunk by a
+# serial row kernel called by its address (jit.call_address). Inside a parallel loop a kernel's
+# code would be linked in and optimised again, twice over, for every type; this way each type's
+# rows compile once, serially, and the loop once for all types (~0.5-1 s less per type on a
+# first run).
+
+
+@kernel(parallel=True, **_NOPY)
+def _row_chunks(address, raw, xq, xd, xs, tab, out, n_units, n_threads):
+    """rows(raw, xq, xd, xs, tab, out, u0, u1) over units 0..n_units-1 (rows or row groups), one
+    contiguous chunk per thread (address: `compiled_address` of rows for these types; 0: nothing,
+    as in a recording warm-up)."""
+    if address == 0:
+        return
+    n_chunks, per = _chunks(n_units, n_threads)
+    for c in prange(n_chunks):
+        call_address(address, raw, xq, xd, xs, tab, out, np.int64(c * per), np.int64(min(n_units, (c + 1) * per)))
+
+
+def _over_threads(rows, n_units, raw, xq, xd, xs, tab, out, n_threads) -> None:
+    """Run the serial row kernel `rows` over n_units split across n_threads (`_row_chunks`)."""
+    args = (raw, xq, xd, xs, tab, out, np.int64(0), np.int64(0))
+    address = address_of(rows, args, lambda: rows(*args))  # (an empty range: only compiles or loads it)
+    _row_chunks(address, raw, xq, xd, xs, tab, out, np.int64(n_units), np.int64(n_threads))
+
+
 # Row kernels (q4_K, q5_K, q6_K, q8_0, q4_0, q4_1, q5_0, q5_1): the whole row dot product is one intrinsic (`_x86.py`)
 # that loops over the blocks in IR with a vector accumulator. Per row chunk and tile of tokens,
 # a row is read from memory once and stays in L1 for the other tokens of the tile.
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(fastmath=FASTMATH, **_NOPY)
+def _rows_q4_k(raw, xq, xd, xs, tab, out, r0, r1):
+    """out[t, r] = row r . x[t] for rows r0..r1-1, x in q8_K form (xq (n_tok, ne0), xd (n_tok, ne0/256),
+    xs (n_tok, ne0/16)); raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows)."""
+    n_tok, nb = xq.shape[0], raw.shape[1] // 144
+    for t0 in range(0, n_tok, TOKEN_TILE):
+        for r in range(r0, r1):
+            row = raw[r]
+            t1 = min(n_tok, t0 + TOKEN_TILE)
+            t = t0
+            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_k(row, nb, xq, xd, xs, t)
+                t += 4
+            while t < t1:
+                out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
+                t += 1
+
+
 def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
-    """out[t, r] = row r . x[t] with x in q8_K form (xq (n_tok, ne0), xd (n_tok, ne0/256), xs (n_tok, ne0/16)).
-
-    raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows); n_threads: rows are split in that many chunks.
-    """
-    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 144
-    n_chunks, per = _chunks(n_rows, n_threads)
-    for c in prange(n_chunks):
-        for t0 in range(0, n_tok, TOKEN_TILE):
-            for r in range(c * per, min(n_rows, (c + 1) * per)):
-                row = raw[r]
-                t1 = min(n_tok, t0 + TOKEN_TILE)
-                t = t0
-                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_k(row, nb, xq, xd, xs, t)
-                    t += 4
-                while t < t1:
-                    out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
-                    t += 1
+    """Rows of raw over the threads, each chunk by `_rows_q4_k`."""
+    _over_threads(_rows_q4_k, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(fastmath=FASTMATH, **_NOPY)
+def _gemm_rows_q4_k(raw, xq, xd, xs, tab, out, g0, g1):
+    """Groups g0..g1-1 of 8 rows (`_x86_gemm.py`): each packed once into a scratch, then
+    multiplied with every token."""
+    nb = raw.shape[1] // 144
+    pack = np.empty(nb * Q4K_PACKED_BYTES, np.uint8)  # 8 rows, packed: in L1 or L2
+    for g in range(g0, g1):
+        pack8_q4_k(raw, g * TILE_ROWS, nb, pack)
+        tile8_q4_k(pack, nb, xq, xd, xs, 0, xq.shape[0], out, g * TILE_ROWS)
+
+
 def gemm_q4_k(raw, xq, xd, xs, tab, out, n_threads):
     """matmul_q4_k (the same values, bit for bit) for batches of a few tokens or more, when n_rows
-    is a multiple of 8 (`_x86_gemm.py`): per group of 8 rows, the rows are packed once into a
-    per-thread scratch, then multiplied with every token."""
-    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 144
-    n_groups = n_rows // TILE_ROWS
-    n_chunks, per = _chunks(n_groups, n_threads)
-    for c in prange(n_chunks):
-        pack = np.empty(nb * Q4K_PACKED_BYTES, np.uint8)  # 8 rows, packed: per thread, in L1 or L2
-        for g in range(c * per, min(n_groups, (c + 1) * per)):
-            pack8_q4_k(raw, g * TILE_ROWS, nb, pack)
-            tile8_q4_k(pack, nb, xq, xd, xs, 0, n_tok, out, g * TILE_ROWS)
+    is a multiple of 8: groups of 8 rows over the threads, each chunk by `_gemm_rows_q4_k`."""
+    _over_threads(_gemm_rows_q4_k, raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(fastmath=FASTMATH, **_NOPY)
+def _rows_q5_k(raw, xq, xd, xs, tab, out, r0, r1):
+    """As _rows_q4_k for q5_K rows (176-byte blocks)."""
+    n_tok, nb = xq.shape[0], raw.shape[1] // 176
+    for t0 in range(0, n_tok, TOKEN_TILE):
+        for r in range(r0, r1):
+            row = raw[r]
+            t1 = min(n_tok, t0 + TOKEN_TILE)
+            t = t0
+            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_k(row, nb, xq, xd, xs, t)
+                t += 4
+            while t < t1:
+                out[t, r] = row_dot_q5_k(row, nb, xq[t], xd[t], xs[t])
+                t += 1
+
+
 def matmul_q5_k(raw, xq, xd, xs, tab, out, n_threads):
-    """As matmul_q4_k for q5_K rows (176-byte blocks)."""
-    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 176
-    n_chunks, per = _chunks(n_rows, n_threads)
-    for c in prange(n_chunks):
-        for t0 in range(0, n_tok, TOKEN_TILE):
-            for r in range(c * per, min(n_rows, (c + 1) * per)):
-                row = raw[r]
-                t1 = min(n_tok, t0 + TOKEN_TILE)
-                t = t0
-                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_k(row, nb, xq, xd, xs, t)
-                    t += 4
-                while t < t1:
-                    out[t, r] = row_dot_q5_k(row, nb, xq[t], xd[t], xs[t])
-                    t += 1
+    """Rows of raw over the threads, each chunk by `_rows_q5_k`."""
+    _over_threads(_rows_q5_k, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
+@kernel(fastmath=FASTMATH, **_NOPY)
+def _rows_q6_k(raw, xq, xd, xs, tab, out, r0, r1):
+    """As _rows_q4_k for q6_K rows (210-byte blocks)."""
+    n_tok, nb = xq.shape[0], raw.shape[1] // 210
+    for t0 in range(0, n_tok, TOKEN_TILE):
+        for r in range(r0, r1):
+            row = raw[r]
+            t1 = min(n_tok, t0 + TOKEN_TILE)
+            t = t0
+            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q6_k(row, nb, xq, xd, xs, t)
+                t += 4
+            while t < t1:
+                out[t, r] = row_dot_q6_k(row, nb, xq[t], xd[t], xs[t])
+                t += 1
+
+
 def matmul_q6_k(raw, xq, xd, xs, tab, out, n_threads):
-    """As matmul_q4_k for q6_K rows (210-byte blocks)."""
-    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 210
-    n_chunks, per = _chunks(n_rows, n_threads)
-    for c in prange(n_chunks):
-        for t0 in range(0, n_tok, TOKEN_TILE):
-            for r in range(c * per, min(n_rows, (c + 1) * per)):
-                row = raw[r]
-                t1 = min(n_tok, t0 + TOKEN_TILE)
-                t = t0
-                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q6_k(row, nb, xq, xd, xs, t)
-                    t += 4
-                while t < t1:
-                    out[t, r] = row_dot_q6_k(row, nb, xq[t], xd[t], xs[t])
-                    t += 1
+    """Rows of raw over the threads, each chunk by `_rows_q6_k`."""
+    _over_threads(_rows_q6_k, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
+@kernel(fastmath=FASTMATH, **_NOPY)
+def _rows_q8_0(raw, xq, xd, xs, tab, out, r0, r1):
     """q8_0 rows (34-byte blocks) times x in q8_0 form (xd (n_tok, ne0/32); xs unused)."""
-    n_rows, n_tok, nb = raw.shape[0], xq.shape[0], raw.shape[1] // 34
-    n_chunks, per = _chunks(n_rows, n_threads)
-    for c in prange(n_chunks):
-        for t0 in range(0, n_tok, TOKEN_TILE):
-            for r in range(c * per, min(n_rows, (c + 1) * per)):
-                row = raw[r]
-                t1 = min(n_tok, t0 + TOKEN_TILE)
-                t = t0
-                while t + 4 <= t1:  # 4 tokens per call: each weight block is loaded once for them
-                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q8_0(row, nb, xq, xd, xs, t)
-                    t += 4
-                while t < t1:
-                    out[t, r] = row_dot_q8_0(row, nb, xq[t], xd[t], xs[t])
-                    t += 1
+    n_tok, nb = xq.shape[0], raw.shape[1] // 34
+    for t0 in range(0, n_tok, TOKEN_TILE):
+        for r in range(r0, r1):
+            row = raw[r]
+            t1 = min(n_tok, t0 + TOKEN_TILE)
+            t = t0
+            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q8_0(row, nb, xq, xd, xs, t)
+                t += 4
+            while t < t1:
+                out[t, r] = row_dot_q8_0(row, nb, xq[t], xd[t], xs[t])
+                t += 1
+
+
+def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
+    """Rows of raw over the threads, each chunk by `_rows_q8_0`."""
+    _over_threads(_rows_q8_0, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
 
 
 def _legacy_of(type_id: int):
-    """The mat-mul of one of q4_0, q4_1, q5_0, q5_1 (type_id, a constant of the closure) times
-    int8 activations, as ggml's vec_dot kernels:
+    """The row kernel (rows r0..r1-1, as _rows_q4_k) of one of q4_0, q4_1, q5_0, q5_1 (type_id,
+    a constant of the closure) times int8 activations, as ggml's vec_dot kernels:
 
     q4_0: d*(q-8), q5_0: d*(q-16) with q8_0 activations (xs int32 sums of xq) -> d*dx*(sum q xq - off*xs);
     q4_1 / q5_1: d*q + m with q8_1 activations (xs float32 s = fp16(dx * sum xq)) -> d*dx*sum q xq + m*s.
@@ -175,34 +214,37 @@ def _legacy_of(type_id: int):
     five = type_id == Q5_0 or type_id == Q5_1
     bb = {Q4_0: 18, Q4_1: 20, Q5_0: 22}.get(type_id, 24)  # bytes per block (Q5_1: 24)
 
-    def matmul_legacy(raw, xq, xd, xs, tab, out, n_threads):
-        n_rows, n_tok = raw.shape[0], xq.shape[0]
+    def rows_legacy(raw, xq, xd, xs, tab, out, r0, r1):
+        n_tok = xq.shape[0]
         nb = raw.shape[1] // bb
-        n_chunks, per = _chunks(n_rows, n_threads)
-        for c in prange(n_chunks):
-            for t0 in range(0, n_tok, TOKEN_TILE):
-                for r in range(c * per, min(n_rows, (c + 1) * per)):
-                    row = raw[r]
-                    t1 = min(n_tok, t0 + TOKEN_TILE)
-                    t = t0
-                    while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                        if five:
-                            out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_legacy(row, nb, xq, xd, xs, t)
-                        else:
-                            out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_legacy(row, nb, xq, xd, xs, t)
-                        t += 4
-                    while t < t1:
-                        if five:
-                            out[t, r] = row_dot_q5_legacy(row, nb, xq[t], xd[t], xs[t])
-                        else:
-                            out[t, r] = row_dot_q4_legacy(row, nb, xq[t], xd[t], xs[t])
-                        t += 1
+        for t0 in range(0, n_tok, TOKEN_TILE):
+            for r in range(r0, r1):
+                row = raw[r]
+                t1 = min(n_tok, t0 + TOKEN_TILE)
+                t = t0
+                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                    if five:
+                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_legacy(row, nb, xq, xd, xs, t)
+                    else:
+                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_legacy(row, nb, xq, xd, xs, t)
+                    t += 4
+                while t < t1:
+                    if five:
+                        out[t, r] = row_dot_q5_legacy(row, nb, xq[t], xd[t], xs[t])
+                    else:
+                        out[t, r] = row_dot_q4_legacy(row, nb, xq[t], xd[t], xs[t])
+                    t += 1
 
-    return matmul_legacy
+    return rows_legacy
 
 
-# one kernel per legacy type, made on first use (a model compiles only the types it has)
-MATMUL_LEGACY = Variants(_legacy_of, "MATMUL_LEGACY", parallel=True, fastmath=FASTMATH, **_NOPY)
+# one row kernel per legacy type, made on first use (a model compiles only the types it has)
+ROWS_LEGACY = Variants(_legacy_of, "ROWS_LEGACY", fastmath=FASTMATH, **_NOPY)
+
+
+def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
+    """Rows of a q4_0 / q4_1 / q5_0 / q5_1 matrix over the threads, each chunk by ROWS_LEGACY[type_id]."""
+    _over_threads(ROWS_LEGACY[type_id], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
