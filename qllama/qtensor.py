@@ -206,16 +206,16 @@ _register(BF16, np.uint16, None, partial(_half_ops, True))
 # (kernels/int8.py), whether that kernel serves several types (then it takes the type id first),
 # and its gemm for batches (or None)
 for _tid, _family, _form, _kernel, _shared, _gemm in (
-    (Q4_0, "legacy", "q8_0", "matmul_legacy", True, None),
-    (Q4_1, "legacy", "q8_1", "matmul_legacy", True, None),
-    (Q5_0, "legacy", "q8_0", "matmul_legacy", True, None),
-    (Q5_1, "legacy", "q8_1", "matmul_legacy", True, None),
-    (Q8_0, "legacy", "q8_0", "matmul_q8_0", False, None),
+    (Q4_0, "legacy", "q8_0", "matmul_rows", True, None),
+    (Q4_1, "legacy", "q8_1", "matmul_rows", True, None),
+    (Q5_0, "legacy", "q8_0", "matmul_rows", True, None),
+    (Q5_1, "legacy", "q8_1", "matmul_rows", True, None),
+    (Q8_0, "legacy", "q8_0", "matmul_rows", True, None),
     (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
     (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
-    (Q4_K, "kquants", "q8_K", "matmul_q4_k", False, "gemm_q4_k"),
-    (Q5_K, "kquants", "q8_K", "matmul_q5_k", False, None),
-    (Q6_K, "kquants", "q8_K", "matmul_q6_k", False, None),
+    (Q4_K, "kquants", "q8_K", "matmul_rows", True, "gemm_q4_k"),
+    (Q5_K, "kquants", "q8_K", "matmul_rows", True, None),
+    (Q6_K, "kquants", "q8_K", "matmul_rows", True, None),
 ):
     _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm))
 del _tid, _family, _form, _kernel, _shared, _gemm

@@ -57,7 +57,7 @@ def _dispatchers() -> dict[str, Dispatcher]:
 def test_the_walk_finds_the_kernels():
     found = _dispatchers()
     # one known kernel of each kernel family, so that an empty walk cannot pass
-    for name in ("qllama.kernels.floats.matvec_f32", "qllama.kernels.int8._rows_q4_k",
+    for name in ("qllama.kernels.floats.matvec_f32", "qllama.kernels.int8._row_chunks",
                  "qllama.kernels.kquants.matvec_q6_k", "qllama.kernels.legacy.matvec_q8_0",
                  "qllama.kernels.dequantize.ROWS[12]", "qllama.kernels.quantize_k.quantize_q6_k"):
         assert name in found

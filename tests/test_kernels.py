@@ -328,7 +328,7 @@ def test_q4_k_gemm_equals_the_row_kernel(n_rows):
                 xq, xd, xsum = quantize_activation(xs).quantized("q8_K")
                 by_rows = np.empty((n_tok, n_rows), np.float32)
                 by_gemm = np.empty((n_tok, n_rows), np.float32)
-                int8.matmul_q4_k(q.raw, xq, xd, xsum, _fp16_table(), by_rows, n_threads)
+                int8.matmul_rows(gt.Q4_K, q.raw, xq, xd, xsum, _fp16_table(), by_rows, n_threads)
                 int8.gemm_q4_k(q.raw, xq, xd, xsum, _fp16_table(), by_gemm, n_threads)
                 assert np.array_equal(by_gemm, by_rows, equal_nan=True), (n_threads, n_tok)
                 ym = q.matmul(xs)  # the dispatch picks the gemm here

@@ -171,8 +171,8 @@ def vector_report() -> None:
         exec(COLD)  # compile every kernel (inspect_asm needs freshly compiled, not cached, code)
     from qllama.kernels import dequantize, kquants, legacy
 
-    kernels = {f"int8.{k}": getattr(int8, k) for k in ("_rows_q4_k", "_gemm_rows_q4_k", "_rows_q5_k", "_rows_q6_k", "_rows_q8_0")}
-    kernels.update({f"int8.ROWS_LEGACY[{t}]": k for t, k in int8.ROWS_LEGACY.items()})
+    kernels = {"int8._gemm_rows_q4_k": int8._gemm_rows_q4_k}
+    kernels.update({f"int8.ROWS_INT8[{t}]": k for t, k in int8.ROWS_INT8.items()})
     kernels.update({f"kquants.{k}": getattr(kquants, k) for k in dir(kquants) if k.startswith("matvec_")})
     kernels.update({f"legacy.{k}": getattr(legacy, k) for k in dir(legacy) if k.startswith("matvec_")})
     kernels.update({f"floats.{k}": getattr(floats, k) for k in ("matvec_f16", "matmul_f32", "matmul_half")})

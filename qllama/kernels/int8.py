@@ -27,7 +27,7 @@ from numba import prange
 
 from .jit import Variants, address_of, call_address, kernel
 
-from ..ggml_types import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1
+from ..ggml_types import Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._fp16 import f16_at
 from ._x86 import (
     dot_q2_k,
@@ -97,29 +97,6 @@ def _over_threads(rows, n_units, raw, xq, xd, xs, tab, out, n_threads) -> None:
 
 
 @kernel(fastmath=FASTMATH, **_NOPY)
-def _rows_q4_k(raw, xq, xd, xs, tab, out, r0, r1):
-    """out[t, r] = row r . x[t] for rows r0..r1-1, x in q8_K form (xq (n_tok, ne0), xd (n_tok, ne0/256),
-    xs (n_tok, ne0/16)); raw: uint8 (n_rows, nb*144); out: float32 (n_tok, n_rows)."""
-    n_tok, nb = xq.shape[0], raw.shape[1] // 144
-    for t0 in range(0, n_tok, TOKEN_TILE):
-        for r in range(r0, r1):
-            row = raw[r]
-            t1 = min(n_tok, t0 + TOKEN_TILE)
-            t = t0
-            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_k(row, nb, xq, xd, xs, t)
-                t += 4
-            while t < t1:
-                out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
-                t += 1
-
-
-def matmul_q4_k(raw, xq, xd, xs, tab, out, n_threads):
-    """Rows of raw over the threads, each chunk by `_rows_q4_k`."""
-    _over_threads(_rows_q4_k, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
-
-
-@kernel(fastmath=FASTMATH, **_NOPY)
 def _gemm_rows_q4_k(raw, xq, xd, xs, tab, out, g0, g1):
     """Groups g0..g1-1 of 8 rows (`_x86_gemm.py`): each packed once into a scratch, then
     multiplied with every token."""
@@ -131,120 +108,77 @@ def _gemm_rows_q4_k(raw, xq, xd, xs, tab, out, g0, g1):
 
 
 def gemm_q4_k(raw, xq, xd, xs, tab, out, n_threads):
-    """matmul_q4_k (the same values, bit for bit) for batches of a few tokens or more, when n_rows
+    """matmul_rows(Q4_K, ...) (the same values, bit for bit) for batches of 2+ tokens, when n_rows
     is a multiple of 8: groups of 8 rows over the threads, each chunk by `_gemm_rows_q4_k`."""
     _over_threads(_gemm_rows_q4_k, raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
 
 
-@kernel(fastmath=FASTMATH, **_NOPY)
-def _rows_q5_k(raw, xq, xd, xs, tab, out, r0, r1):
-    """As _rows_q4_k for q5_K rows (176-byte blocks)."""
-    n_tok, nb = xq.shape[0], raw.shape[1] // 176
-    for t0 in range(0, n_tok, TOKEN_TILE):
-        for r in range(r0, r1):
-            row = raw[r]
-            t1 = min(n_tok, t0 + TOKEN_TILE)
-            t = t0
-            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_k(row, nb, xq, xd, xs, t)
-                t += 4
-            while t < t1:
-                out[t, r] = row_dot_q5_k(row, nb, xq[t], xd[t], xs[t])
-                t += 1
+_BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24}
 
 
-def matmul_q5_k(raw, xq, xd, xs, tab, out, n_threads):
-    """Rows of raw over the threads, each chunk by `_rows_q5_k`."""
-    _over_threads(_rows_q5_k, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
+def _rows_of(type_id: int):
+    """The row kernel of one type (type_id, a constant of the closure: Numba keeps only its
+    branch, so a member compiles only its own intrinsics): out[t, r] = row r . x[t] for rows
+    r0..r1-1 of raw (uint8 (n_rows, nb * block bytes)), out float32 (n_tok, n_rows).
 
-
-@kernel(fastmath=FASTMATH, **_NOPY)
-def _rows_q6_k(raw, xq, xd, xs, tab, out, r0, r1):
-    """As _rows_q4_k for q6_K rows (210-byte blocks)."""
-    n_tok, nb = xq.shape[0], raw.shape[1] // 210
-    for t0 in range(0, n_tok, TOKEN_TILE):
-        for r in range(r0, r1):
-            row = raw[r]
-            t1 = min(n_tok, t0 + TOKEN_TILE)
-            t = t0
-            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q6_k(row, nb, xq, xd, xs, t)
-                t += 4
-            while t < t1:
-                out[t, r] = row_dot_q6_k(row, nb, xq[t], xd[t], xs[t])
-                t += 1
-
-
-def matmul_q6_k(raw, xq, xd, xs, tab, out, n_threads):
-    """Rows of raw over the threads, each chunk by `_rows_q6_k`."""
-    _over_threads(_rows_q6_k, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
-
-
-@kernel(fastmath=FASTMATH, **_NOPY)
-def _rows_q8_0(raw, xq, xd, xs, tab, out, r0, r1):
-    """q8_0 rows (34-byte blocks) times x in q8_0 form (xd (n_tok, ne0/32); xs unused)."""
-    n_tok, nb = xq.shape[0], raw.shape[1] // 34
-    for t0 in range(0, n_tok, TOKEN_TILE):
-        for r in range(r0, r1):
-            row = raw[r]
-            t1 = min(n_tok, t0 + TOKEN_TILE)
-            t = t0
-            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q8_0(row, nb, xq, xd, xs, t)
-                t += 4
-            while t < t1:
-                out[t, r] = row_dot_q8_0(row, nb, xq[t], xd[t], xs[t])
-                t += 1
-
-
-def matmul_q8_0(raw, xq, xd, xs, tab, out, n_threads):
-    """Rows of raw over the threads, each chunk by `_rows_q8_0`."""
-    _over_threads(_rows_q8_0, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
-
-
-def _legacy_of(type_id: int):
-    """The row kernel (rows r0..r1-1, as _rows_q4_k) of one of q4_0, q4_1, q5_0, q5_1 (type_id,
-    a constant of the closure) times int8 activations, as ggml's vec_dot kernels:
-
-    q4_0: d*(q-8), q5_0: d*(q-16) with q8_0 activations (xs int32 sums of xq) -> d*dx*(sum q xq - off*xs);
-    q4_1 / q5_1: d*q + m with q8_1 activations (xs float32 s = fp16(dx * sum xq)) -> d*dx*sum q xq + m*s.
-    The activation form selects _0 or _1 inside the row intrinsics (`_x86.py`); type_id the block
-    size and the 4- or 5-bit intrinsics, so a variant compiles one of them.
+    x in the type's activation form (`act_quant.py`): q8_K (xq (n_tok, ne0), xd (n_tok, ne0/256),
+    xs (n_tok, ne0/16) int32) for the k-quants; q8_0 (xd (n_tok, ne0/32), xs int32 sums of xq)
+    for q8_0, q4_0, q5_0; q8_1 (xs float32 s = fp16(dx * sum xq)) for q4_1 and q5_1. As ggml's
+    vec_dot: q4_0: d*(q-8), q5_0: d*(q-16) -> d*dx*(sum q xq - off*xs); q4_1 / q5_1: d*q + m ->
+    d*dx*sum q xq + m*s; the k-quants per super-block (`_x86.py`).
     """
-    five = type_id == Q5_0 or type_id == Q5_1
-    bb = {Q4_0: 18, Q4_1: 20, Q5_0: 22}.get(type_id, 24)  # bytes per block (Q5_1: 24)
+    bb = _BLOCK_BYTES[type_id]
+    q4k, q5k, q6k, q80 = type_id == Q4_K, type_id == Q5_K, type_id == Q6_K, type_id == Q8_0
+    five = type_id == Q5_0 or type_id == Q5_1  # else q4_0 / q4_1 (the legacy intrinsics)
 
-    def rows_legacy(raw, xq, xd, xs, tab, out, r0, r1):
-        n_tok = xq.shape[0]
-        nb = raw.shape[1] // bb
+    def rows(raw, xq, xd, xs, tab, out, r0, r1):
+        n_tok, nb = xq.shape[0], raw.shape[1] // bb
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(r0, r1):
                 row = raw[r]
                 t1 = min(n_tok, t0 + TOKEN_TILE)
                 t = t0
                 while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                    if five:
-                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q5_legacy(row, nb, xq, xd, xs, t)
+                    if q4k:
+                        y = row_dot4_q4_k(row, nb, xq, xd, xs, t)
+                    elif q5k:
+                        y = row_dot4_q5_k(row, nb, xq, xd, xs, t)
+                    elif q6k:
+                        y = row_dot4_q6_k(row, nb, xq, xd, xs, t)
+                    elif q80:
+                        y = row_dot4_q8_0(row, nb, xq, xd, xs, t)
+                    elif five:
+                        y = row_dot4_q5_legacy(row, nb, xq, xd, xs, t)
                     else:
-                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = row_dot4_q4_legacy(row, nb, xq, xd, xs, t)
+                        y = row_dot4_q4_legacy(row, nb, xq, xd, xs, t)
+                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
                     t += 4
                 while t < t1:
-                    if five:
+                    if q4k:
+                        out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
+                    elif q5k:
+                        out[t, r] = row_dot_q5_k(row, nb, xq[t], xd[t], xs[t])
+                    elif q6k:
+                        out[t, r] = row_dot_q6_k(row, nb, xq[t], xd[t], xs[t])
+                    elif q80:
+                        out[t, r] = row_dot_q8_0(row, nb, xq[t], xd[t], xs[t])
+                    elif five:
                         out[t, r] = row_dot_q5_legacy(row, nb, xq[t], xd[t], xs[t])
                     else:
                         out[t, r] = row_dot_q4_legacy(row, nb, xq[t], xd[t], xs[t])
                     t += 1
 
-    return rows_legacy
+    return rows
 
 
-# one row kernel per legacy type, made on first use (a model compiles only the types it has)
-ROWS_LEGACY = Variants(_legacy_of, "ROWS_LEGACY", fastmath=FASTMATH, **_NOPY)
+# one row kernel per type, made on first use (a model compiles only the types it has)
+ROWS_INT8 = Variants(_rows_of, "ROWS_INT8", fastmath=FASTMATH, **_NOPY)
 
 
-def matmul_legacy(type_id, raw, xq, xd, xs, tab, out, n_threads):
-    """Rows of a q4_0 / q4_1 / q5_0 / q5_1 matrix over the threads, each chunk by ROWS_LEGACY[type_id]."""
-    _over_threads(ROWS_LEGACY[type_id], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
+def matmul_rows(type_id, raw, xq, xd, xs, tab, out, n_threads):
+    """The int8 mat-mul of q4_K, q5_K, q6_K, q8_0, q4_0, q4_1, q5_0 or q5_1 rows: the rows over
+    the threads, each chunk by ROWS_INT8[type_id]."""
+    _over_threads(ROWS_INT8[type_id], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
