@@ -317,7 +317,7 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
     STATS.clear()
     queue = list(todo)
     lock = threading.Lock()  # queue and here.job, shared by the two threads
-    me_too, here = here, _Worker(None)  # this process, as a worker: its running job
+    me = _Worker(None)  # this process, as a worker: its running job
     failed: list[BaseException] = []
     try:
         for _ in range(n):
@@ -339,7 +339,7 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
             with lock:
                 if not queue:
                     return None
-                others = [o for o in alive + [here] if o is not w and o.job is not None]
+                others = [o for o in alive + [me] if o is not w and o.job is not None]
                 running = frozenset().union(*(o.job.callees for o in others))
                 job = queue.pop(next((i for i, j in enumerate(queue) if not (j.callees & running)), 0))
                 w.job, w.since = job, time.monotonic()
@@ -375,8 +375,8 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
         server = threading.Thread(target=serve, name="qllama-compile-pool", daemon=True)
         server.start()
         with _locked_cache_saves():
-            while me_too and take(here) is not None:
-                job, t0, c0 = here.job, time.perf_counter(), time.process_time()
+            while here and take(me) is not None:
+                job, t0, c0 = me.job, time.perf_counter(), time.process_time()
                 try:
                     _resolve(job.module, job.name, job.key).compile(job.argtypes)
                     job.done = True
@@ -384,7 +384,7 @@ def compile_jobs(jobs: list[Job], n_workers: int, job_timeout: float | None = No
                     pass
                 STATS.append(dict(job=job.label, worker=os.getpid(), cpu_s=time.process_time() - c0,
                                   wall_s=time.perf_counter() - t0, start_s=t0 - t_start))
-                here.job = None
+                me.job = None
         server.join()
         if failed:
             raise failed[0]

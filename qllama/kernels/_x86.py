@@ -198,6 +198,35 @@ def _splat_f(builder, v):
                                   ir.Constant(v8f, None), ir.Constant(_vec(_I32, 8), [0] * 8))
 
 
+def _loop(builder, lo, hi, body, inits):
+    """Emit `for i in range(lo, hi): vals = body(i, vals)` (i64 bounds) from the values `inits`;
+    return the values after the loop (`inits` when it runs no iteration)."""
+    entry = builder.block
+    loop = builder.append_basic_block("loop")
+    done = builder.append_basic_block("loop_done")
+    builder.cbranch(builder.icmp_signed("<", lo, hi), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(_I64)
+    vals = [builder.phi(z.type) for z in inits]
+    vals2 = body(i, vals)
+    i1 = builder.add(i, ir.Constant(_I64, 1))
+    last = builder.block
+    i.add_incoming(lo, entry)
+    i.add_incoming(i1, last)
+    for v, v2, z in zip(vals, vals2, inits):
+        v.add_incoming(z, entry)
+        v.add_incoming(v2, last)
+    builder.cbranch(builder.icmp_signed("<", i1, hi), loop, done)
+    builder.position_at_end(done)
+    finals = []
+    for v2, z in zip(vals2, inits):  # all phi nodes first
+        f = builder.phi(z.type)
+        f.add_incoming(z, entry)
+        f.add_incoming(v2, last)
+        finals.append(f)
+    return finals
+
+
 def _row_loop(builder, nb, body, n_acc, n_scalar=0):
     """Emit `for b in range(nb): accs = body(b, accs)` over n_acc <8 x float> accumulators (then
     n_scalar float ones); return the vector ones' lane sums, then the scalar ones.
@@ -207,29 +236,7 @@ def _row_loop(builder, nb, body, n_acc, n_scalar=0):
     """
     v8f = _vec(ir.FloatType(), 8)
     zeros = [ir.Constant(v8f, [0.0] * 8)] * n_acc + [ir.Constant(ir.FloatType(), 0.0)] * n_scalar
-    entry = builder.block
-    loop = builder.append_basic_block("row_loop")
-    done = builder.append_basic_block("row_done")
-    builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
-    builder.position_at_end(loop)
-    b = builder.phi(_I64)
-    accs = [builder.phi(z.type) for z in zeros]
-    accs2 = body(b, accs)
-    b1 = builder.add(b, ir.Constant(_I64, 1))
-    last = builder.block
-    b.add_incoming(ir.Constant(_I64, 0), entry)
-    b.add_incoming(b1, last)
-    for a, a2, z in zip(accs, accs2, zeros):
-        a.add_incoming(z, entry)
-        a.add_incoming(a2, last)
-    builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
-    builder.position_at_end(done)
-    phis = []
-    for a2, z in zip(accs2, zeros):  # all phi nodes first
-        v = builder.phi(z.type)
-        v.add_incoming(z, entry)
-        v.add_incoming(a2, last)
-        phis.append(v)
+    phis = _loop(builder, ir.Constant(_I64, 0), nb, body, zeros)
     sums = []
     for v in phis[:n_acc]:
         for n in (4, 2, 1):  # pairwise horizontal sum

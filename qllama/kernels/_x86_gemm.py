@@ -25,7 +25,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._x86 import _I8, _I16, _I32, _I64, _gep8, _lanes, _maddubs, _maddwd, _splat, _splat_f, _vec
+from ._x86 import _I8, _I16, _I32, _I64, _gep8, _lanes, _loop, _maddubs, _maddwd, _splat, _splat_f, _vec
 
 TILE_ROWS = 8
 # scratch bytes per q4_K block of 8 rows (lane r = row r): d and dmin (8 f32 each), 8 scale vectors
@@ -42,34 +42,6 @@ _V16H = _vec(_I16, 16)
 
 def _c64(v):
     return ir.Constant(_I64, v)
-
-
-def _block_loop(builder, n, body, inits):
-    """Emit `for b in range(n): vals = body(b, vals)` from `inits`; return the final values."""
-    entry = builder.block
-    loop = builder.append_basic_block("blk_loop")
-    done = builder.append_basic_block("blk_done")
-    builder.cbranch(builder.icmp_signed(">", n, _c64(0)), loop, done)
-    builder.position_at_end(loop)
-    b = builder.phi(_I64)
-    vals = [builder.phi(z.type) for z in inits]
-    vals2 = body(b, vals)
-    b1 = builder.add(b, _c64(1))
-    last = builder.block
-    b.add_incoming(_c64(0), entry)
-    b.add_incoming(b1, last)
-    for v, v2, z in zip(vals, vals2, inits):
-        v.add_incoming(z, entry)
-        v.add_incoming(v2, last)
-    builder.cbranch(builder.icmp_signed("<", b1, n), loop, done)
-    builder.position_at_end(done)
-    finals = []
-    for v2, z in zip(vals2, inits):
-        f = builder.phi(z.type)
-        f.add_incoming(z, entry)
-        f.add_incoming(v2, last)
-        finals.append(f)
-    return finals
 
 
 def _shuffle(builder, a, b, idx):
@@ -157,10 +129,10 @@ def _pack8_codegen(context, builder, signature, args):
                 _store(builder, builder.lshr(v, _splat(_I8, 32, 4)), dj, 256 + 32 * k)
             return []
 
-        _block_loop(builder, _c64(4), group, [])
+        _loop(builder, _c64(0), _c64(4), group, [])
         return []
 
-    _block_loop(builder, nb, body, [])
+    _loop(builder, _c64(0), nb, body, [])
     return context.get_dummy_value()
 
 
@@ -180,22 +152,6 @@ def pack8_q4_k(typingctx, raw, r0, nb, pack):
 def _fma(builder, a, b, c):
     fn = builder.module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
     return builder.call(fn, [a, b, c])
-
-
-def _range_loop(builder, lo, hi, body):
-    """Emit `for t in range(lo, hi): body(t)` (i64 bounds)."""
-    entry = builder.block
-    loop = builder.append_basic_block("tok_loop")
-    done = builder.append_basic_block("tok_done")
-    builder.cbranch(builder.icmp_signed("<", lo, hi), loop, done)
-    builder.position_at_end(loop)
-    t = builder.phi(_I64)
-    body(t)
-    t1 = builder.add(t, _c64(1))
-    t.add_incoming(lo, entry)
-    t.add_incoming(t1, builder.block)
-    builder.cbranch(builder.icmp_signed("<", t1, hi), loop, done)
-    builder.position_at_end(done)
 
 
 def _token_ptr(context, builder, aty, aval, t, elty):
@@ -227,7 +183,7 @@ def _tile_codegen(context, builder, signature, args):
     oty, oval = signature.args[7], args[7]
     sa = signature.args
 
-    def token(t):
+    def token(t, _):
         xq = _token_ptr(context, builder, sa[2], args[2], t, _I8)
         xd = _token_ptr(context, builder, sa[3], args[3], t, ir.FloatType())
         xs = _token_ptr(context, builder, sa[4], args[4], t, _I32)
@@ -249,7 +205,7 @@ def _tile_codegen(context, builder, signature, args):
                 return out
 
             # (a loop, not unrolled: an eighth of the code for LLVM to compile, at no measured cost)
-            isums = _block_loop(builder, _c64(8), sub_block, [ir.Constant(_V8I, [0] * 8)] * 8)
+            isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(_V8I, [0] * 8)] * 8)
             bs = builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
             bsum = builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F)
             dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
@@ -261,14 +217,15 @@ def _tile_codegen(context, builder, signature, args):
                 out.append(_fma(builder, neg_b, msum, _fma(builder, a, builder.sitofp(isums[k], _V8F), accs[k])))
             return out
 
-        acc = _block_loop(builder, nb, block, [ir.Constant(_V8F, [0.0] * 8)] * 8)
+        acc = _loop(builder, _c64(0), nb, block, [ir.Constant(_V8F, [0.0] * 8)] * 8)
         s04, s26 = _exact("fadd", builder, acc[0], acc[4]), _exact("fadd", builder, acc[2], acc[6])
         s15, s37 = _exact("fadd", builder, acc[1], acc[5]), _exact("fadd", builder, acc[3], acc[7])
         y = _exact("fadd", builder, _exact("fadd", builder, s04, s26), _exact("fadd", builder, s15, s37))
         orow = _token_ptr(context, builder, oty, oval, t, ir.FloatType())
         _store(builder, y, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
+        return []
 
-    _range_loop(builder, t0, t1, token)
+    _loop(builder, t0, t1, token, [])
     return context.get_dummy_value()
 
 
