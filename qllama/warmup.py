@@ -134,12 +134,13 @@ def _source_stamp() -> list[tuple[str, int, int]]:
 def _marker(types: list[str], n_threads: int) -> Path | None:
     import numba
 
+    from .kernels._x86 import ISA
     from .qtensor import int8_activations
 
     d = numba_cache_dir()
     if d is None:
         return None
-    key = repr((numba.__version__, _source_stamp(), sorted(types), sorted(int8_activations()), n_threads > 1))
+    key = repr((numba.__version__, _source_stamp(), sorted(types), sorted(int8_activations()), n_threads > 1, ISA))
     return d / f"qllama-warm-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 
 

@@ -15,6 +15,7 @@ as `-n gl`), which are dropped with a one-line notice.
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 import warnings
@@ -139,6 +140,12 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
 def cli(ctx: click.Context, debug: bool) -> None:
     """qllama: run quantized GGUF language models on the CPU."""
     ctx.obj = {"debug": debug}
+    if os.environ.get("QLLAMA_ISA"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (its import warns; here it is an error)
+            from ..kernels._x86 import ISA_PROBLEM
+        if ISA_PROBLEM:
+            raise click.UsageError(ISA_PROBLEM)
 
 
 # -- Ctrl-C ------------------------------------------------------------------------------------

@@ -10,20 +10,30 @@ import click
 def simd_path() -> str:
     """The kernel path the matrix products take on this host, named honestly.
 
-    The int8-activation kernels (AVX2 `pmaddubsw`/`pmaddwd`) run when the host has AVX2 and
-    F16C (`qtensor.int8_activations`); otherwise every type takes the portable float kernels.
-    qllama has no AVX-512 kernel: an AVX-512 host runs the AVX2 ones, and we say so.
+    The int8-activation kernels run when the host has AVX2 and F16C (`qtensor.int8_activations`),
+    in the instruction set `kernels._x86.ISA` (avx2, avx2-vnni, avx512, avx512-vnni: the best the
+    CPU has, or QLLAMA_ISA); otherwise every type takes the portable float kernels.
     """
+    import warnings
+
     import llvmlite.binding as llvm
 
     from ..qtensor import int8_activations
 
-    features = set(llvm.get_host_cpu_features().flatten().split(","))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from ..kernels._x86 import EMULATED, ISA, ISA_PROBLEM
+
     cpu = llvm.get_host_cpu_name()
     if int8_activations():
-        path = "AVX2 (int8 dot products)"
-        if "+avx512vnni" in features:
-            path += "; the CPU has AVX-512 VNNI, which no qllama kernel uses yet"
+        notes = {"avx2": "pmaddubsw + pmaddwd", "avx2-vnni": "vpdpbusd / vpdpwssd, 256-bit",
+                 "avx512": "pmaddubsw + pmaddwd; 512-bit q4_K batches",
+                 "avx512-vnni": "vpdpbusd / vpdpwssd; 512-bit q4_K batches"}
+        path = f"{ISA} (int8 dot products: {notes[ISA]})"
+        if EMULATED:
+            path += "; emulated in generic code (QLLAMA_ISA_EMULATE=1, for tests: slow)"
+        if ISA_PROBLEM:
+            path += f"; {ISA_PROBLEM}"
     else:
         path = "portable (float kernels; no AVX2 + F16C on this CPU)"
     return f"{path} [CPU: {cpu}]"

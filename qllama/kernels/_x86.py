@@ -1,11 +1,27 @@
-"""AVX2 building blocks for the int8-activation dot products, as Numba intrinsics.
+"""x86 building blocks for the int8-activation dot products, as Numba intrinsics.
 
 Each intrinsic computes the integer dot product of one weight block with int8 activations,
-emitting LLVM IR that calls the x86 AVX2 intrinsics `pmaddubsw` (32 u8 x i8 products summed in
+emitting LLVM IR that calls the x86 intrinsics `pmaddubsw` (32 u8 x i8 products summed in
 pairs to i16) and `pmaddwd` (i16 x i16 summed in pairs to i32), which is how ggml does it.
 (Generic LLVM vector IR was tried first: LLVM lowers `pmaddwd` patterns but not `pmaddubsw`,
 which halves the speed.) These are only compiled when the host has AVX2 (`HAVE_AVX2`); other
 hosts use the portable float kernels of `rows.py`.
+
+Instruction sets (`ISA`, chosen once per process from the CPU Numba compiles for):
+
+- `avx2`: `pmaddubsw` + `pmaddwd` + `paddd`.
+- `avx2-vnni` (AVX-VNNI, or AVX-512 VNNI with VL, on 256-bit vectors): `vpdpbusd` (u8 x i8
+  quads summed into i32, accumulating) and `vpdpwssd` (`pmaddwd` + `paddd` in one).
+- `avx512`, `avx512-vnni`: the same, and the q4_K gemm (`_x86_gemm.py`) takes two tokens per
+  512-bit vector.
+
+Every ISA computes the same exact int32 lane sums (no `pmaddubsw` pair sum saturates for the
+quant ranges used here: at most 2 * 128 * 127), and the float steps after them are the same
+instructions lane for lane, so every ISA gives the same bits. `QLLAMA_ISA` (auto, or one of
+`ISA_NAMES`) picks another ISA the CPU supports. With `QLLAMA_ISA_EMULATE=1` (for tests) it
+may name one the CPU lacks: each missing instruction is then emitted as exact generic IR, so
+a host with only AVX2 runs the VNNI and 512-bit code shapes and checks their values; speed
+means nothing there.
 
 Arguments are arrays plus element offsets; the caller guarantees the ranges are in bounds.
 All return an int64 holding the exact int32 sum.
@@ -13,14 +29,59 @@ All return an int64 holding the exact int32 sum.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
+from numba.core import config as numba_config
 from numba.extending import intrinsic
 
-_FEATURES = set(llvm.get_host_cpu_features().flatten().split(","))
+
+def _target_features() -> frozenset[str]:
+    """The CPU features Numba compiles for: NUMBA_CPU_FEATURES when set, else the host's."""
+    if numba_config.CPU_FEATURES is not None:
+        return frozenset(numba_config.CPU_FEATURES.split(","))
+    return frozenset(llvm.get_host_cpu_features().flatten().split(","))
+
+
+_FEATURES = _target_features()
 HAVE_AVX2: bool = {"+avx2", "+f16c"} <= _FEATURES  # f16c: fp16 scales converted in vector code
 
+ISA_NAMES = ("avx2", "avx2-vnni", "avx512", "avx512-vnni")
+_ZMM_FEATURES = frozenset({"+avx512f", "+avx512bw", "+avx512vl"})
+
+
+def _vnni256(f) -> bool:
+    return "+avxvnni" in f or {"+avx512vnni", "+avx512vl"} <= f
+
+
+def _supports(isa: str, f) -> bool:
+    zmm = isa.startswith("avx512")
+    return (not zmm or _ZMM_FEATURES <= f) and (not isa.endswith("-vnni") or (
+        "+avx512vnni" in f if zmm else _vnni256(f)))
+
+
+def choose_isa(env, features) -> tuple[str, str | None]:
+    """(the ISA to compile for, a one-line problem with QLLAMA_ISA or None)."""
+    best = next(i for i in reversed(ISA_NAMES) if _supports(i, features))
+    want = (env.get("QLLAMA_ISA") or "auto").strip().lower()
+    if want == "auto":
+        return best, None
+    if want not in ISA_NAMES:
+        return best, f"QLLAMA_ISA={want!r} is not one of: auto, {', '.join(ISA_NAMES)}"
+    if env.get("QLLAMA_ISA_EMULATE") == "1" or _supports(want, features):
+        return want, None
+    return best, f"QLLAMA_ISA={want} needs CPU features this CPU lacks (it can run {best})"
+
+
+ISA, ISA_PROBLEM = choose_isa(os.environ, _FEATURES)
+if ISA_PROBLEM:  # (the CLI turns this into an error before it gets here)
+    warnings.warn(f"{ISA_PROBLEM}; using {ISA}", RuntimeWarning, stacklevel=2)
+EMULATED: bool = not _supports(ISA, _FEATURES)  # (QLLAMA_ISA_EMULATE=1: generic IR for what the CPU lacks)
+VNNI: bool = ISA.endswith("-vnni")
+ZMM: bool = ISA.startswith("avx512")
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
 
@@ -43,18 +104,69 @@ def _load32(builder, p, k=0):
     return builder.load(builder.gep(p, [ir.Constant(_I32, k)]) if k else p, align=1)
 
 
+def _call(builder, name, ret, args):
+    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ret, [a.type for a in args]))
+    return builder.call(fn, args)
+
+
+def _halves(builder, v):
+    n = v.type.count // 2
+    return [builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), list(range(h * n, h * n + n)))) for h in range(2)]
+
+
+def _concat(builder, a, b):
+    return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 2 * a.type.count), list(range(2 * a.type.count))))
+
+
 def _maddubs(builder, a, b):
-    fn = builder.module.declare_intrinsic(
-        "llvm.x86.avx2.pmadd.ub.sw", fnty=ir.FunctionType(_vec(_I16, 16), [_vec(_I8, 32), _vec(_I8, 32)])
-    )
-    return builder.call(fn, [a, b])
+    """pmaddubsw: <32 or 64 x i8> u8 a, i8 b -> <16 or 32 x i16> saturated pair sums."""
+    n = a.type.count
+    if n == 64:
+        if not _ZMM_FEATURES <= _FEATURES:  # emulated: the instruction works on each 256-bit half alone
+            return _concat(builder, *(_maddubs(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
+        return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vec(_I16, 32), [a, b])
+    return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [a, b])
 
 
 def _maddwd(builder, a, b):
-    fn = builder.module.declare_intrinsic(
-        "llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16), _vec(_I16, 16)])
-    )
-    return builder.call(fn, [a, b])
+    """pmaddwd: <16 or 32 x i16> -> <8 or 16 x i32> pair sums."""
+    n = a.type.count
+    if n == 32:
+        if not _ZMM_FEATURES <= _FEATURES:
+            return _concat(builder, *(_maddwd(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
+        return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _vec(_I32, 16), [a, b])
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [a, b])
+
+
+def _native_vnni(n_lanes: int) -> bool:
+    return "+avx512vnni" in _FEATURES and _ZMM_FEATURES <= _FEATURES if n_lanes == 16 else _vnni256(_FEATURES)
+
+
+def _madd_add(builder, acc, p, s):
+    """acc + pmaddwd(p, s): <8 or 16 x i32>; one `vpdpwssd` on a VNNI ISA."""
+    if not VNNI:
+        return builder.add(acc, _maddwd(builder, p, s))
+    n = acc.type.count
+    if not _native_vnni(n):  # emulated: the same exact sums
+        return builder.add(acc, _maddwd(builder, p, s))
+    vi = _vec(_I32, n)
+    return _call(builder, f"llvm.x86.avx512.vpdpwssd.{32 * n}", vi, [acc, builder.bitcast(p, vi), builder.bitcast(s, vi)])
+
+
+def _dot4(builder, u, s):
+    """<32 x i8> u8 u, i8 s -> <8 x i32>: lane l = sum of the 4 products of bytes 4l..4l+3, exact
+    (`vpdpbusd` from zero on a VNNI ISA; `pmaddubsw` + `pmaddwd` by ones, whose pair sums never
+    saturate for the quant ranges here)."""
+    n = u.type.count // 4
+    vi = _vec(_I32, n)
+    if not VNNI:
+        return _maddwd(builder, _maddubs(builder, u, s), _splat(_I16, 2 * n, 1))
+    if _native_vnni(n):
+        return _call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * n}", vi,
+                     [ir.Constant(vi, [0] * n), builder.bitcast(u, vi), builder.bitcast(s, vi)])
+    prod = builder.mul(builder.zext(u, _vec(_I32, 4 * n)), builder.sext(s, _vec(_I32, 4 * n)))  # emulated
+    quads = [_lanes(builder, prod, range(k, 4 * n, 4)) for k in range(4)]
+    return builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3]))
 
 
 def _hsum(builder, v):
@@ -101,7 +213,7 @@ def _nibbles_core(builder, qp, xps, sc, qh_off):
         for i, xp in enumerate(xps):
             plo = _maddubs(builder, lo, _load32(builder, xp, 2 * j))  # (16,) i16 pair sums
             phi = _maddubs(builder, hi, _load32(builder, xp, 2 * j + 1))
-            accs[i] = builder.add(accs[i], builder.add(_maddwd(builder, plo, slo), _maddwd(builder, phi, shi)))
+            accs[i] = _madd_add(builder, _madd_add(builder, accs[i], plo, slo), phi, shi)
     return accs
 
 
@@ -127,7 +239,7 @@ def _q6_core(builder, base, xps, sc):
             scl = _lanes(builder, sc, [k] * 8 + [k + 1] * 8)
             for i, xp in enumerate(xps):
                 p = _maddubs(builder, q, _load32(builder, xp, 4 * n + s))
-                accs[i] = builder.add(accs[i], _maddwd(builder, p, scl))
+                accs[i] = _madd_add(builder, accs[i], p, scl)
     return accs
 
 
@@ -155,7 +267,7 @@ def _two_bit_codegen(context, builder, signature, args, kind):
                 v = builder.or_(v, builder.shl(h, _splat(_I8, 32, 2)))
             p = _maddubs(builder, v, _load32(builder, xp, 4 * n + s))
             k = 8 * n + 2 * s
-            acc = builder.add(acc, _maddwd(builder, p, _lanes(builder, sc, [k] * 8 + [k + 1] * 8)))
+            acc = _madd_add(builder, acc, p, _lanes(builder, sc, [k] * 8 + [k + 1] * 8))
     return _hsum(builder, acc)
 
 
@@ -391,7 +503,6 @@ def _row_legacy(context, builder, signature, args, kind):
     v8f = _vec(ir.FloatType(), 8)
     rowp, toks = _row_ptrs(context, builder, signature, args)
     v32 = ir.PointerType(_vec(_I8, 32))
-    ones = _splat(_I16, 16, 1)
     n = len(toks)
 
     def body(b, accs):
@@ -413,7 +524,7 @@ def _row_legacy(context, builder, signature, args, kind):
             x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), v32), align=1)
             if kind == "q8_0":
                 x = _psign(builder, x, w)
-            isum = _maddwd(builder, _maddubs(builder, q, x), ones)  # (8,) i32
+            isum = _dot4(builder, q, x)  # (8,) i32
             if off:
                 corr = builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, off))
                 isum = builder.sub(isum, builder.insert_element(ir.Constant(_vec(_I32, 8), [0] * 8), corr, ir.Constant(_I32, 0)))

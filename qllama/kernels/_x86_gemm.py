@@ -1,4 +1,4 @@
-"""AVX2 q4_K x q8_K mat-mat for batches (`int8.gemm_q4_k`): 8 rows per pass, rows in the lanes.
+"""x86 q4_K x q8_K mat-mat for batches (`int8.gemm_q4_k`): 8 rows per pass, rows in the lanes.
 
 The row intrinsics of `_x86.py` hold 32 consecutive quants of one row per vector and read each
 token's activations once per row; with many tokens that activation traffic (L2) is what bounds
@@ -9,7 +9,8 @@ each activation byte is loaded once for 8 rows.
 Unlike llama.cpp, no repacked copy of the weights is kept: `pack8_q4_k` writes 8 rows'
 transposed quants (unpacked to bytes) and decoded scales into a small per-thread scratch (2624
 bytes per block), and `tile8_q4_k` then reads that scratch for every token of the batch, so the
-transposition is paid once per 8 rows and batch.
+transposition is paid once per 8 rows and batch. On a 512-bit ISA (`_x86.ZMM`) the tile takes
+two tokens per vector, one in each 256-bit half, against the same 8 rows.
 
 Rounding: each row's value is bit for bit that of the one-token row kernel (`_x86._row_kquant45`):
 the same 8 lanes of exact int32 partial sums, the same two fused multiply-adds per block and the
@@ -25,9 +26,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._x86 import _I8, _I16, _I32, _I64, _gep8, _lanes, _loop, _maddubs, _maddwd, _splat, _splat_f, _vec
+from ._x86 import ZMM, _I8, _I16, _I32, _I64, _concat, _gep8, _halves, _lanes, _loop, _madd_add, _maddubs, _splat, _vec
 
 TILE_ROWS = 8
+TOKENS_PER_VECTOR = 2 if ZMM else 1  # tokens per pass of the tile, each in its own 256-bit half
 # scratch bytes per q4_K block of 8 rows (lane r = row r): d and dmin (8 f32 each), 8 scale vectors
 # (16 x i16), 8 min vectors (8 f32), then 64 vectors of transposed quants (groups of 64
 # elements j, low/high nibbles, byte quads k)
@@ -150,7 +152,7 @@ def pack8_q4_k(typingctx, raw, r0, nb, pack):
 
 
 def _fma(builder, a, b, c):
-    fn = builder.module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
+    fn = builder.module.declare_intrinsic(f"llvm.fma.v{a.type.count}f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
     return builder.call(fn, [a, b, c])
 
 
@@ -167,65 +169,95 @@ def _exact(op, builder, a, b):
     return getattr(builder, op)(a, b, flags=("arcp",))
 
 
+def _per_half(builder, scalars):
+    """<8 * len(scalars) x T>: scalars[h] in every lane of half h."""
+    n = len(scalars)
+    v = ir.Constant(_vec(scalars[0].type, 8 * n), None)
+    for h, x in enumerate(scalars):
+        v = builder.insert_element(v, x, ir.Constant(_I32, h))
+    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, 8 * n), [h for h in range(n) for _ in range(8)]))
+
+
 def _tile_codegen(context, builder, signature, args):
-    """One token per iteration, so that each weight vector is loaded for one `pmaddubsw` (with
-    the weights reused for several tokens in registers, LLVM hoisted and spilled them).
+    """One token per iteration (two on a 512-bit ISA, one per 256-bit half), so that each
+    weight vector is loaded for one `pmaddubsw` (with the weights reused for several tokens in
+    registers, LLVM hoisted and spilled them).
 
     Bit for bit the one-token row kernel's value (`_x86._row_kquant45`): that kernel keeps 8
     lanes of partial sums, lane l holding quants 4l..4l+3 of every 32-element sub-block, so
     here row r's lane l is vector l's lane r: isum_l = sum over sub-blocks of
     scale * (4 products), exact in int32; per block acc_l = fma(-dmin*dx, m*bsum, fma(d*dx,
     isum_l, acc_l)), the two fused multiply-adds of that kernel; at the end its pairwise sum
-    ((0+4)+(2+6)) + ((1+5)+(3+7))."""
+    ((0+4)+(2+6)) + ((1+5)+(3+7)). Two tokens in one 512-bit vector take the same steps lane for
+    lane."""
+    n_tok = TOKENS_PER_VECTOR
+    n_lanes = 8 * n_tok
+    vf, vi, vb = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes), _vec(_I8, 32 * n_tok)
     pack = context.make_array(signature.args[0])(context, builder, args[0])
     nb, t0, t1, r0 = args[1], args[5], args[6], args[8]
     pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
     oty, oval = signature.args[7], args[7]
     sa = signature.args
 
-    def token(t, _):
-        xq = _token_ptr(context, builder, sa[2], args[2], t, _I8)
-        xd = _token_ptr(context, builder, sa[3], args[3], t, ir.FloatType())
-        xs = _token_ptr(context, builder, sa[4], args[4], t, _I32)
+    def wide(v):  # the 8 rows' values, in every token's half
+        return v if n_tok == 1 else _concat(builder, v, v)
+
+    def tokens(i, _):
+        if n_tok == 1:
+            ts = [i]
+        else:  # tokens t0 + 2i and the next one, or t0 + 2i again at an odd end (the same values stored twice)
+            ta = builder.add(t0, builder.mul(i, _c64(2)))
+            tb = builder.add(ta, _c64(1))
+            ts = [ta, builder.select(builder.icmp_signed("<", tb, t1), tb, ta)]
+        xqs = [_token_ptr(context, builder, sa[2], args[2], t, _I8) for t in ts]
+        xds = [_token_ptr(context, builder, sa[3], args[3], t, ir.FloatType()) for t in ts]
+        xss = [_token_ptr(context, builder, sa[4], args[4], t, _I32) for t in ts]
 
         def block(b, accs):
             src = builder.gep(pbase, [builder.mul(b, _c64(Q4K_PACKED_BYTES))])
-            xb = _gep8(builder, xq, builder.mul(b, _c64(256)))
+            xbs = [_gep8(builder, xq, builder.mul(b, _c64(256))) for xq in xqs]
+
             def sub_block(sb, isums):  # sub-block sb = 2j + h: group j's low (h = 0) or high nibbles
-                scale = _load(builder, _V16H, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES)))
+                scale = wide(_load(builder, _V16H, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES))))
                 wsb = _gep8(builder, src, builder.add(builder.mul(sb, _c64(256)), _c64(_QUANTS)))
-                xsb = _gep8(builder, xb, builder.mul(sb, _c64(32)))
+                xsbs = [_gep8(builder, xb, builder.mul(sb, _c64(32))) for xb in xbs]
                 out = []
-                for k in range(8):  # 4 quants of each row against the token's matching 4 activations
-                    w = _load(builder, _V32B, wsb, 32 * k)
-                    xw = _load(builder, _I32, xsb, 4 * k)
-                    xv = builder.insert_element(ir.Constant(_V8I, None), xw, ir.Constant(_I32, 0))
-                    xv = builder.bitcast(builder.shuffle_vector(xv, ir.Constant(_V8I, None), ir.Constant(_V8I, [0] * 8)), _V32B)
-                    out.append(builder.add(isums[k], _maddwd(builder, _maddubs(builder, w, xv), scale)))
+                for k in range(8):  # 4 quants of each row against each token's matching 4 activations
+                    w = wide(_load(builder, _V32B, wsb, 32 * k))
+                    xv = builder.bitcast(_per_half(builder, [_load(builder, _I32, xsb, 4 * k) for xsb in xsbs]), vb)
+                    out.append(_madd_add(builder, isums[k], _maddubs(builder, w, xv), scale))
                 return out
 
             # (a loop, not unrolled: an eighth of the code for LLVM to compile, at no measured cost)
-            isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(_V8I, [0] * 8)] * 8)
-            bs = builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
-            bsum = builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F)
-            dx = _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4))
-            a = _exact("fmul", builder, _load(builder, _V8F, src, _D), dx)
-            neg_b = _exact("fmul", builder, builder.fneg(_load(builder, _V8F, src, _DMIN)), dx)
+            isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * n_lanes)] * 8)
+            bsums = []
+            for xs in xss:
+                bs = builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
+                bsums.append(builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F))
+            bsum = bsums[0] if n_tok == 1 else _concat(builder, *bsums)
+            dx = _per_half(builder, [builder.load(builder.gep(xd, [b]), align=4) for xd in xds])
+            a = _exact("fmul", builder, wide(_load(builder, _V8F, src, _D)), dx)
+            neg_b = _exact("fmul", builder, builder.fneg(wide(_load(builder, _V8F, src, _DMIN))), dx)
             out = []
             for k in range(8):
-                msum = _exact("fmul", builder, _load(builder, _V8F, src, _MINS + 32 * k), _lanes(builder, bsum, [k] * 8))
-                out.append(_fma(builder, neg_b, msum, _fma(builder, a, builder.sitofp(isums[k], _V8F), accs[k])))
+                msum = _exact("fmul", builder, wide(_load(builder, _V8F, src, _MINS + 32 * k)),
+                              _lanes(builder, bsum, [8 * h + k for h in range(n_tok) for _ in range(8)]))
+                out.append(_fma(builder, neg_b, msum, _fma(builder, a, builder.sitofp(isums[k], vf), accs[k])))
             return out
 
-        acc = _loop(builder, _c64(0), nb, block, [ir.Constant(_V8F, [0.0] * 8)] * 8)
+        acc = _loop(builder, _c64(0), nb, block, [ir.Constant(vf, [0.0] * n_lanes)] * 8)
         s04, s26 = _exact("fadd", builder, acc[0], acc[4]), _exact("fadd", builder, acc[2], acc[6])
         s15, s37 = _exact("fadd", builder, acc[1], acc[5]), _exact("fadd", builder, acc[3], acc[7])
         y = _exact("fadd", builder, _exact("fadd", builder, s04, s26), _exact("fadd", builder, s15, s37))
-        orow = _token_ptr(context, builder, oty, oval, t, ir.FloatType())
-        _store(builder, y, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
+        for t, yt in zip(ts, [y] if n_tok == 1 else _halves(builder, y)):
+            orow = _token_ptr(context, builder, oty, oval, t, ir.FloatType())
+            _store(builder, yt, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
         return []
 
-    _loop(builder, t0, t1, token, [])
+    if n_tok == 1:
+        _loop(builder, t0, t1, tokens, [])
+    else:
+        _loop(builder, _c64(0), builder.sdiv(builder.add(builder.sub(t1, t0), _c64(1)), _c64(2)), tokens, [])
     return context.get_dummy_value()
 
 

@@ -23,8 +23,8 @@ Numba's disk cache keys a function on its own source file only. A kernel that ca
 intrinsic from `_x86.py` or an `@kernel` function from another module compiles that code into
 itself, and would keep the old code after only the other file changed (seen while editing
 `_x86.py`: fused and int8 kernels ran stale intrinsics). So every kernel of this package is
-keyed on the digest of all of `qllama/kernels/*.py` as well: changing any of them recompiles
-the package's kernels on the next run.
+keyed on the digest of all of `qllama/kernels/*.py` (and of the x86 ISA chosen, `_x86.ISA`) as
+well: changing any of them recompiles the package's kernels on the next run.
 
 Kernels are optimised at LLVM level `OPT_LEVEL` (1), not Numba's default 3: measured on the 1B
 Q4_K_M model, a cold compile takes 37% less CPU time (36.0 -> 22.7 s), and prefill, decode and
@@ -53,8 +53,12 @@ KERNELS_DIR = Path(__file__).resolve().parent
 
 
 def _sources_digest() -> bytes:
-    """sha256 over the names and contents of qllama/kernels/*.py, in name order."""
-    h = hashlib.sha256()
+    """sha256 over the names and contents of qllama/kernels/*.py, in name order, and the ISA the
+    x86 intrinsics are emitted for (`_x86.ISA`: QLLAMA_ISA can change it without changing the
+    CPU, which Numba's own cache key covers)."""
+    from ._x86 import ISA
+
+    h = hashlib.sha256(ISA.encode())
     for path in sorted(KERNELS_DIR.glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
