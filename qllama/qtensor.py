@@ -215,7 +215,7 @@ for _tid, _family, _form, _kernel, _shared, _gemm in (
     (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
     (Q4_K, "kquants", "q8_K", "matmul_rows", True, "gemm_q4_k"),
     (Q5_K, "kquants", "q8_K", "matmul_rows", True, None),
-    (Q6_K, "kquants", "q8_K", "matmul_rows", True, None),
+    (Q6_K, "kquants", "q8_K", "matmul_rows", True, "gemm_q6_k"),
 ):
     _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm))
 del _tid, _family, _form, _kernel, _shared, _gemm

@@ -138,6 +138,7 @@ def test_avx512_vnni_kernels_compile_to_vpdpbusd_and_zmm(workdir):
     for k in (12, 13, 14):  # q4_K q5_K q6_K
         assert "vpdpwssd" in _instructions(found, f"qllama.kernels.int8.ROWS_INT8[{k}]"), k
     assert {"vpdpwssd", "%zmm"} <= _instructions(found, "qllama.kernels.int8._gemm_rows_q4_k")
+    assert {"vpdpwssd", "%zmm"} <= _instructions(found, "qllama.kernels.int8._gemm_rows_q6_k")
     assert "vpdpwssd" in _instructions(found, "qllama.kernels.int8.matmul_q2_q3_k")
 
 
@@ -148,6 +149,7 @@ def test_avx_vnni_kernels_compile_to_256_bit_vpdpbusd(workdir):
     found = _cross_compile(workdir, "alderlake", AVX_VNNI)
     assert found["isa"] == "avx2-vnni"
     assert "vpdpbusd" in _instructions(found, "qllama.kernels.int8.ROWS_INT8[8]")
-    gemm = _instructions(found, "qllama.kernels.int8._gemm_rows_q4_k")
-    assert "vpdpwssd" in gemm and "%zmm" not in gemm
+    for gemm in ("q4_k", "q6_k"):
+        found_in = _instructions(found, f"qllama.kernels.int8._gemm_rows_{gemm}")
+        assert "vpdpwssd" in found_in and "%zmm" not in found_in
     assert not any("%zmm" in v for v in found.values() if isinstance(v, list))

@@ -301,23 +301,29 @@ def test_int8_batches_of_1_to_9_tokens(tid):
         set_threads(before)
 
 
-@pytest.mark.parametrize("n_rows", [24, 40])
-def test_q4_k_gemm_equals_the_row_kernel(n_rows):
-    """The q4_K batch kernel (8 rows per pass, rows in the vector lanes: kernels/_x86_gemm.py)
-    gives each row the one-token row kernel's value bit for bit, for every batch size it takes
+GEMMS = {gt.Q4_K: ("gemm_q4_k", 144, 0), gt.Q6_K: ("gemm_q6_k", 210, 208)}  # kernel, block bytes, offset of d
+
+
+@pytest.mark.parametrize("tid,n_rows", [(gt.Q4_K, 24), (gt.Q4_K, 40), (gt.Q6_K, 24), (gt.Q6_K, 40)],
+                         ids=["q4_K-24", "q4_K-40", "q6_K-24", "q6_K-40"])
+def test_gemm_equals_the_row_kernel(tid, n_rows):
+    """The batch kernels (8 rows per pass, rows in the vector lanes: kernels/_x86_gemm.py) give
+    each row the one-token row kernel's value bit for bit, for every batch size they take
     (GEMM_MIN_TOKENS and up) at 1 and 2 threads, and W @ round8(x) in float64 within 1e-5; a
     NaN scale in one block spoils that row only, in both kernels alike."""
     from qllama.kernels import int8
     from qllama.qtensor import GEMM_MIN_TOKENS, _fp16_table
 
-    if gt.Q4_K not in int8_activations():
+    if tid not in int8_activations():
         pytest.skip("no AVX2")
-    rng = np.random.default_rng(900 + n_rows)
+    gemm, block_bytes, d_at = GEMMS[tid]
+    rng = np.random.default_rng(900 + n_rows + tid)
     ne0 = 768  # 3 blocks per row
-    raw = random_matrix(gt.Q4_K, ne0, n_rows, rng)
-    raw.reshape(n_rows, -1)[5, 144:146] = np.array([0x7E00], np.uint16).view(np.uint8)  # row 5, block 1: d = NaN
-    q = QTensor.from_bytes(gt.Q4_K, raw, (ne0, n_rows))
-    w64 = oracle(gt.Q4_K, raw, ne0).astype(np.float64)
+    raw = random_matrix(tid, ne0, n_rows, rng)
+    at = block_bytes + d_at  # row 5, block 1: d = NaN
+    raw.reshape(n_rows, -1)[5, at:at + 2] = np.array([0x7E00], np.uint16).view(np.uint8)
+    q = QTensor.from_bytes(tid, raw, (ne0, n_rows))
+    w64 = oracle(tid, raw, ne0).astype(np.float64)
     ok = np.arange(n_rows) != 5
     before = get_threads()
     try:
@@ -328,15 +334,15 @@ def test_q4_k_gemm_equals_the_row_kernel(n_rows):
                 xq, xd, xsum = quantize_activation(xs).quantized("q8_K")
                 by_rows = np.empty((n_tok, n_rows), np.float32)
                 by_gemm = np.empty((n_tok, n_rows), np.float32)
-                int8.matmul_rows(gt.Q4_K, q.raw, xq, xd, xsum, _fp16_table(), by_rows, n_threads)
-                int8.gemm_q4_k(q.raw, xq, xd, xsum, _fp16_table(), by_gemm, n_threads)
+                int8.matmul_rows(tid, q.raw, xq, xd, xsum, _fp16_table(), by_rows, n_threads)
+                getattr(int8, gemm)(q.raw, xq, xd, xsum, _fp16_table(), by_gemm, n_threads)
                 assert np.array_equal(by_gemm, by_rows, equal_nan=True), (n_threads, n_tok)
                 ym = q.matmul(xs)  # the dispatch picks the gemm here
                 assert np.array_equal(ym, by_gemm, equal_nan=True)
                 assert np.isnan(ym[:, 5]).all() and np.isfinite(ym[:, ok]).all()
                 for t in range(n_tok):
                     assert np.array_equal(ym[t], q.matvec(xs[t]), equal_nan=True), (n_threads, n_tok, t)
-                    ref = _int8_reference(gt.Q4_K, w64[ok], xs[t], raw)
+                    ref = _int8_reference(tid, w64[ok], xs[t], raw)
                     assert rel_err(ym[t, ok], ref) <= 1e-5, (n_threads, n_tok, t)
     finally:
         set_threads(before)

@@ -35,6 +35,10 @@ TOKENS_PER_VECTOR = 2 if ZMM else 1  # tokens per pass of the tile, each in its 
 # elements j, low/high nibbles, byte quads k)
 _D, _DMIN, _SCALES, _MINS, _QUANTS = 0, 32, 64, 320, 576
 Q4K_PACKED_BYTES = 2624
+# scratch bytes per q6_K block of 8 rows: d (8 f32), 16 scale vectors (lane r = s_rj as an i16 in
+# both halves), then 64 vectors of transposed quants (32-element groups g, byte quads k) as 0..63
+_D6, _SCALES6, _QUANTS6 = 0, 32, 544
+Q6K_PACKED_BYTES = 2592
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -138,17 +142,73 @@ def _pack8_codegen(context, builder, signature, args):
     return context.get_dummy_value()
 
 
-@intrinsic
-def pack8_q4_k(typingctx, raw, r0, nb, pack):
-    """Write rows r0..r0+7 of raw (q4_K, (n_rows, nb*144)) into pack (>= nb * Q4K_PACKED_BYTES
-    bytes) in the layout `tile8x4_q4_k` reads. The caller guarantees the ranges are in bounds."""
+def _pack8_q6_codegen(context, builder, signature, args):
+    raw = context.make_array(signature.args[0])(context, builder, args[0])
+    r0, nb = args[1], args[2]
+    pack = context.make_array(signature.args[3])(context, builder, args[3])
+    base = builder.bitcast(raw.data, ir.PointerType(_I8))
+    rstride = builder.extract_value(raw.strides, 0)
+    rowps = [builder.gep(base, [builder.mul(builder.add(r0, _c64(r)), rstride)]) for r in range(TILE_ROWS)]
+    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    m15, m3 = _splat(_I8, 32, 15), _splat(_I8, 32, 3)
+
+    def body(b, _):
+        blks = [builder.gep(p, [builder.mul(b, _c64(210))]) for p in rowps]
+        dst = builder.gep(pbase, [builder.mul(b, _c64(Q6K_PACKED_BYTES))])
+        d = ir.Constant(_vec(ir.HalfType(), 8), None)
+        for r, p in enumerate(blks):
+            d = builder.insert_element(d, _load(builder, ir.HalfType(), p, 208), ir.Constant(_I32, r))
+        _store(builder, builder.fpext(d, _V8F), dst, _D6)
+        for j in range(16):  # sub-block j's scale of each row, in both i16 halves of its lane
+            v = ir.Constant(_V8I, None)
+            for r, p in enumerate(blks):
+                v = builder.insert_element(v, builder.sext(_load(builder, _I8, p, 192 + j), _I32), ir.Constant(_I32, r))
+            pair = builder.or_(builder.and_(v, ir.Constant(_V8I, [0xFFFF] * 8)), builder.shl(v, ir.Constant(_V8I, [16] * 8)))
+            _store(builder, pair, dst, _SCALES6 + 32 * j)
+        for n in range(2):  # 128-element halves, unpacked as `_x86._q6_core` does
+            lows, highs = [], []
+            for p in blks:
+                a, c = _load(builder, _V32B, p, 64 * n), _load(builder, _V32B, p, 64 * n + 32)
+                lows.append([builder.and_(a, m15), builder.and_(c, m15), builder.lshr(a, _splat(_I8, 32, 4)),
+                             builder.lshr(c, _splat(_I8, 32, 4))])
+                highs.append(_load(builder, _V32B, p, 128 + 32 * n))
+            for s in range(4):  # group g = 4n + s: elements 32g..32g+31
+                rows = []
+                for low, h in zip(lows, highs):
+                    hs = builder.and_(builder.lshr(h, _splat(_I8, 32, 2 * s)) if s else h, m3)
+                    rows.append(builder.bitcast(builder.or_(low[s], builder.shl(hs, _splat(_I8, 32, 4))), _V8I))
+                for k, v in enumerate(_transpose8(builder, rows)):
+                    _store(builder, v, dst, _QUANTS6 + 256 * (4 * n + s) + 32 * k)
+        return []
+
+    _loop(builder, _c64(0), nb, body, [])
+    return context.get_dummy_value()
+
+
+def _pack_sig(raw, r0, nb, pack):
     if not (isinstance(raw, types.Array) and raw.ndim == 2 and raw.dtype == types.uint8 and raw.layout == "C"):
         return None
     if not (isinstance(pack, types.Array) and pack.ndim == 1 and pack.dtype == types.uint8 and pack.layout == "C"):
         return None
     if not all(isinstance(v, types.Integer) for v in (r0, nb)):
         return None
-    return types.none(raw, r0, nb, pack), _pack8_codegen
+    return types.none(raw, r0, nb, pack)
+
+
+@intrinsic
+def pack8_q6_k(typingctx, raw, r0, nb, pack):
+    """Write rows r0..r0+7 of raw (q6_K, (n_rows, nb*210)) into pack (>= nb * Q6K_PACKED_BYTES
+    bytes) in the layout `tile8_q6_k` reads. The caller guarantees the ranges are in bounds."""
+    sig = _pack_sig(raw, r0, nb, pack)
+    return (sig, _pack8_q6_codegen) if sig else None
+
+
+@intrinsic
+def pack8_q4_k(typingctx, raw, r0, nb, pack):
+    """Write rows r0..r0+7 of raw (q4_K, (n_rows, nb*144)) into pack (>= nb * Q4K_PACKED_BYTES
+    bytes) in the layout `tile8_q4_k` reads. The caller guarantees the ranges are in bounds."""
+    sig = _pack_sig(raw, r0, nb, pack)
+    return (sig, _pack8_codegen) if sig else None
 
 
 def _fma(builder, a, b, c):
@@ -178,29 +238,22 @@ def _per_half(builder, scalars):
     return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, 8 * n), [h for h in range(n) for _ in range(8)]))
 
 
-def _tile_codegen(context, builder, signature, args):
+def _tile_codegen(context, builder, signature, args, block_sum):
     """One token per iteration (two on a 512-bit ISA, one per 256-bit half), so that each
     weight vector is loaded for one `pmaddubsw` (with the weights reused for several tokens in
     registers, LLVM hoisted and spilled them).
 
-    Bit for bit the one-token row kernel's value (`_x86._row_kquant45`): that kernel keeps 8
-    lanes of partial sums, lane l holding quants 4l..4l+3 of every 32-element sub-block, so
-    here row r's lane l is vector l's lane r: isum_l = sum over sub-blocks of
-    scale * (4 products), exact in int32; per block acc_l = fma(-dmin*dx, m*bsum, fma(d*dx,
-    isum_l, acc_l)), the two fused multiply-adds of that kernel; at the end its pairwise sum
-    ((0+4)+(2+6)) + ((1+5)+(3+7)). Two tokens in one 512-bit vector take the same steps lane for
-    lane."""
+    `block_sum(tile, b, accs)` adds block b to the 8 accumulators (vector l, lane r: the row
+    kernel's lane l of row r); at the end each row gets that kernel's pairwise sum ((0+4)+(2+6))
+    + ((1+5)+(3+7)). Two tokens in one 512-bit vector take the same steps lane for lane."""
     n_tok = TOKENS_PER_VECTOR
     n_lanes = 8 * n_tok
-    vf, vi, vb = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes), _vec(_I8, 32 * n_tok)
+    vf = _vec(ir.FloatType(), n_lanes)
     pack = context.make_array(signature.args[0])(context, builder, args[0])
     nb, t0, t1, r0 = args[1], args[5], args[6], args[8]
     pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
     oty, oval = signature.args[7], args[7]
     sa = signature.args
-
-    def wide(v):  # the 8 rows' values, in every token's half
-        return v if n_tok == 1 else _concat(builder, v, v)
 
     def tokens(i, _):
         if n_tok == 1:
@@ -209,43 +262,11 @@ def _tile_codegen(context, builder, signature, args):
             ta = builder.add(t0, builder.mul(i, _c64(2)))
             tb = builder.add(ta, _c64(1))
             ts = [ta, builder.select(builder.icmp_signed("<", tb, t1), tb, ta)]
-        xqs = [_token_ptr(context, builder, sa[2], args[2], t, _I8) for t in ts]
-        xds = [_token_ptr(context, builder, sa[3], args[3], t, ir.FloatType()) for t in ts]
-        xss = [_token_ptr(context, builder, sa[4], args[4], t, _I32) for t in ts]
-
-        def block(b, accs):
-            src = builder.gep(pbase, [builder.mul(b, _c64(Q4K_PACKED_BYTES))])
-            xbs = [_gep8(builder, xq, builder.mul(b, _c64(256))) for xq in xqs]
-
-            def sub_block(sb, isums):  # sub-block sb = 2j + h: group j's low (h = 0) or high nibbles
-                scale = wide(_load(builder, _V16H, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES))))
-                wsb = _gep8(builder, src, builder.add(builder.mul(sb, _c64(256)), _c64(_QUANTS)))
-                xsbs = [_gep8(builder, xb, builder.mul(sb, _c64(32))) for xb in xbs]
-                out = []
-                for k in range(8):  # 4 quants of each row against each token's matching 4 activations
-                    w = wide(_load(builder, _V32B, wsb, 32 * k))
-                    xv = builder.bitcast(_per_half(builder, [_load(builder, _I32, xsb, 4 * k) for xsb in xsbs]), vb)
-                    out.append(_madd_add(builder, isums[k], _maddubs(builder, w, xv), scale))
-                return out
-
-            # (a loop, not unrolled: an eighth of the code for LLVM to compile, at no measured cost)
-            isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * n_lanes)] * 8)
-            bsums = []
-            for xs in xss:
-                bs = builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
-                bsums.append(builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F))
-            bsum = bsums[0] if n_tok == 1 else _concat(builder, *bsums)
-            dx = _per_half(builder, [builder.load(builder.gep(xd, [b]), align=4) for xd in xds])
-            a = _exact("fmul", builder, wide(_load(builder, _V8F, src, _D)), dx)
-            neg_b = _exact("fmul", builder, builder.fneg(wide(_load(builder, _V8F, src, _DMIN))), dx)
-            out = []
-            for k in range(8):
-                msum = _exact("fmul", builder, wide(_load(builder, _V8F, src, _MINS + 32 * k)),
-                              _lanes(builder, bsum, [8 * h + k for h in range(n_tok) for _ in range(8)]))
-                out.append(_fma(builder, neg_b, msum, _fma(builder, a, builder.sitofp(isums[k], vf), accs[k])))
-            return out
-
-        acc = _loop(builder, _c64(0), nb, block, [ir.Constant(vf, [0.0] * n_lanes)] * 8)
+        tile = _Tile(builder, pbase, n_tok,
+                     [_token_ptr(context, builder, sa[2], args[2], t, _I8) for t in ts],
+                     [_token_ptr(context, builder, sa[3], args[3], t, ir.FloatType()) for t in ts],
+                     [_token_ptr(context, builder, sa[4], args[4], t, _I32) for t in ts])
+        acc = _loop(builder, _c64(0), nb, lambda b, accs: block_sum(tile, b, accs), [ir.Constant(vf, [0.0] * n_lanes)] * 8)
         s04, s26 = _exact("fadd", builder, acc[0], acc[4]), _exact("fadd", builder, acc[2], acc[6])
         s15, s37 = _exact("fadd", builder, acc[1], acc[5]), _exact("fadd", builder, acc[3], acc[7])
         y = _exact("fadd", builder, _exact("fadd", builder, s04, s26), _exact("fadd", builder, s15, s37))
@@ -261,11 +282,114 @@ def _tile_codegen(context, builder, signature, args):
     return context.get_dummy_value()
 
 
-@intrinsic
-def tile8_q4_k(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
-    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q4_k` times tokens t0..t1-1 of 2-D q8_K
-    activations (xq (n_tok, ne0) int8, xd (n_tok, ne0/256), xs (n_tok, ne0/16) int32).
-    The caller guarantees the ranges are in bounds."""
+class _Tile:
+    """What a block's code needs in the token loop: the packed rows and, per token of the vector,
+    its activations (xq i8*, xd f32*, xs i32*)."""
+
+    def __init__(self, builder, pbase, n_tok, xqs, xds, xss):
+        self.b, self.pbase, self.n_tok, self.xqs, self.xds, self.xss = builder, pbase, n_tok, xqs, xds, xss
+
+    def wide(self, v):
+        """The 8 rows' values, in every token's half."""
+        return v if self.n_tok == 1 else _concat(self.b, v, v)
+
+    def src(self, blk, block_bytes):
+        return self.b.gep(self.pbase, [self.b.mul(blk, _c64(block_bytes))])
+
+    def load_wide(self, ty, src, off):
+        return self.wide(_load(self.b, ty, src, off))
+
+    def dot_quads(self, isums, w_at, x_off, scale_of):
+        """isums[k] += scale_of(k) * (4 quants of each row . the token's 4 activations at x_off + 4k),
+        k = 0..7, with w_at(k) the offset of the rows' quad k in the pack."""
+        b = self.b
+        out = []
+        for k in range(8):
+            xv = _per_half(b, [_load(b, _I32, xq, b.add(x_off, _c64(4 * k))) for xq in self.xqs])
+            xv = b.bitcast(xv, _vec(_I8, 32 * self.n_tok))
+            out.append(_madd_add(b, isums[k], _maddubs(b, w_at(k), xv), scale_of(k)))
+        return out
+
+    def dx(self, blk):
+        return _per_half(self.b, [self.b.load(self.b.gep(xd, [blk]), align=4) for xd in self.xds])
+
+    def bsums(self, blk):
+        """Each token's 16 sums of 16 activations of block blk: <16 x i32> per token."""
+        b = self.b
+        return [b.load(b.bitcast(b.gep(xs, [b.mul(blk, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
+                for xs in self.xss]
+
+    def per_token_lane(self, vs, k):
+        """Lane k of each token's vector (of vs, one per token), in every lane of its half."""
+        v = vs[0] if self.n_tok == 1 else _concat(self.b, *vs)
+        n = vs[0].type.count
+        return _lanes(self.b, v, [n * h + k for h in range(self.n_tok) for _ in range(8)])
+
+
+def _q4_k_block(tile, b, accs):
+    """q4_K: per block acc_l = fma(-dmin*dx, m*bsum, fma(d*dx, isum_l, acc_l)), the row kernel's
+    two fused multiply-adds (`_x86._row_kquant45`); isum_l = sum over sub-blocks of scale * (4
+    products), exact in int32."""
+    builder = tile.b
+    n_lanes = 8 * tile.n_tok
+    vf, vi = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes)
+    src = tile.src(b, Q4K_PACKED_BYTES)
+    xq_off = builder.mul(b, _c64(256))
+
+    def sub_block(sb, isums):  # sub-block sb = 2j + h: group j's low (h = 0) or high nibbles
+        scale = tile.load_wide(_V16H, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES)))
+        wsb = _gep8(builder, src, builder.add(builder.mul(sb, _c64(256)), _c64(_QUANTS)))
+        return tile.dot_quads(isums, lambda k: tile.load_wide(_V32B, wsb, 32 * k),
+                              builder.add(xq_off, builder.mul(sb, _c64(32))), lambda k: scale)
+
+    # (a loop, not unrolled: an eighth of the code for LLVM to compile, at no measured cost)
+    isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * n_lanes)] * 8)
+    bsums = [builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F)
+             for bs in tile.bsums(b)]
+    dx = tile.dx(b)
+    a = _exact("fmul", builder, tile.load_wide(_V8F, src, _D), dx)
+    neg_b = _exact("fmul", builder, builder.fneg(tile.load_wide(_V8F, src, _DMIN)), dx)
+    out = []
+    for k in range(8):
+        msum = _exact("fmul", builder, tile.load_wide(_V8F, src, _MINS + 32 * k), tile.per_token_lane(bsums, k))
+        out.append(_fma(builder, neg_b, msum, _fma(builder, a, builder.sitofp(isums[k], vf), accs[k])))
+    return out
+
+
+def _q6_k_block(tile, b, accs):
+    """q6_K: per block acc_l = fma(d*dx, isum_l - 32 * (s_l*bsum_l + s_(l+8)*bsum_(l+8)), acc_l), as
+    the row kernel (`_x86._row_q6_k`); isum_l = sum over the 8 groups of 32 of the scale of its
+    16 * (4 products): quads 0-3 of a group are sub-block 2g, 4-7 sub-block 2g+1."""
+    builder = tile.b
+    n_lanes = 8 * tile.n_tok
+    vf, vi = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes)
+    src = tile.src(b, Q6K_PACKED_BYTES)
+    xq_off = builder.mul(b, _c64(256))
+
+    def scale(j):
+        return tile.load_wide(_V16H, src, builder.add(builder.mul(j, _c64(32)), _c64(_SCALES6)))
+
+    def group(g, isums):
+        lo, hi = scale(builder.mul(g, _c64(2))), scale(builder.add(builder.mul(g, _c64(2)), _c64(1)))
+        wg = _gep8(builder, src, builder.add(builder.mul(g, _c64(256)), _c64(_QUANTS6)))
+        return tile.dot_quads(isums, lambda k: tile.load_wide(_V32B, wg, 32 * k),
+                              builder.add(xq_off, builder.mul(g, _c64(32))), lambda k: lo if k < 4 else hi)
+
+    isums = _loop(builder, _c64(0), _c64(8), group, [ir.Constant(vi, [0] * n_lanes)] * 8)
+    bsums = tile.bsums(b)
+    db = _exact("fmul", builder, tile.load_wide(_V8F, src, _D6), tile.dx(b))
+    sh16 = ir.Constant(vi, [16] * n_lanes)
+    out = []
+    for k in range(8):
+        s_lo, s_hi = (builder.ashr(builder.shl(builder.bitcast(tile.load_wide(_V16H, src, _SCALES6 + 32 * j), vi), sh16), sh16)
+                      for j in (k, k + 8))
+        corr = builder.add(builder.mul(s_lo, tile.per_token_lane(bsums, k)), builder.mul(s_hi, tile.per_token_lane(bsums, k + 8)))
+        isum = builder.sub(isums[k], builder.shl(corr, ir.Constant(vi, [5] * n_lanes)))
+        out.append(_fma(builder, db, builder.sitofp(isum, vf), accs[k]))
+    return out
+
+
+def _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0):
     if not (isinstance(pack, types.Array) and pack.ndim == 1 and pack.dtype == types.uint8 and pack.layout == "C"):
         return None
     arrs = ((xq, types.int8), (xd, types.float32), (xs, types.int32), (out, types.float32))
@@ -273,4 +397,21 @@ def tile8_q4_k(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
         return None
     if not all(isinstance(v, types.Integer) for v in (nb, t0, t1, r0)):
         return None
-    return types.none(pack, nb, xq, xd, xs, t0, t1, out, r0), _tile_codegen
+    return types.none(pack, nb, xq, xd, xs, t0, t1, out, r0)
+
+
+@intrinsic
+def tile8_q6_k(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
+    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q6_k` times tokens t0..t1-1 of 2-D q8_K
+    activations (as `tile8_q4_k`)."""
+    sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
+    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, _q6_k_block)) if sig else None
+
+
+@intrinsic
+def tile8_q4_k(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
+    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q4_k` times tokens t0..t1-1 of 2-D q8_K
+    activations (xq (n_tok, ne0) int8, xd (n_tok, ne0/256), xs (n_tok, ne0/16) int32).
+    The caller guarantees the ranges are in bounds."""
+    sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
+    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, _q4_k_block)) if sig else None
