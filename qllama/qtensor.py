@@ -206,7 +206,7 @@ _register(BF16, np.uint16, None, partial(_half_ops, True))
 # (kernels/int8.py), whether that kernel serves several types (then it takes the type id first),
 # and its gemm for batches (or None)
 for _tid, _family, _form, _kernel, _shared, _gemm in (
-    (Q4_0, "legacy", "q8_0", "matmul_rows", True, None),
+    (Q4_0, "legacy", "q8_0", "matmul_rows", True, "gemm_q4_0"),
     (Q4_1, "legacy", "q8_1", "matmul_rows", True, None),
     (Q5_0, "legacy", "q8_0", "matmul_rows", True, None),
     (Q5_1, "legacy", "q8_1", "matmul_rows", True, None),

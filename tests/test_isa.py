@@ -139,6 +139,7 @@ def test_avx512_vnni_kernels_compile_to_vpdpbusd_and_zmm(workdir):
         assert "vpdpwssd" in _instructions(found, f"qllama.kernels.int8.ROWS_INT8[{k}]"), k
     assert {"vpdpwssd", "%zmm"} <= _instructions(found, "qllama.kernels.int8._gemm_rows_q4_k")
     assert {"vpdpwssd", "%zmm"} <= _instructions(found, "qllama.kernels.int8._gemm_rows_q6_k")
+    assert "%zmm" in _instructions(found, "qllama.kernels.int8._gemm_rows_q4_0")
     assert "vpdpwssd" in _instructions(found, "qllama.kernels.int8.matmul_q2_q3_k")
 
 

@@ -301,11 +301,13 @@ def test_int8_batches_of_1_to_9_tokens(tid):
         set_threads(before)
 
 
-GEMMS = {gt.Q4_K: ("gemm_q4_k", 144, 0), gt.Q6_K: ("gemm_q6_k", 210, 208)}  # kernel, block bytes, offset of d
+# kernel, block bytes, offset of d, activation form
+GEMMS = {gt.Q4_K: ("gemm_q4_k", 144, 0, "q8_K"), gt.Q6_K: ("gemm_q6_k", 210, 208, "q8_K"),
+         gt.Q4_0: ("gemm_q4_0", 18, 0, "q8_0")}
 
 
-@pytest.mark.parametrize("tid,n_rows", [(gt.Q4_K, 24), (gt.Q4_K, 40), (gt.Q6_K, 24), (gt.Q6_K, 40)],
-                         ids=["q4_K-24", "q4_K-40", "q6_K-24", "q6_K-40"])
+@pytest.mark.parametrize("tid,n_rows", [(t, n) for t in GEMMS for n in (24, 40)],
+                         ids=[f"{tname(t)}-{n}" for t in GEMMS for n in (24, 40)])
 def test_gemm_equals_the_row_kernel(tid, n_rows):
     """The batch kernels (8 rows per pass, rows in the vector lanes: kernels/_x86_gemm.py) give
     each row the one-token row kernel's value bit for bit, for every batch size they take
@@ -316,7 +318,7 @@ def test_gemm_equals_the_row_kernel(tid, n_rows):
 
     if tid not in int8_activations():
         pytest.skip("no AVX2")
-    gemm, block_bytes, d_at = GEMMS[tid]
+    gemm, block_bytes, d_at, form = GEMMS[tid]
     rng = np.random.default_rng(900 + n_rows + tid)
     ne0 = 768  # 3 blocks per row
     raw = random_matrix(tid, ne0, n_rows, rng)
@@ -331,7 +333,7 @@ def test_gemm_equals_the_row_kernel(tid, n_rows):
             set_threads(n_threads)
             for n_tok in (GEMM_MIN_TOKENS, 3, 4, 7, 33):
                 xs = rng.standard_normal((n_tok, ne0)).astype(np.float32)
-                xq, xd, xsum = quantize_activation(xs).quantized("q8_K")
+                xq, xd, xsum = quantize_activation(xs).quantized(form)
                 by_rows = np.empty((n_tok, n_rows), np.float32)
                 by_gemm = np.empty((n_tok, n_rows), np.float32)
                 int8.matmul_rows(tid, q.raw, xq, xd, xsum, _fp16_table(), by_rows, n_threads)

@@ -39,6 +39,10 @@ Q4K_PACKED_BYTES = 2624
 # both halves), then 64 vectors of transposed quants (32-element groups g, byte quads k) as 0..63
 _D6, _SCALES6, _QUANTS6 = 0, 32, 544
 Q6K_PACKED_BYTES = 2592
+# scratch bytes per q4_0 block of 8 rows: d (8 f32), then 8 vectors of transposed quants (byte
+# quads k) as 0..15
+_D0, _QUANTS0 = 0, 32
+Q40_PACKED_BYTES = 288
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -185,6 +189,34 @@ def _pack8_q6_codegen(context, builder, signature, args):
     return context.get_dummy_value()
 
 
+def _pack8_q4_0_codegen(context, builder, signature, args):
+    raw = context.make_array(signature.args[0])(context, builder, args[0])
+    r0, nb = args[1], args[2]
+    pack = context.make_array(signature.args[3])(context, builder, args[3])
+    base = builder.bitcast(raw.data, ir.PointerType(_I8))
+    rstride = builder.extract_value(raw.strides, 0)
+    rowps = [builder.gep(base, [builder.mul(builder.add(r0, _c64(r)), rstride)]) for r in range(TILE_ROWS)]
+    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+
+    def body(b, _):
+        blks = [builder.gep(p, [builder.mul(b, _c64(18))]) for p in rowps]
+        dst = builder.gep(pbase, [builder.mul(b, _c64(Q40_PACKED_BYTES))])
+        d = ir.Constant(_vec(ir.HalfType(), 8), None)
+        rows = []
+        for r, p in enumerate(blks):
+            d = builder.insert_element(d, _load(builder, ir.HalfType(), p, 0), ir.Constant(_I32, r))
+            v = _load(builder, _vec(_I8, 16), p, 2)  # elements 0..15 in the low nibbles, 16..31 in the high
+            lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
+            rows.append(builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32)))), _V8I))
+        _store(builder, builder.fpext(d, _V8F), dst, _D0)
+        for k, v in enumerate(_transpose8(builder, rows)):
+            _store(builder, v, dst, _QUANTS0 + 32 * k)
+        return []
+
+    _loop(builder, _c64(0), nb, body, [])
+    return context.get_dummy_value()
+
+
 def _pack_sig(raw, r0, nb, pack):
     if not (isinstance(raw, types.Array) and raw.ndim == 2 and raw.dtype == types.uint8 and raw.layout == "C"):
         return None
@@ -201,6 +233,14 @@ def pack8_q6_k(typingctx, raw, r0, nb, pack):
     bytes) in the layout `tile8_q6_k` reads. The caller guarantees the ranges are in bounds."""
     sig = _pack_sig(raw, r0, nb, pack)
     return (sig, _pack8_q6_codegen) if sig else None
+
+
+@intrinsic
+def pack8_q4_0(typingctx, raw, r0, nb, pack):
+    """Write rows r0..r0+7 of raw (q4_0, (n_rows, nb*18)) into pack (>= nb * Q40_PACKED_BYTES
+    bytes) in the layout `tile8_q4_0` reads. The caller guarantees the ranges are in bounds."""
+    sig = _pack_sig(raw, r0, nb, pack)
+    return (sig, _pack8_q4_0_codegen) if sig else None
 
 
 @intrinsic
@@ -389,6 +429,25 @@ def _q6_k_block(tile, b, accs):
     return out
 
 
+def _q4_0_block(tile, b, accs):
+    """q4_0 (32 elements, q8_0 activations): per block acc_l = fma(d*dx, isum_l, acc_l) with
+    isum_l the 4 products of quad l, less 8 * (the block's activation sum) in lane 0, as the row
+    kernel (`_x86._row_legacy`)."""
+    builder = tile.b
+    n_lanes = 8 * tile.n_tok
+    vf, vi = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes)
+    src = tile.src(b, Q40_PACKED_BYTES)
+    ones = _splat(_I16, 16 * tile.n_tok, 1)
+    zero = ir.Constant(vi, [0] * n_lanes)
+    isums = tile.dot_quads([zero] * 8, lambda k: tile.load_wide(_V32B, src, _QUANTS0 + 32 * k),
+                           builder.mul(b, _c64(32)), lambda k: ones)
+    corr = _per_half(builder, [builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, 8))
+                               for xs in tile.xss])
+    isums[0] = builder.sub(isums[0], corr)
+    db = _exact("fmul", builder, tile.load_wide(_V8F, src, _D0), tile.dx(b))
+    return [_fma(builder, db, builder.sitofp(isum, vf), acc) for isum, acc in zip(isums, accs)]
+
+
 def _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0):
     if not (isinstance(pack, types.Array) and pack.ndim == 1 and pack.dtype == types.uint8 and pack.layout == "C"):
         return None
@@ -398,6 +457,14 @@ def _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0):
     if not all(isinstance(v, types.Integer) for v in (nb, t0, t1, r0)):
         return None
     return types.none(pack, nb, xq, xd, xs, t0, t1, out, r0)
+
+
+@intrinsic
+def tile8_q4_0(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
+    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q4_0` times tokens t0..t1-1 of 2-D q8_0
+    activations (xq (n_tok, ne0) int8, xd and xs (n_tok, ne0/32): scales and int32 sums)."""
+    sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
+    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, _q4_0_block)) if sig else None
 
 
 @intrinsic
