@@ -210,7 +210,7 @@ for _tid, _family, _form, _kernel, _shared, _gemm in (
     (Q4_1, "legacy", "q8_1", "matmul_rows", True, None),
     (Q5_0, "legacy", "q8_0", "matmul_rows", True, None),
     (Q5_1, "legacy", "q8_1", "matmul_rows", True, None),
-    (Q8_0, "legacy", "q8_0", "matmul_rows", True, None),
+    (Q8_0, "legacy", "q8_0", "matmul_rows", True, "gemm_q8_0"),
     (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
     (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
     (Q4_K, "kquants", "q8_K", "matmul_rows", True, "gemm_q4_k"),

@@ -139,7 +139,8 @@ def test_avx512_vnni_kernels_compile_to_vpdpbusd_and_zmm(workdir):
         assert "vpdpwssd" in _instructions(found, f"qllama.kernels.int8.ROWS_INT8[{k}]"), k
     assert {"vpdpwssd", "%zmm"} <= _instructions(found, "qllama.kernels.int8._gemm_rows_q4_k")
     assert {"vpdpwssd", "%zmm"} <= _instructions(found, "qllama.kernels.int8._gemm_rows_q6_k")
-    assert "%zmm" in _instructions(found, "qllama.kernels.int8._gemm_rows_q4_0")
+    for legacy in ("q4_0", "q8_0"):
+        assert "%zmm" in _instructions(found, f"qllama.kernels.int8._gemm_rows_{legacy}")
     assert "vpdpwssd" in _instructions(found, "qllama.kernels.int8.matmul_q2_q3_k")
 
 

@@ -303,7 +303,7 @@ def test_int8_batches_of_1_to_9_tokens(tid):
 
 # kernel, block bytes, offset of d, activation form
 GEMMS = {gt.Q4_K: ("gemm_q4_k", 144, 0, "q8_K"), gt.Q6_K: ("gemm_q6_k", 210, 208, "q8_K"),
-         gt.Q4_0: ("gemm_q4_0", 18, 0, "q8_0")}
+         gt.Q4_0: ("gemm_q4_0", 18, 0, "q8_0"), gt.Q8_0: ("gemm_q8_0", 34, 0, "q8_0")}
 
 
 @pytest.mark.parametrize("tid,n_rows", [(t, n) for t in GEMMS for n in (24, 40)],
@@ -324,6 +324,8 @@ def test_gemm_equals_the_row_kernel(tid, n_rows):
     raw = random_matrix(tid, ne0, n_rows, rng)
     at = block_bytes + d_at  # row 5, block 1: d = NaN
     raw.reshape(n_rows, -1)[5, at:at + 2] = np.array([0x7E00], np.uint16).view(np.uint8)
+    if tid == gt.Q8_0:  # row 3: every quant -128 (|w| = 128, the largest pair sums)
+        raw.reshape(n_rows, -1, 34)[3, :, 2:] = 0x80
     q = QTensor.from_bytes(tid, raw, (ne0, n_rows))
     w64 = oracle(tid, raw, ne0).astype(np.float64)
     ok = np.arange(n_rows) != 5

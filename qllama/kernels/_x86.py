@@ -470,10 +470,14 @@ _LEGACY = {
 
 
 def _psign(builder, a, b):
-    """a negated where b < 0, zeroed where b == 0 (vpsignb)."""
-    v = _vec(_I8, 32)
-    fn = builder.module.declare_intrinsic("llvm.x86.avx2.psign.b", fnty=ir.FunctionType(v, [v, v]))
-    return builder.call(fn, [a, b])
+    """a negated where b < 0, zeroed where b == 0 (vpsignb; AVX-512 has none: select on 64 bytes)."""
+    v = a.type
+    if v.count == 32:
+        fn = builder.module.declare_intrinsic("llvm.x86.avx2.psign.b", fnty=ir.FunctionType(v, [v, v]))
+        return builder.call(fn, [a, b])
+    zero = ir.Constant(v, [0] * v.count)
+    kept = builder.select(builder.icmp_signed("==", b, zero), zero, a)
+    return builder.select(builder.icmp_signed("<", b, zero), builder.sub(zero, a), kept)
 
 
 def _fifth_bits(builder, p):

@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._x86 import ZMM, _I8, _I16, _I32, _I64, _concat, _gep8, _halves, _lanes, _loop, _madd_add, _maddubs, _splat, _vec
+from ._x86 import ZMM, _I8, _I16, _I32, _I64, _concat, _gep8, _halves, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
 
 TILE_ROWS = 8
 TOKENS_PER_VECTOR = 2 if ZMM else 1  # tokens per pass of the tile, each in its own 256-bit half
@@ -39,10 +39,10 @@ Q4K_PACKED_BYTES = 2624
 # both halves), then 64 vectors of transposed quants (32-element groups g, byte quads k) as 0..63
 _D6, _SCALES6, _QUANTS6 = 0, 32, 544
 Q6K_PACKED_BYTES = 2592
-# scratch bytes per q4_0 block of 8 rows: d (8 f32), then 8 vectors of transposed quants (byte
-# quads k) as 0..15
+# scratch bytes per q4_0 or q8_0 block of 8 rows: d (8 f32), then 8 vectors of transposed quants
+# (byte quads k): q4_0 as 0..15, q8_0 as they are (-128..127)
 _D0, _QUANTS0 = 0, 32
-Q40_PACKED_BYTES = 288
+Q40_PACKED_BYTES = Q80_PACKED_BYTES = 288
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -189,7 +189,7 @@ def _pack8_q6_codegen(context, builder, signature, args):
     return context.get_dummy_value()
 
 
-def _pack8_q4_0_codegen(context, builder, signature, args):
+def _pack8_legacy_codegen(context, builder, signature, args, kind):
     raw = context.make_array(signature.args[0])(context, builder, args[0])
     r0, nb = args[1], args[2]
     pack = context.make_array(signature.args[3])(context, builder, args[3])
@@ -199,12 +199,15 @@ def _pack8_q4_0_codegen(context, builder, signature, args):
     pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
 
     def body(b, _):
-        blks = [builder.gep(p, [builder.mul(b, _c64(18))]) for p in rowps]
+        blks = [builder.gep(p, [builder.mul(b, _c64(18 if kind == "q4_0" else 34))]) for p in rowps]
         dst = builder.gep(pbase, [builder.mul(b, _c64(Q40_PACKED_BYTES))])
         d = ir.Constant(_vec(ir.HalfType(), 8), None)
         rows = []
         for r, p in enumerate(blks):
             d = builder.insert_element(d, _load(builder, ir.HalfType(), p, 0), ir.Constant(_I32, r))
+            if kind == "q8_0":
+                rows.append(_load(builder, _V8I, p, 2))
+                continue
             v = _load(builder, _vec(_I8, 16), p, 2)  # elements 0..15 in the low nibbles, 16..31 in the high
             lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
             rows.append(builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32)))), _V8I))
@@ -240,7 +243,15 @@ def pack8_q4_0(typingctx, raw, r0, nb, pack):
     """Write rows r0..r0+7 of raw (q4_0, (n_rows, nb*18)) into pack (>= nb * Q40_PACKED_BYTES
     bytes) in the layout `tile8_q4_0` reads. The caller guarantees the ranges are in bounds."""
     sig = _pack_sig(raw, r0, nb, pack)
-    return (sig, _pack8_q4_0_codegen) if sig else None
+    return (sig, lambda c, b, sg, a: _pack8_legacy_codegen(c, b, sg, a, "q4_0")) if sig else None
+
+
+@intrinsic
+def pack8_q8_0(typingctx, raw, r0, nb, pack):
+    """Write rows r0..r0+7 of raw (q8_0, (n_rows, nb*34)) into pack (>= nb * Q80_PACKED_BYTES
+    bytes) in the layout `tile8_q8_0` reads. The caller guarantees the ranges are in bounds."""
+    sig = _pack_sig(raw, r0, nb, pack)
+    return (sig, lambda c, b, sg, a: _pack8_legacy_codegen(c, b, sg, a, "q8_0")) if sig else None
 
 
 @intrinsic
@@ -339,15 +350,19 @@ class _Tile:
     def load_wide(self, ty, src, off):
         return self.wide(_load(self.b, ty, src, off))
 
-    def dot_quads(self, isums, w_at, x_off, scale_of):
+    def dot_quads(self, isums, w_at, x_off, scale_of, signed=False):
         """isums[k] += scale_of(k) * (4 quants of each row . the token's 4 activations at x_off + 4k),
-        k = 0..7, with w_at(k) the offset of the rows' quad k in the pack."""
+        k = 0..7, with w_at(k) the rows' quad k (unsigned bytes; signed ones, with signed=True, as
+        |w| . sign(x, w))."""
         b = self.b
         out = []
         for k in range(8):
             xv = _per_half(b, [_load(b, _I32, xq, b.add(x_off, _c64(4 * k))) for xq in self.xqs])
             xv = b.bitcast(xv, _vec(_I8, 32 * self.n_tok))
-            out.append(_madd_add(b, isums[k], _maddubs(b, w_at(k), xv), scale_of(k)))
+            w = w_at(k)
+            if signed:
+                w, xv = _psign(b, w, w), _psign(b, xv, w)
+            out.append(_madd_add(b, isums[k], _maddubs(b, w, xv), scale_of(k)))
         return out
 
     def dx(self, blk):
@@ -429,10 +444,10 @@ def _q6_k_block(tile, b, accs):
     return out
 
 
-def _q4_0_block(tile, b, accs):
-    """q4_0 (32 elements, q8_0 activations): per block acc_l = fma(d*dx, isum_l, acc_l) with
-    isum_l the 4 products of quad l, less 8 * (the block's activation sum) in lane 0, as the row
-    kernel (`_x86._row_legacy`)."""
+def _legacy_block(tile, b, accs, kind):
+    """q4_0 / q8_0 (32 elements, q8_0 activations): per block acc_l = fma(d*dx, isum_l, acc_l)
+    with isum_l the 4 products of quad l (exact: q4_0 unsigned, less 8 * the block's activation
+    sum in lane 0; q8_0 as |w| . sign(x, w)), as the row kernel (`_x86._row_legacy`)."""
     builder = tile.b
     n_lanes = 8 * tile.n_tok
     vf, vi = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes)
@@ -440,10 +455,11 @@ def _q4_0_block(tile, b, accs):
     ones = _splat(_I16, 16 * tile.n_tok, 1)
     zero = ir.Constant(vi, [0] * n_lanes)
     isums = tile.dot_quads([zero] * 8, lambda k: tile.load_wide(_V32B, src, _QUANTS0 + 32 * k),
-                           builder.mul(b, _c64(32)), lambda k: ones)
-    corr = _per_half(builder, [builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, 8))
-                               for xs in tile.xss])
-    isums[0] = builder.sub(isums[0], corr)
+                           builder.mul(b, _c64(32)), lambda k: ones, signed=kind == "q8_0")
+    if kind == "q4_0":
+        corr = _per_half(builder, [builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, 8))
+                                   for xs in tile.xss])
+        isums[0] = builder.sub(isums[0], corr)
     db = _exact("fmul", builder, tile.load_wide(_V8F, src, _D0), tile.dx(b))
     return [_fma(builder, db, builder.sitofp(isum, vf), acc) for isum, acc in zip(isums, accs)]
 
@@ -464,7 +480,15 @@ def tile8_q4_0(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
     """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q4_0` times tokens t0..t1-1 of 2-D q8_0
     activations (xq (n_tok, ne0) int8, xd and xs (n_tok, ne0/32): scales and int32 sums)."""
     sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
-    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, _q4_0_block)) if sig else None
+    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, lambda t, blk, accs: _legacy_block(t, blk, accs, "q4_0"))) if sig else None
+
+
+@intrinsic
+def tile8_q8_0(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
+    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q8_0` times tokens t0..t1-1 of 2-D q8_0
+    activations (as `tile8_q4_0`)."""
+    sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
+    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, lambda t, blk, accs: _legacy_block(t, blk, accs, "q8_0"))) if sig else None
 
 
 @intrinsic

@@ -49,13 +49,16 @@ from ._x86_gemm import (
     Q4K_PACKED_BYTES,
     Q6K_PACKED_BYTES,
     Q40_PACKED_BYTES,
+    Q80_PACKED_BYTES,
     TILE_ROWS,
     pack8_q4_0,
     pack8_q4_k,
     pack8_q6_k,
+    pack8_q8_0,
     tile8_q4_0,
     tile8_q4_k,
     tile8_q6_k,
+    tile8_q8_0,
 )
 from .kquants import scale_q3_k
 
@@ -152,6 +155,21 @@ def _gemm_rows_q4_0(raw, xq, xd, xs, tab, out, g0, g1):
 def gemm_q4_0(raw, xq, xd, xs, tab, out, n_threads):
     """matmul_rows(Q4_0, ...), bit for bit, for batches (as `gemm_q4_k`)."""
     _over_threads(_gemm_rows_q4_0, raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
+
+
+@kernel(fastmath=FASTMATH, **_NOPY)
+def _gemm_rows_q8_0(raw, xq, xd, xs, tab, out, g0, g1):
+    """As `_gemm_rows_q4_k`, for q8_0."""
+    nb = raw.shape[1] // 34
+    pack = np.empty(nb * Q80_PACKED_BYTES, np.uint8)
+    for g in range(g0, g1):
+        pack8_q8_0(raw, g * TILE_ROWS, nb, pack)
+        tile8_q8_0(pack, nb, xq, xd, xs, 0, xq.shape[0], out, g * TILE_ROWS)
+
+
+def gemm_q8_0(raw, xq, xd, xs, tab, out, n_threads):
+    """matmul_rows(Q8_0, ...), bit for bit, for batches (as `gemm_q4_k`)."""
+    _over_threads(_gemm_rows_q8_0, raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
 
 
 _BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24}
