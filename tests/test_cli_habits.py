@@ -151,6 +151,7 @@ def test_version(capsys):
     import numba
 
     from qllama import __version__
+    from qllama.kernels._x86 import ISA
     from qllama.qtensor import int8_activations
 
     for args in (["--version"], ["version"]):
@@ -159,7 +160,7 @@ def test_version(capsys):
         lines = out.splitlines()
         assert lines[0] == f"qllama {__version__}"
         assert f"numba {numba.__version__}, numpy {np.__version__}" in lines[1]
-        expected = "SIMD: AVX2" if int8_activations() else "SIMD: portable"
+        expected = f"SIMD: {ISA} (int8 dot products" if int8_activations() else "SIMD: portable"
         assert lines[2].startswith(expected)
 
 

@@ -23,7 +23,7 @@ Numba's disk cache keys a function on its own source file only. A kernel that ca
 intrinsic from `_x86.py` or an `@kernel` function from another module compiles that code into
 itself, and would keep the old code after only the other file changed (seen while editing
 `_x86.py`: fused and int8 kernels ran stale intrinsics). So every kernel of this package is
-keyed on the digest of all of `qllama/kernels/*.py` (and of the x86 ISA chosen, `_x86.ISA`) as
+keyed on the digest of all of `qllama/kernels/*.py` (and of the settings choosing `_x86.ISA`) as
 well: changing any of them recompiles the package's kernels on the next run.
 
 Kernels are optimised at LLVM level `OPT_LEVEL` (1), not Numba's default 3: measured on the 1B
@@ -53,12 +53,10 @@ KERNELS_DIR = Path(__file__).resolve().parent
 
 
 def _sources_digest() -> bytes:
-    """sha256 over the names and contents of qllama/kernels/*.py, in name order, and the ISA the
-    x86 intrinsics are emitted for (`_x86.ISA`: QLLAMA_ISA can change it without changing the
-    CPU, which Numba's own cache key covers)."""
-    from ._x86 import ISA
-
-    h = hashlib.sha256(ISA.encode())
+    """sha256 over the names and contents of qllama/kernels/*.py, in name order, and the settings
+    that choose the ISA the x86 intrinsics are emitted for (`_x86.ISA`: QLLAMA_ISA and
+    QLLAMA_ISA_EMULATE change it without changing the CPU, which Numba's own cache key covers)."""
+    h = hashlib.sha256(repr([os.environ.get(k, "") for k in ("QLLAMA_ISA", "QLLAMA_ISA_EMULATE")]).encode())
     for path in sorted(KERNELS_DIR.glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
