@@ -135,8 +135,7 @@ def _called(func) -> list:
 # not listed get `_reach`'s guess from their bytecode, which misses what intrinsics and
 # overloads generate (ROWS_SERIAL, guessed among the cheapest, took ~1.5 s and often ran last).
 MEASURED_S = {
-    "layer_ops._attend_jobs": 4.6, "int8._gemm_rows_q4_k": 0.45, "int8._gemm_rows_q6_k": 0.8,
-    "int8._gemm_rows_q4_0": 0.4, "int8._gemm_rows_q8_0": 0.4, "int8.ROWS_INT8": 0.55, "int8._row_chunks": 0.9,
+    "layer_ops._attend_jobs": 4.6, "int8.GEMM_ROWS": 0.6, "int8.ROWS_INT8": 0.55, "int8._row_chunks": 0.9,
     "dequantize.ROWS_SERIAL": 1.3, "fused.ffn": 1.4, "fused._chunk3": 1.2, "layer_ops.glu": 1.0,
     "act_quant.q8_0_row": 0.9, "act_quant.q8_1_row": 0.9, "layer_ops._attention_chunks": 0.7,
     "layer_ops.rope_store": 0.75, "act_quant.q8_k_row": 0.55, "act_quant._each_token": 0.45, "fused.matvec3": 0.3,

@@ -188,7 +188,7 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, ge
         if takes_type:
             kernel = partial(kernel, type_id)
         form = TYPES[type_id].int8_form
-        big = getattr(int8, gemm) if gemm else kernel
+        big = partial(int8.gemm, type_id) if gemm else kernel
 
         def int8_matmul(q, act, out, nt):
             xq, xd, xs = act.quantized(form)
@@ -206,16 +206,16 @@ _register(BF16, np.uint16, None, partial(_half_ops, True))
 # (kernels/int8.py), whether that kernel serves several types (then it takes the type id first),
 # and its gemm for batches (or None)
 for _tid, _family, _form, _kernel, _shared, _gemm in (
-    (Q4_0, "legacy", "q8_0", "matmul_rows", True, "gemm_q4_0"),
+    (Q4_0, "legacy", "q8_0", "matmul_rows", True, "gemm"),
     (Q4_1, "legacy", "q8_1", "matmul_rows", True, None),
     (Q5_0, "legacy", "q8_0", "matmul_rows", True, None),
     (Q5_1, "legacy", "q8_1", "matmul_rows", True, None),
-    (Q8_0, "legacy", "q8_0", "matmul_rows", True, "gemm_q8_0"),
+    (Q8_0, "legacy", "q8_0", "matmul_rows", True, "gemm"),
     (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
     (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
-    (Q4_K, "kquants", "q8_K", "matmul_rows", True, "gemm_q4_k"),
+    (Q4_K, "kquants", "q8_K", "matmul_rows", True, "gemm"),
     (Q5_K, "kquants", "q8_K", "matmul_rows", True, None),
-    (Q6_K, "kquants", "q8_K", "matmul_rows", True, "gemm_q6_k"),
+    (Q6_K, "kquants", "q8_K", "matmul_rows", True, "gemm"),
 ):
     _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm))
 del _tid, _family, _form, _kernel, _shared, _gemm

@@ -137,10 +137,10 @@ def test_avx512_vnni_kernels_compile_to_vpdpbusd_and_zmm(workdir):
         assert "vpdpbusd" in _instructions(found, f"qllama.kernels.int8.ROWS_INT8[{legacy}]"), legacy
     for k in (12, 13, 14):  # q4_K q5_K q6_K
         assert "vpdpwssd" in _instructions(found, f"qllama.kernels.int8.ROWS_INT8[{k}]"), k
-    assert {"vpdpwssd", "%zmm"} <= _instructions(found, "qllama.kernels.int8._gemm_rows_q4_k")
-    assert {"vpdpwssd", "%zmm"} <= _instructions(found, "qllama.kernels.int8._gemm_rows_q6_k")
-    for legacy in ("q4_0", "q8_0"):
-        assert "%zmm" in _instructions(found, f"qllama.kernels.int8._gemm_rows_{legacy}")
+    for k in (12, 14):  # the q4_K and q6_K gemms
+        assert {"vpdpwssd", "%zmm"} <= _instructions(found, f"qllama.kernels.int8.GEMM_ROWS[{k}]"), k
+    for legacy in (2, 8):  # q4_0, q8_0
+        assert "%zmm" in _instructions(found, f"qllama.kernels.int8.GEMM_ROWS[{legacy}]"), legacy
     assert "vpdpwssd" in _instructions(found, "qllama.kernels.int8.matmul_q2_q3_k")
 
 
@@ -151,7 +151,7 @@ def test_avx_vnni_kernels_compile_to_256_bit_vpdpbusd(workdir):
     found = _cross_compile(workdir, "alderlake", AVX_VNNI)
     assert found["isa"] == "avx2-vnni"
     assert "vpdpbusd" in _instructions(found, "qllama.kernels.int8.ROWS_INT8[8]")
-    for gemm in ("q4_k", "q6_k"):
-        found_in = _instructions(found, f"qllama.kernels.int8._gemm_rows_{gemm}")
+    for gemm in (12, 14):
+        found_in = _instructions(found, f"qllama.kernels.int8.GEMM_ROWS[{gemm}]")
         assert "vpdpwssd" in found_in and "%zmm" not in found_in
     assert not any("%zmm" in v for v in found.values() if isinstance(v, list))

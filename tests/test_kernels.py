@@ -301,9 +301,8 @@ def test_int8_batches_of_1_to_9_tokens(tid):
         set_threads(before)
 
 
-# kernel, block bytes, offset of d, activation form
-GEMMS = {gt.Q4_K: ("gemm_q4_k", 144, 0, "q8_K"), gt.Q6_K: ("gemm_q6_k", 210, 208, "q8_K"),
-         gt.Q4_0: ("gemm_q4_0", 18, 0, "q8_0"), gt.Q8_0: ("gemm_q8_0", 34, 0, "q8_0")}
+# int8.GEMM_TYPES: block bytes, offset of d, activation form
+GEMMS = {gt.Q4_K: (144, 0, "q8_K"), gt.Q6_K: (210, 208, "q8_K"), gt.Q4_0: (18, 0, "q8_0"), gt.Q8_0: (34, 0, "q8_0")}
 
 
 @pytest.mark.parametrize("tid,n_rows", [(t, n) for t in GEMMS for n in (24, 40)],
@@ -318,7 +317,8 @@ def test_gemm_equals_the_row_kernel(tid, n_rows):
 
     if tid not in int8_activations():
         pytest.skip("no AVX2")
-    gemm, block_bytes, d_at, form = GEMMS[tid]
+    block_bytes, d_at, form = GEMMS[tid]
+    assert set(GEMMS) == set(int8.GEMM_TYPES)
     rng = np.random.default_rng(900 + n_rows + tid)
     ne0 = 768  # 3 blocks per row
     raw = random_matrix(tid, ne0, n_rows, rng)
@@ -339,7 +339,7 @@ def test_gemm_equals_the_row_kernel(tid, n_rows):
                 by_rows = np.empty((n_tok, n_rows), np.float32)
                 by_gemm = np.empty((n_tok, n_rows), np.float32)
                 int8.matmul_rows(tid, q.raw, xq, xd, xsum, _fp16_table(), by_rows, n_threads)
-                getattr(int8, gemm)(q.raw, xq, xd, xsum, _fp16_table(), by_gemm, n_threads)
+                int8.gemm(tid, q.raw, xq, xd, xsum, _fp16_table(), by_gemm, n_threads)
                 assert np.array_equal(by_gemm, by_rows, equal_nan=True), (n_threads, n_tok)
                 ym = q.matmul(xs)  # the dispatch picks the gemm here
                 assert np.array_equal(ym, by_gemm, equal_nan=True)

@@ -171,7 +171,7 @@ def vector_report() -> None:
         exec(COLD)  # compile every kernel (inspect_asm needs freshly compiled, not cached, code)
     from qllama.kernels import dequantize, kquants, legacy
 
-    kernels = {"int8._gemm_rows_q4_k": int8._gemm_rows_q4_k}
+    kernels = {f"int8.GEMM_ROWS[{t}]": k for t, k in int8.GEMM_ROWS.items()}
     kernels.update({f"int8.ROWS_INT8[{t}]": k for t, k in int8.ROWS_INT8.items()})
     kernels.update({f"kquants.{k}": getattr(kquants, k) for k in dir(kquants) if k.startswith("matvec_")})
     kernels.update({f"legacy.{k}": getattr(legacy, k) for k in dir(legacy) if k.startswith("matvec_")})

@@ -1,4 +1,4 @@
-"""x86 q4_K x q8_K mat-mat for batches (`int8.gemm_q4_k`): 8 rows per pass, rows in the lanes.
+"""x86 mat-mat for batches (`int8.gemm`: q4_K, q6_K, q4_0, q8_0): 8 rows per pass, rows in the lanes.
 
 The row intrinsics of `_x86.py` hold 32 consecutive quants of one row per vector and read each
 token's activations once per row; with many tokens that activation traffic (L2) is what bounds
@@ -96,14 +96,19 @@ def _load(builder, ty, p, off):
     return builder.load(builder.bitcast(_gep8(builder, p, off), ir.PointerType(ty)), align=1)
 
 
-def _pack8_codegen(context, builder, signature, args):
+def _pack_args(context, builder, signature, args):
+    """A pack intrinsic's (raw, r0, nb, pack) as (i8* to each of the 8 rows, nb, i8* pack)."""
     raw = context.make_array(signature.args[0])(context, builder, args[0])
-    r0, nb = args[1], args[2]
+    r0 = args[1]
     pack = context.make_array(signature.args[3])(context, builder, args[3])
     base = builder.bitcast(raw.data, ir.PointerType(_I8))
     rstride = builder.extract_value(raw.strides, 0)
     rowps = [builder.gep(base, [builder.mul(builder.add(r0, _c64(r)), rstride)]) for r in range(TILE_ROWS)]
-    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    return rowps, args[2], builder.bitcast(pack.data, ir.PointerType(_I8))
+
+
+def _pack8_codegen(context, builder, signature, args):
+    rowps, nb, pbase = _pack_args(context, builder, signature, args)
 
     def c32(v):
         return ir.Constant(_V8I, [v] * 8)
@@ -147,13 +152,7 @@ def _pack8_codegen(context, builder, signature, args):
 
 
 def _pack8_q6_codegen(context, builder, signature, args):
-    raw = context.make_array(signature.args[0])(context, builder, args[0])
-    r0, nb = args[1], args[2]
-    pack = context.make_array(signature.args[3])(context, builder, args[3])
-    base = builder.bitcast(raw.data, ir.PointerType(_I8))
-    rstride = builder.extract_value(raw.strides, 0)
-    rowps = [builder.gep(base, [builder.mul(builder.add(r0, _c64(r)), rstride)]) for r in range(TILE_ROWS)]
-    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    rowps, nb, pbase = _pack_args(context, builder, signature, args)
     m15, m3 = _splat(_I8, 32, 15), _splat(_I8, 32, 3)
 
     def body(b, _):
@@ -190,13 +189,7 @@ def _pack8_q6_codegen(context, builder, signature, args):
 
 
 def _pack8_legacy_codegen(context, builder, signature, args, kind):
-    raw = context.make_array(signature.args[0])(context, builder, args[0])
-    r0, nb = args[1], args[2]
-    pack = context.make_array(signature.args[3])(context, builder, args[3])
-    base = builder.bitcast(raw.data, ir.PointerType(_I8))
-    rstride = builder.extract_value(raw.strides, 0)
-    rowps = [builder.gep(base, [builder.mul(builder.add(r0, _c64(r)), rstride)]) for r in range(TILE_ROWS)]
-    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    rowps, nb, pbase = _pack_args(context, builder, signature, args)
 
     def body(b, _):
         blks = [builder.gep(p, [builder.mul(b, _c64(18 if kind == "q4_0" else 34))]) for p in rowps]

@@ -14,7 +14,7 @@ kernel called by address); for each tile of TOKEN_TILE tokens a row is read from
 intrinsics (vector accumulators, one horizontal sum per row) and a 4-token variant that unpacks
 the weights once for 4 tokens and computes, per token, exactly what the one-token intrinsic
 computes (so prefill rows equal decode bit for bit); q2_K/q3_K call a per-block intrinsic.
-q4_K batches take `gemm_q4_k` (8 rows per pass, the same values: `_x86_gemm.py`).
+q4_K, q6_K, q4_0 and q8_0 batches take `gemm` (8 rows per pass, the same values: `_x86_gemm.py`).
 
 Numba's cache key covers every qllama/kernels/*.py (`jit.py`), so a change to an intrinsic in
 `_x86.py` recompiles the kernels that inline it.
@@ -110,66 +110,43 @@ def _over_threads(rows, n_units, raw, xq, xd, xs, tab, out, n_threads) -> None:
 # a row is read from memory once and stays in L1 for the other tokens of the tile.
 
 
-@kernel(fastmath=FASTMATH, **_NOPY)
-def _gemm_rows_q4_k(raw, xq, xd, xs, tab, out, g0, g1):
-    """Groups g0..g1-1 of 8 rows (`_x86_gemm.py`): each packed once into a scratch, then
-    multiplied with every token."""
-    nb = raw.shape[1] // 144
-    pack = np.empty(nb * Q4K_PACKED_BYTES, np.uint8)  # 8 rows, packed: in L1 or L2
-    for g in range(g0, g1):
-        pack8_q4_k(raw, g * TILE_ROWS, nb, pack)
-        tile8_q4_k(pack, nb, xq, xd, xs, 0, xq.shape[0], out, g * TILE_ROWS)
+# Batch kernels (q4_K, q6_K, q4_0, q8_0; `_x86_gemm.py`): 8 rows per pass, rows in the vector
+# lanes; the same values as the row kernels, bit for bit.
+GEMM_TYPES = (Q4_K, Q6_K, Q4_0, Q8_0)
 
 
-def gemm_q4_k(raw, xq, xd, xs, tab, out, n_threads):
-    """matmul_rows(Q4_K, ...) (the same values, bit for bit) for batches of 2+ tokens, when n_rows
-    is a multiple of 8: groups of 8 rows over the threads, each chunk by `_gemm_rows_q4_k`."""
-    _over_threads(_gemm_rows_q4_k, raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
+def _gemm_rows_of(type_id: int):
+    """The batch kernel of one type (a closure constant, as `_rows_of`): groups g0..g1-1 of 8 rows,
+    each packed once into a scratch (`pack8_*`), then multiplied with every token (`tile8_*`)."""
+    bb = _BLOCK_BYTES[type_id]
+    packed = {Q4_K: Q4K_PACKED_BYTES, Q6_K: Q6K_PACKED_BYTES, Q4_0: Q40_PACKED_BYTES, Q8_0: Q80_PACKED_BYTES}[type_id]
+    q4k, q6k, q40 = type_id == Q4_K, type_id == Q6_K, type_id == Q4_0  # else q8_0
+
+    def gemm_rows(raw, xq, xd, xs, tab, out, g0, g1):
+        nb = raw.shape[1] // bb
+        pack = np.empty(nb * packed, np.uint8)  # 8 rows, packed: in L1 or L2
+        for g in range(g0, g1):
+            r = g * TILE_ROWS
+            if q4k:
+                pack8_q4_k(raw, r, nb, pack)
+                tile8_q4_k(pack, nb, xq, xd, xs, 0, xq.shape[0], out, r)
+            elif q6k:
+                pack8_q6_k(raw, r, nb, pack)
+                tile8_q6_k(pack, nb, xq, xd, xs, 0, xq.shape[0], out, r)
+            elif q40:
+                pack8_q4_0(raw, r, nb, pack)
+                tile8_q4_0(pack, nb, xq, xd, xs, 0, xq.shape[0], out, r)
+            else:
+                pack8_q8_0(raw, r, nb, pack)
+                tile8_q8_0(pack, nb, xq, xd, xs, 0, xq.shape[0], out, r)
+
+    return gemm_rows
 
 
-@kernel(fastmath=FASTMATH, **_NOPY)
-def _gemm_rows_q6_k(raw, xq, xd, xs, tab, out, g0, g1):
-    """As `_gemm_rows_q4_k`, for q6_K."""
-    nb = raw.shape[1] // 210
-    pack = np.empty(nb * Q6K_PACKED_BYTES, np.uint8)
-    for g in range(g0, g1):
-        pack8_q6_k(raw, g * TILE_ROWS, nb, pack)
-        tile8_q6_k(pack, nb, xq, xd, xs, 0, xq.shape[0], out, g * TILE_ROWS)
-
-
-def gemm_q6_k(raw, xq, xd, xs, tab, out, n_threads):
-    """matmul_rows(Q6_K, ...), bit for bit, for batches (as `gemm_q4_k`)."""
-    _over_threads(_gemm_rows_q6_k, raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
-
-
-@kernel(fastmath=FASTMATH, **_NOPY)
-def _gemm_rows_q4_0(raw, xq, xd, xs, tab, out, g0, g1):
-    """As `_gemm_rows_q4_k`, for q4_0."""
-    nb = raw.shape[1] // 18
-    pack = np.empty(nb * Q40_PACKED_BYTES, np.uint8)
-    for g in range(g0, g1):
-        pack8_q4_0(raw, g * TILE_ROWS, nb, pack)
-        tile8_q4_0(pack, nb, xq, xd, xs, 0, xq.shape[0], out, g * TILE_ROWS)
-
-
-def gemm_q4_0(raw, xq, xd, xs, tab, out, n_threads):
-    """matmul_rows(Q4_0, ...), bit for bit, for batches (as `gemm_q4_k`)."""
-    _over_threads(_gemm_rows_q4_0, raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
-
-
-@kernel(fastmath=FASTMATH, **_NOPY)
-def _gemm_rows_q8_0(raw, xq, xd, xs, tab, out, g0, g1):
-    """As `_gemm_rows_q4_k`, for q8_0."""
-    nb = raw.shape[1] // 34
-    pack = np.empty(nb * Q80_PACKED_BYTES, np.uint8)
-    for g in range(g0, g1):
-        pack8_q8_0(raw, g * TILE_ROWS, nb, pack)
-        tile8_q8_0(pack, nb, xq, xd, xs, 0, xq.shape[0], out, g * TILE_ROWS)
-
-
-def gemm_q8_0(raw, xq, xd, xs, tab, out, n_threads):
-    """matmul_rows(Q8_0, ...), bit for bit, for batches (as `gemm_q4_k`)."""
-    _over_threads(_gemm_rows_q8_0, raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
+def gemm(type_id, raw, xq, xd, xs, tab, out, n_threads):
+    """matmul_rows(type_id, ...) (the same values, bit for bit) for batches of 2+ tokens, when
+    n_rows is a multiple of 8 (type_id in GEMM_TYPES): groups of 8 rows over the threads."""
+    _over_threads(GEMM_ROWS[type_id], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
 
 
 _BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24}
@@ -232,6 +209,7 @@ def _rows_of(type_id: int):
 
 # one row kernel per type, made on first use (a model compiles only the types it has)
 ROWS_INT8 = Variants(_rows_of, "ROWS_INT8", fastmath=FASTMATH, **_NOPY)
+GEMM_ROWS = Variants(_gemm_rows_of, "GEMM_ROWS", fastmath=FASTMATH, **_NOPY)
 
 
 def matmul_rows(type_id, raw, xq, xd, xs, tab, out, n_threads):
