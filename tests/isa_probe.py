@@ -77,7 +77,7 @@ def compile_only(out: str, workdir: str) -> None:
     for job in jobs:
         d = _resolve(job.module, job.name, job.key)
         d.compile(job.argtypes)
-        asm = d.inspect_asm(d.signatures[-1] if job.argtypes not in d.overloads else job.argtypes)
+        asm = d.inspect_asm(job.argtypes)
         found[job.label + repr(job.argtypes)] = sorted(set(re.findall(r"\bvpdp\w+|%zmm", asm)))
     Path(out).write_text(json.dumps(found, indent=1))
 

@@ -12,7 +12,7 @@ Instruction sets (`ISA`, chosen once per process from the CPU Numba compiles for
 - `avx2`: `pmaddubsw` + `pmaddwd` + `paddd`.
 - `avx2-vnni` (AVX-VNNI, or AVX-512 VNNI with VL, on 256-bit vectors): `vpdpbusd` (u8 x i8
   quads summed into i32, accumulating) and `vpdpwssd` (`pmaddwd` + `paddd` in one).
-- `avx512`, `avx512-vnni`: the same, and the q4_K gemm (`_x86_gemm.py`) takes two tokens per
+- `avx512`, `avx512-vnni`: the same, and the batch gemms (`_x86_gemm.py`) take two tokens per
   512-bit vector.
 
 Every ISA computes the same exact int32 lane sums (no `pmaddubsw` pair sum saturates for the
@@ -118,36 +118,38 @@ def _concat(builder, a, b):
     return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 2 * a.type.count), list(range(2 * a.type.count))))
 
 
+def _by_halves(fn, builder, a, b):
+    """fn on each 256-bit half of a and b, joined: a 512-bit lane-wise instruction emulated."""
+    return _concat(builder, *(fn(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
+
+
 def _maddubs(builder, a, b):
     """pmaddubsw: <32 or 64 x i8> u8 a, i8 b -> <16 or 32 x i16> saturated pair sums."""
-    n = a.type.count
-    if n == 64:
-        if not _ZMM_FEATURES <= _FEATURES:  # emulated: the instruction works on each 256-bit half alone
-            return _concat(builder, *(_maddubs(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
+    if a.type.count == 64:
+        if not _ZMM_FEATURES <= _FEATURES:
+            return _by_halves(_maddubs, builder, a, b)
         return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vec(_I16, 32), [a, b])
     return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [a, b])
 
 
 def _maddwd(builder, a, b):
     """pmaddwd: <16 or 32 x i16> -> <8 or 16 x i32> pair sums."""
-    n = a.type.count
-    if n == 32:
+    if a.type.count == 32:
         if not _ZMM_FEATURES <= _FEATURES:
-            return _concat(builder, *(_maddwd(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
+            return _by_halves(_maddwd, builder, a, b)
         return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _vec(_I32, 16), [a, b])
     return _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [a, b])
 
 
 def _native_vnni(n_lanes: int) -> bool:
-    return "+avx512vnni" in _FEATURES and _ZMM_FEATURES <= _FEATURES if n_lanes == 16 else _vnni256(_FEATURES)
+    """Whether this ISA uses VNNI and the CPU has it for <n_lanes x i32> (else: emulated, or none)."""
+    return VNNI and _supports("avx512-vnni" if n_lanes == 16 else "avx2-vnni", _FEATURES)
 
 
 def _madd_add(builder, acc, p, s):
-    """acc + pmaddwd(p, s): <8 or 16 x i32>; one `vpdpwssd` on a VNNI ISA."""
-    if not VNNI:
-        return builder.add(acc, _maddwd(builder, p, s))
+    """acc + pmaddwd(p, s): <8 or 16 x i32>; one `vpdpwssd` on a VNNI ISA (emulated: the same sums)."""
     n = acc.type.count
-    if not _native_vnni(n):  # emulated: the same exact sums
+    if not _native_vnni(n):
         return builder.add(acc, _maddwd(builder, p, s))
     vi = _vec(_I32, n)
     return _call(builder, f"llvm.x86.avx512.vpdpwssd.{32 * n}", vi, [acc, builder.bitcast(p, vi), builder.bitcast(s, vi)])

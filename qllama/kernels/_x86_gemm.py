@@ -107,6 +107,14 @@ def _pack_args(context, builder, signature, args):
     return rowps, args[2], builder.bitcast(pack.data, ir.PointerType(_I8))
 
 
+def _rows_f16(builder, blks, off):
+    """<8 x float>: lane r = the fp16 at byte off of blks[r]."""
+    d = ir.Constant(_vec(ir.HalfType(), 8), None)
+    for r, p in enumerate(blks):
+        d = builder.insert_element(d, _load(builder, ir.HalfType(), p, off), ir.Constant(_I32, r))
+    return builder.fpext(d, _V8F)
+
+
 def _pack8_codegen(context, builder, signature, args):
     rowps, nb, pbase = _pack_args(context, builder, signature, args)
 
@@ -158,10 +166,7 @@ def _pack8_q6_codegen(context, builder, signature, args):
     def body(b, _):
         blks = [builder.gep(p, [builder.mul(b, _c64(210))]) for p in rowps]
         dst = builder.gep(pbase, [builder.mul(b, _c64(Q6K_PACKED_BYTES))])
-        d = ir.Constant(_vec(ir.HalfType(), 8), None)
-        for r, p in enumerate(blks):
-            d = builder.insert_element(d, _load(builder, ir.HalfType(), p, 208), ir.Constant(_I32, r))
-        _store(builder, builder.fpext(d, _V8F), dst, _D6)
+        _store(builder, _rows_f16(builder, blks, 208), dst, _D6)
         for j in range(16):  # sub-block j's scale of each row, in both i16 halves of its lane
             v = ir.Constant(_V8I, None)
             for r, p in enumerate(blks):
@@ -194,17 +199,15 @@ def _pack8_legacy_codegen(context, builder, signature, args, kind):
     def body(b, _):
         blks = [builder.gep(p, [builder.mul(b, _c64(18 if kind == "q4_0" else 34))]) for p in rowps]
         dst = builder.gep(pbase, [builder.mul(b, _c64(Q40_PACKED_BYTES))])
-        d = ir.Constant(_vec(ir.HalfType(), 8), None)
         rows = []
-        for r, p in enumerate(blks):
-            d = builder.insert_element(d, _load(builder, ir.HalfType(), p, 0), ir.Constant(_I32, r))
+        for p in blks:
             if kind == "q8_0":
                 rows.append(_load(builder, _V8I, p, 2))
                 continue
             v = _load(builder, _vec(_I8, 16), p, 2)  # elements 0..15 in the low nibbles, 16..31 in the high
             lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
             rows.append(builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32)))), _V8I))
-        _store(builder, builder.fpext(d, _V8F), dst, _D0)
+        _store(builder, _rows_f16(builder, blks, 0), dst, _D0)
         for k, v in enumerate(_transpose8(builder, rows)):
             _store(builder, v, dst, _QUANTS0 + 32 * k)
         return []
