@@ -212,7 +212,9 @@ def test_a_replaced_value_is_stored_in_the_f16_cache(files, float_path):
     ref = Reference(path, n_ctx=128, kv_f16=True).logits(ids, hook=lambda n, a, il: zero_head(n, a, il) if n == "blk.0.attn_v" else None)
     with model.hooks.add("blk.0.attn_v", zero_head):
         got = model.logits(ids)
-    assert rel_err(got, ref) <= 2e-5
+    # within 2e-5 on AVX2 hosts; 3.6e-5 measured on an AVX-512 one, whose float sums put a value on
+    # the other side of an fp16 rounding step now and then; the replacement moves logits by > 1e-3
+    assert rel_err(got, ref) <= 1e-4
     assert rel_err(got, model.logits(ids)) > 1e-3
 
 
