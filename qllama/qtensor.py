@@ -192,7 +192,7 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, ge
 
         def int8_matmul(q, act, out, nt):
             xq, xd, xs = act.quantized(form)
-            k = big if xq.shape[0] >= GEMM_MIN_TOKENS and q.n_rows % int8.TILE_ROWS == 0 else kernel  # (gemm: 8 rows per pass)
+            k = big if xq.shape[0] >= GEMM_MIN_TOKENS and q.n_rows % int8.TILE_ROWS == 0 else kernel  # (gemm: TILE_ROWS per pass)
             k(q.raw, xq, xd, xs, tab, out, nt)
 
         ops = ops._replace(int8=int8_matmul)

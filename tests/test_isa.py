@@ -139,8 +139,8 @@ def test_avx512_vnni_kernels_compile_to_vpdpbusd_and_zmm(workdir):
         assert "vpdpwssd" in _instructions(found, f"qllama.kernels.int8.ROWS_INT8[{k}]"), k
     for k in (12, 14):  # the q4_K and q6_K gemms
         assert {"vpdpwssd", "%zmm"} <= _instructions(found, f"qllama.kernels.int8.GEMM_ROWS[{k}]"), k
-    for legacy in (2, 8):  # q4_0, q8_0
-        assert "%zmm" in _instructions(found, f"qllama.kernels.int8.GEMM_ROWS[{legacy}]"), legacy
+    for legacy in (2, 8):  # q4_0, q8_0: 16 rows of quads into vpdpbusd
+        assert {"vpdpbusd", "%zmm"} <= _instructions(found, f"qllama.kernels.int8.GEMM_ROWS[{legacy}]"), legacy
     assert "vpdpwssd" in _instructions(found, "qllama.kernels.int8.matmul_q2_q3_k")
 
 

@@ -305,10 +305,11 @@ def test_int8_batches_of_1_to_9_tokens(tid):
 GEMMS = {gt.Q4_K: (144, 0, "q8_K"), gt.Q6_K: (210, 208, "q8_K"), gt.Q4_0: (18, 0, "q8_0"), gt.Q8_0: (34, 0, "q8_0")}
 
 
-@pytest.mark.parametrize("tid,n_rows", [(t, n) for t in GEMMS for n in (24, 40)],
-                         ids=[f"{tname(t)}-{n}" for t in GEMMS for n in (24, 40)])
+@pytest.mark.parametrize("tid,n_rows", [(t, n) for t in GEMMS for n in (48, 80)],
+                         ids=[f"{tname(t)}-{n}" for t in GEMMS for n in (48, 80)])
 def test_gemm_equals_the_row_kernel(tid, n_rows):
-    """The batch kernels (8 rows per pass, rows in the vector lanes: kernels/_x86_gemm.py) give
+    """The batch kernels (TILE_ROWS = 8 or 16 rows per pass, rows in the vector lanes, blocks in
+    ranges that stay in L1: kernels/_x86_gemm.py) give
     each row the one-token row kernel's value bit for bit, for every batch size they take
     (GEMM_MIN_TOKENS and up) at 1 and 2 threads, and W @ round8(x) in float64 within 1e-5; a
     NaN scale in one block spoils that row only, in both kernels alike."""
@@ -320,7 +321,9 @@ def test_gemm_equals_the_row_kernel(tid, n_rows):
     block_bytes, d_at, form = GEMMS[tid]
     assert set(GEMMS) == set(int8.GEMM_TYPES)
     rng = np.random.default_rng(900 + n_rows + tid)
-    ne0 = 768  # 3 blocks per row
+    ne0 = 4096  # 16 or 128 blocks per row: 2 or 3 ranges of blocks (int8.gemm's L1_BLOCK_BYTES)
+    packed = {gt.Q4_K: int8.Q4K_PACKED_BYTES, gt.Q6_K: int8.Q6K_PACKED_BYTES}.get(tid, int8.Q40_PACKED_BYTES)
+    assert ne0 // (256 if form == "q8_K" else 32) * packed > int8.L1_BLOCK_BYTES
     raw = random_matrix(tid, ne0, n_rows, rng)
     at = block_bytes + d_at  # row 5, block 1: d = NaN
     raw.reshape(n_rows, -1)[5, at:at + 2] = np.array([0x7E00], np.uint16).view(np.uint8)
@@ -350,6 +353,26 @@ def test_gemm_equals_the_row_kernel(tid, n_rows):
                     assert rel_err(ym[t, ok], ref) <= 1e-5, (n_threads, n_tok, t)
     finally:
         set_threads(before)
+
+
+def test_gemm_takes_whole_tiles_only():
+    """A matrix whose rows are not a multiple of TILE_ROWS takes the row kernel for a batch (and
+    int8.gemm itself refuses it rather than leave rows unwritten)."""
+    from qllama.kernels import int8
+    from qllama.qtensor import _fp16_table
+
+    if gt.Q4_K not in int8_activations():
+        pytest.skip("no AVX2")
+    rng = np.random.default_rng(77)
+    n_rows = 2 * int8.TILE_ROWS + 4
+    q = QTensor.from_bytes(gt.Q4_K, random_matrix(gt.Q4_K, 512, n_rows, rng), (512, n_rows))
+    xs = rng.standard_normal((5, 512)).astype(np.float32)
+    xq, xd, xsum = quantize_activation(xs).quantized("q8_K")
+    out = np.full((5, n_rows), np.nan, np.float32)
+    with pytest.raises(ValueError, match=f"multiple of {int8.TILE_ROWS} rows"):
+        int8.gemm(gt.Q4_K, q.raw, xq, xd, xsum, _fp16_table(), out, 1)
+    int8.matmul_rows(gt.Q4_K, q.raw, xq, xd, xsum, _fp16_table(), out, 1)
+    assert np.array_equal(q.matmul(xs), out)
 
 
 def test_activation_reuse():

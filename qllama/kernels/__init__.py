@@ -10,7 +10,7 @@
                (which serve mat-vec too), for every quantized type
 - `_x86.py`    the x86 intrinsics (pmaddubsw / pmaddwd; vpdpbusd / vpdpwssd on VNNI) used by
                `int8.py` and `fused.py`, and the choice of ISA (`ISA`, QLLAMA_ISA)
-- `_x86_gemm.py` the q4_K batch kernel (8 rows per pass; two tokens per vector on AVX-512)
+- `_x86_gemm.py` the q4_K, q6_K, q4_0 and q8_0 batch kernels (8 rows per pass; 16 on AVX-512)
 - `quantize_k.py` the k-quant block quantizers (q4_K, q5_K, q6_K) of `qllama.quantize`
 - `layer_ops.py` the non-matmul parts of a transformer layer (norms, RoPE, attention, FFN gates)
 - `scan.py`    scans of packed data for non-finite floats (`qllama inspect --check`)

@@ -12,8 +12,8 @@ Instruction sets (`ISA`, chosen once per process from the CPU Numba compiles for
 - `avx2`: `pmaddubsw` + `pmaddwd` + `paddd`.
 - `avx2-vnni` (AVX-VNNI, or AVX-512 VNNI with VL, on 256-bit vectors): `vpdpbusd` (u8 x i8
   quads summed into i32, accumulating) and `vpdpwssd` (`pmaddwd` + `paddd` in one).
-- `avx512`, `avx512-vnni`: the same, and the batch gemms (`_x86_gemm.py`) take two tokens per
-  512-bit vector.
+- `avx512`, `avx512-vnni`: the same, and the batch gemms (`_x86_gemm.py`) take 16 rows per
+  512-bit vector (8 per 256-bit one elsewhere).
 
 Every ISA computes the same exact int32 lane sums (no `pmaddubsw` pair sum saturates for the
 quant ranges used here: at most 2 * 128 * 127), and the float steps after them are the same
@@ -155,20 +155,22 @@ def _madd_add(builder, acc, p, s):
     return _call(builder, f"llvm.x86.avx512.vpdpwssd.{32 * n}", vi, [acc, builder.bitcast(p, vi), builder.bitcast(s, vi)])
 
 
-def _dot4(builder, u, s):
-    """<32 x i8> u8 u, i8 s -> <8 x i32>: lane l = sum of the 4 products of bytes 4l..4l+3, exact
-    (`vpdpbusd` from zero on a VNNI ISA; `pmaddubsw` + `pmaddwd` by ones, whose pair sums never
-    saturate for the quant ranges here)."""
+def _dot4(builder, u, s, acc=None):
+    """<4n x i8> u8 u, i8 s -> <n x i32>: lane l = (acc's lane l +) the sum of the 4 products of
+    bytes 4l..4l+3, exact (`vpdpbusd` on a VNNI ISA; `pmaddubsw` + `pmaddwd` by ones, whose pair
+    sums never saturate for the quant ranges here)."""
     n = u.type.count // 4
     vi = _vec(_I32, n)
     if not VNNI:
-        return _maddwd(builder, _maddubs(builder, u, s), _splat(_I16, 2 * n, 1))
-    if _native_vnni(n):
+        quads = _maddwd(builder, _maddubs(builder, u, s), _splat(_I16, 2 * n, 1))
+    elif _native_vnni(n):
         return _call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * n}", vi,
-                     [ir.Constant(vi, [0] * n), builder.bitcast(u, vi), builder.bitcast(s, vi)])
-    prod = builder.mul(builder.zext(u, _vec(_I32, 4 * n)), builder.sext(s, _vec(_I32, 4 * n)))  # emulated
-    quads = [_lanes(builder, prod, range(k, 4 * n, 4)) for k in range(4)]
-    return builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3]))
+                     [acc or ir.Constant(vi, [0] * n), builder.bitcast(u, vi), builder.bitcast(s, vi)])
+    else:  # emulated
+        prod = builder.mul(builder.zext(u, _vec(_I32, 4 * n)), builder.sext(s, _vec(_I32, 4 * n)))
+        q = [_lanes(builder, prod, range(k, 4 * n, 4)) for k in range(4)]
+        quads = builder.add(builder.add(q[0], q[1]), builder.add(q[2], q[3]))
+    return quads if acc is None else builder.add(acc, quads)
 
 
 def _hsum(builder, v):

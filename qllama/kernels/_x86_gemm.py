@@ -1,23 +1,31 @@
-"""x86 mat-mat for batches (`int8.gemm`: q4_K, q6_K, q4_0, q8_0): 8 rows per pass, rows in the lanes.
+"""x86 mat-mat for batches (`int8.gemm`: q4_K, q6_K, q4_0, q8_0): TILE_ROWS rows per pass, rows in the lanes.
 
 The row intrinsics of `_x86.py` hold 32 consecutive quants of one row per vector and read each
 token's activations once per row; with many tokens that activation traffic (L2) is what bounds
-them. Here a vector holds 4 quants of each of 8 rows (one 32-bit lane per row) and the matching
-4 activation bytes are broadcast to every lane (llama.cpp's repacked "q4_Kx8" arrangement), so
-each activation byte is loaded once for 8 rows.
+them. Here a vector holds 4 quants of each of TILE_ROWS rows (one 32-bit lane per row) and the
+matching 4 activation bytes are broadcast to every lane (llama.cpp's repacked "q4_Kx8"
+arrangement), so each activation byte is loaded once for all those rows.
 
-Unlike llama.cpp, no repacked copy of the weights is kept: `pack8_q4_k` writes 8 rows'
-transposed quants (unpacked to bytes) and decoded scales into a small per-thread scratch (2624
-bytes per block), and `tile8_q4_k` then reads that scratch for every token of the batch, so the
-transposition is paid once per 8 rows and batch. On a 512-bit ISA (`_x86.ZMM`) the tile takes
-two tokens per vector, one in each 256-bit half, against the same 8 rows.
+Unlike llama.cpp, no repacked copy of the weights is kept: `pack_q4_k` writes the rows'
+transposed quants (unpacked to bytes) and decoded scales into a small per-thread scratch, and
+`tile_q4_k` then reads that scratch for every token of the batch, so the transposition is paid
+once per TILE_ROWS rows and batch. The tile goes through the blocks in ranges whose packed bytes
+stay in L1 (`L1_BLOCK_BYTES`), every token through a range before the next, its 8 accumulators
+waiting in a scratch in between.
+
+TILE_ROWS is 8 on AVX2 (256-bit vectors) and 16 on a 512-bit ISA (`_x86.ZMM`): there the scratch
+holds two 8-row layouts interleaved 32 bytes at a time (rows 0-7 in the low half of each 64-byte
+vector, rows 8-15 in the high half), so one broadcast of the token's activation quad meets 16 rows
+per instruction. (An earlier form put two tokens in the halves against 8 rows: inserting the
+second token's quad cost two shuffles per product, and 16 rows measured 1.4x faster.)
 
 Rounding: each row's value is bit for bit that of the one-token row kernel (`_x86._row_kquant45`):
 the same 8 lanes of exact int32 partial sums, the same two fused multiply-adds per block and the
 same pairwise sum at the end (see `_tile_codegen`). So a prompt, a batch of lookup drafts and
 the server's steps of several streams give every row the logits of one-token decode, as the
-other int8 kernels do. Keeping those 8 lanes costs one `pmaddwd` per `pmaddubsw` (summing 8
-`pmaddubsw` in int16 first, as llama.cpp does, measured ~25% faster but rounds differently).
+other int8 kernels do, on every ISA. Keeping those 8 lanes costs one `pmaddwd` per `pmaddubsw`
+(summing 8 `pmaddubsw` in int16 first, as llama.cpp does, measured ~25% faster but rounds
+differently). q4_0 and q8_0 take `vpdpbusd` on a VNNI ISA (one instruction per product of 4).
 """
 
 from __future__ import annotations
@@ -26,23 +34,26 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._x86 import ZMM, _I8, _I16, _I32, _I64, _concat, _gep8, _halves, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
+from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
 
-TILE_ROWS = 8
-TOKENS_PER_VECTOR = 2 if ZMM else 1  # tokens per pass of the tile, each in its own 256-bit half
+HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector
+TILE_ROWS = 8 * HALVES  # rows per pass (lane r of a vector: row r)
+# The layouts below are those of 8 rows; with HALVES = 2 every 32-byte item at offset o of one
+# lies at 2o (rows 0-7) and 2o + 32 (rows 8-15), and a block takes twice the bytes.
+L1_BLOCK_BYTES = 32768  # packed bytes that every token reads before the next range of blocks (L1: 32-48 KiB)
 # scratch bytes per q4_K block of 8 rows (lane r = row r): d and dmin (8 f32 each), 8 scale vectors
 # (16 x i16), 8 min vectors (8 f32), then 64 vectors of transposed quants (groups of 64
 # elements j, low/high nibbles, byte quads k)
 _D, _DMIN, _SCALES, _MINS, _QUANTS = 0, 32, 64, 320, 576
-Q4K_PACKED_BYTES = 2624
+Q4K_PACKED_BYTES = 2624 * HALVES
 # scratch bytes per q6_K block of 8 rows: d (8 f32), 16 scale vectors (lane r = s_rj as an i16 in
 # both halves), then 64 vectors of transposed quants (32-element groups g, byte quads k) as 0..63
 _D6, _SCALES6, _QUANTS6 = 0, 32, 544
-Q6K_PACKED_BYTES = 2592
+Q6K_PACKED_BYTES = 2592 * HALVES
 # scratch bytes per q4_0 or q8_0 block of 8 rows: d (8 f32), then 8 vectors of transposed quants
 # (byte quads k): q4_0 as 0..15, q8_0 as they are (-128..127)
 _D0, _QUANTS0 = 0, 32
-Q40_PACKED_BYTES = Q80_PACKED_BYTES = 288
+Q40_PACKED_BYTES = Q80_PACKED_BYTES = 288 * HALVES
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -96,15 +107,34 @@ def _load(builder, ty, p, off):
     return builder.load(builder.bitcast(_gep8(builder, p, off), ir.PointerType(ty)), align=1)
 
 
-def _pack_args(context, builder, signature, args):
-    """A pack intrinsic's (raw, r0, nb, pack) as (i8* to each of the 8 rows, nb, i8* pack)."""
+def _pack_codegen(context, builder, signature, args, block_bytes, packed_bytes, pack_half):
+    """A pack intrinsic (raw, r0, nb, pack): for each block b, `pack_half(blks, put)` for each 8
+    rows r0+8h.. (blks: i8* to block b of each; put(v, off): store the 32-byte vector v at offset
+    off of the 8-row layout, which lands at HALVES * off + 32h of the block's scratch)."""
     raw = context.make_array(signature.args[0])(context, builder, args[0])
-    r0 = args[1]
+    r0, nb = args[1], args[2]
     pack = context.make_array(signature.args[3])(context, builder, args[3])
     base = builder.bitcast(raw.data, ir.PointerType(_I8))
     rstride = builder.extract_value(raw.strides, 0)
     rowps = [builder.gep(base, [builder.mul(builder.add(r0, _c64(r)), rstride)]) for r in range(TILE_ROWS)]
-    return rowps, args[2], builder.bitcast(pack.data, ir.PointerType(_I8))
+    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+
+    def body(b, _):
+        dst = builder.gep(pbase, [builder.mul(b, _c64(packed_bytes))])
+        for h in range(HALVES):
+            blks = [builder.gep(p, [builder.mul(b, _c64(block_bytes))]) for p in rowps[8 * h:8 * h + 8]]
+            pack_half(blks, lambda v, off, h=h: _store(builder, v, dst, _in_half(builder, off, h)))
+        return []
+
+    _loop(builder, _c64(0), nb, body, [])
+    return context.get_dummy_value()
+
+
+def _in_half(builder, off, h=0):
+    """Where offset off of an 8-row layout lies in the scratch (half h: rows 8h..8h+7)."""
+    if isinstance(off, int):
+        return HALVES * off + 32 * h
+    return builder.add(builder.mul(off, _c64(HALVES)), _c64(32 * h)) if HALVES > 1 else off
 
 
 def _rows_f16(builder, blks, off):
@@ -115,105 +145,79 @@ def _rows_f16(builder, blks, off):
     return builder.fpext(d, _V8F)
 
 
-def _pack8_codegen(context, builder, signature, args):
-    rowps, nb, pbase = _pack_args(context, builder, signature, args)
-
+def _pack_half_q4_k(builder, blks, put):
     def c32(v):
         return ir.Constant(_V8I, [v] * 8)
 
-    def body(b, _):
-        blks = [builder.gep(p, [builder.mul(b, _c64(144))]) for p in rowps]
-        dst = builder.gep(pbase, [builder.mul(b, _c64(Q4K_PACKED_BYTES))])
-        # the 16-byte heads (d, dmin, 12 bytes of scales and mins) of the 8 rows, transposed: lane r = row r
-        heads = [_load(builder, _vec(_I32, 4), p, 0) for p in blks]
-        hv = _transpose4x2(builder, [builder.shuffle_vector(heads[r], heads[r + 4], ir.Constant(_V8I, list(range(8))))
-                                     for r in range(4)])
-        dd = builder.bitcast(hv[0], _V16H)
-        for off, lanes in ((_D, range(0, 16, 2)), (_DMIN, range(1, 16, 2))):
-            _store(builder, builder.fpext(builder.bitcast(_lanes(builder, dd, lanes), _vec(ir.HalfType(), 8)), _V8F), dst, off)
-        u0, u1, u2 = hv[1], hv[2], hv[3]  # ggml's utmp unpacking of the 6-bit scales and mins, 8 rows at once
-        sc_lo = builder.and_(u0, c32(0x3F3F3F3F))
-        mn_lo = builder.and_(u1, c32(0x3F3F3F3F))
-        sc_hi = builder.or_(builder.and_(u2, c32(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u0, c32(6)), c32(0x03030303)), c32(4)))
-        mn_hi = builder.or_(builder.and_(builder.lshr(u2, c32(4)), c32(0x0F0F0F0F)),
-                            builder.shl(builder.and_(builder.lshr(u1, c32(6)), c32(0x03030303)), c32(4)))
-        for k in range(8):  # sub-block k: lane r = s_rk in both int16 halves (the pmaddwd operand)
-            v = builder.and_(builder.lshr(sc_lo if k < 4 else sc_hi, c32(8 * (k % 4))), c32(0xFF))
-            _store(builder, builder.or_(v, builder.shl(v, c32(16))), dst, _SCALES + 32 * k)
-        for k in range(8):  # sub-block k: lane r = m_rk as a float (m * a 32-element sum is exact in float32)
-            v = builder.and_(builder.lshr(mn_lo if k < 4 else mn_hi, c32(8 * (k % 4))), c32(0xFF))
-            _store(builder, builder.sitofp(v, _V8F), dst, _MINS + 32 * k)
-        def group(j, _):  # 64-element group j: its 32 packed bytes, bytes 4k..4k+3 of each row in vector k
-            rows = [_load(builder, _V8I, p, builder.add(builder.mul(j, _c64(32)), _c64(16))) for p in blks]
-            dj = _gep8(builder, dst, builder.add(builder.mul(j, _c64(512)), _c64(_QUANTS)))
-            for k, v in enumerate(_transpose8(builder, rows)):
-                v = builder.bitcast(v, _V32B)
-                _store(builder, builder.and_(v, _splat(_I8, 32, 15)), dj, 32 * k)
-                _store(builder, builder.lshr(v, _splat(_I8, 32, 4)), dj, 256 + 32 * k)
-            return []
+    # the 16-byte heads (d, dmin, 12 bytes of scales and mins) of the 8 rows, transposed: lane r = row r
+    heads = [_load(builder, _vec(_I32, 4), p, 0) for p in blks]
+    hv = _transpose4x2(builder, [builder.shuffle_vector(heads[r], heads[r + 4], ir.Constant(_V8I, list(range(8))))
+                                 for r in range(4)])
+    dd = builder.bitcast(hv[0], _V16H)
+    for off, lanes in ((_D, range(0, 16, 2)), (_DMIN, range(1, 16, 2))):
+        put(builder.fpext(builder.bitcast(_lanes(builder, dd, lanes), _vec(ir.HalfType(), 8)), _V8F), off)
+    u0, u1, u2 = hv[1], hv[2], hv[3]  # ggml's utmp unpacking of the 6-bit scales and mins, 8 rows at once
+    sc_lo = builder.and_(u0, c32(0x3F3F3F3F))
+    mn_lo = builder.and_(u1, c32(0x3F3F3F3F))
+    sc_hi = builder.or_(builder.and_(u2, c32(0x0F0F0F0F)), builder.shl(builder.and_(builder.lshr(u0, c32(6)), c32(0x03030303)), c32(4)))
+    mn_hi = builder.or_(builder.and_(builder.lshr(u2, c32(4)), c32(0x0F0F0F0F)),
+                        builder.shl(builder.and_(builder.lshr(u1, c32(6)), c32(0x03030303)), c32(4)))
+    for k in range(8):  # sub-block k: lane r = s_rk in both int16 halves (the pmaddwd operand)
+        v = builder.and_(builder.lshr(sc_lo if k < 4 else sc_hi, c32(8 * (k % 4))), c32(0xFF))
+        put(builder.or_(v, builder.shl(v, c32(16))), _SCALES + 32 * k)
+    for k in range(8):  # sub-block k: lane r = m_rk as a float (m * a 32-element sum is exact in float32)
+        v = builder.and_(builder.lshr(mn_lo if k < 4 else mn_hi, c32(8 * (k % 4))), c32(0xFF))
+        put(builder.sitofp(v, _V8F), _MINS + 32 * k)
 
-        _loop(builder, _c64(0), _c64(4), group, [])
-        return []
-
-    _loop(builder, _c64(0), nb, body, [])
-    return context.get_dummy_value()
-
-
-def _pack8_q6_codegen(context, builder, signature, args):
-    rowps, nb, pbase = _pack_args(context, builder, signature, args)
-    m15, m3 = _splat(_I8, 32, 15), _splat(_I8, 32, 3)
-
-    def body(b, _):
-        blks = [builder.gep(p, [builder.mul(b, _c64(210))]) for p in rowps]
-        dst = builder.gep(pbase, [builder.mul(b, _c64(Q6K_PACKED_BYTES))])
-        _store(builder, _rows_f16(builder, blks, 208), dst, _D6)
-        for j in range(16):  # sub-block j's scale of each row, in both i16 halves of its lane
-            v = ir.Constant(_V8I, None)
-            for r, p in enumerate(blks):
-                v = builder.insert_element(v, builder.sext(_load(builder, _I8, p, 192 + j), _I32), ir.Constant(_I32, r))
-            pair = builder.or_(builder.and_(v, ir.Constant(_V8I, [0xFFFF] * 8)), builder.shl(v, ir.Constant(_V8I, [16] * 8)))
-            _store(builder, pair, dst, _SCALES6 + 32 * j)
-        for n in range(2):  # 128-element halves, unpacked as `_x86._q6_core` does
-            lows, highs = [], []
-            for p in blks:
-                a, c = _load(builder, _V32B, p, 64 * n), _load(builder, _V32B, p, 64 * n + 32)
-                lows.append([builder.and_(a, m15), builder.and_(c, m15), builder.lshr(a, _splat(_I8, 32, 4)),
-                             builder.lshr(c, _splat(_I8, 32, 4))])
-                highs.append(_load(builder, _V32B, p, 128 + 32 * n))
-            for s in range(4):  # group g = 4n + s: elements 32g..32g+31
-                rows = []
-                for low, h in zip(lows, highs):
-                    hs = builder.and_(builder.lshr(h, _splat(_I8, 32, 2 * s)) if s else h, m3)
-                    rows.append(builder.bitcast(builder.or_(low[s], builder.shl(hs, _splat(_I8, 32, 4))), _V8I))
-                for k, v in enumerate(_transpose8(builder, rows)):
-                    _store(builder, v, dst, _QUANTS6 + 256 * (4 * n + s) + 32 * k)
-        return []
-
-    _loop(builder, _c64(0), nb, body, [])
-    return context.get_dummy_value()
-
-
-def _pack8_legacy_codegen(context, builder, signature, args, kind):
-    rowps, nb, pbase = _pack_args(context, builder, signature, args)
-
-    def body(b, _):
-        blks = [builder.gep(p, [builder.mul(b, _c64(18 if kind == "q4_0" else 34))]) for p in rowps]
-        dst = builder.gep(pbase, [builder.mul(b, _c64(Q40_PACKED_BYTES))])
-        rows = []
-        for p in blks:
-            if kind == "q8_0":
-                rows.append(_load(builder, _V8I, p, 2))
-                continue
-            v = _load(builder, _vec(_I8, 16), p, 2)  # elements 0..15 in the low nibbles, 16..31 in the high
-            lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
-            rows.append(builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32)))), _V8I))
-        _store(builder, _rows_f16(builder, blks, 0), dst, _D0)
+    def group(j, _):  # 64-element group j: its 32 packed bytes, bytes 4k..4k+3 of each row in vector k
+        rows = [_load(builder, _V8I, p, builder.add(builder.mul(j, _c64(32)), _c64(16))) for p in blks]
+        dj = builder.add(builder.mul(j, _c64(512)), _c64(_QUANTS))
         for k, v in enumerate(_transpose8(builder, rows)):
-            _store(builder, v, dst, _QUANTS0 + 32 * k)
+            v = builder.bitcast(v, _V32B)
+            put(builder.and_(v, _splat(_I8, 32, 15)), builder.add(dj, _c64(32 * k)))
+            put(builder.lshr(v, _splat(_I8, 32, 4)), builder.add(dj, _c64(256 + 32 * k)))
         return []
 
-    _loop(builder, _c64(0), nb, body, [])
-    return context.get_dummy_value()
+    _loop(builder, _c64(0), _c64(4), group, [])
+
+
+def _pack_half_q6_k(builder, blks, put):
+    m15, m3 = _splat(_I8, 32, 15), _splat(_I8, 32, 3)
+    put(_rows_f16(builder, blks, 208), _D6)
+    for j in range(16):  # sub-block j's scale of each row, in both i16 halves of its lane
+        v = ir.Constant(_V8I, None)
+        for r, p in enumerate(blks):
+            v = builder.insert_element(v, builder.sext(_load(builder, _I8, p, 192 + j), _I32), ir.Constant(_I32, r))
+        pair = builder.or_(builder.and_(v, ir.Constant(_V8I, [0xFFFF] * 8)), builder.shl(v, ir.Constant(_V8I, [16] * 8)))
+        put(pair, _SCALES6 + 32 * j)
+    for n in range(2):  # 128-element halves, unpacked as `_x86._q6_core` does
+        lows, highs = [], []
+        for p in blks:
+            a, c = _load(builder, _V32B, p, 64 * n), _load(builder, _V32B, p, 64 * n + 32)
+            lows.append([builder.and_(a, m15), builder.and_(c, m15), builder.lshr(a, _splat(_I8, 32, 4)),
+                         builder.lshr(c, _splat(_I8, 32, 4))])
+            highs.append(_load(builder, _V32B, p, 128 + 32 * n))
+        for s in range(4):  # group g = 4n + s: elements 32g..32g+31
+            rows = []
+            for low, h in zip(lows, highs):
+                hs = builder.and_(builder.lshr(h, _splat(_I8, 32, 2 * s)) if s else h, m3)
+                rows.append(builder.bitcast(builder.or_(low[s], builder.shl(hs, _splat(_I8, 32, 4))), _V8I))
+            for k, v in enumerate(_transpose8(builder, rows)):
+                put(v, _QUANTS6 + 256 * (4 * n + s) + 32 * k)
+
+
+def _pack_half_legacy(builder, blks, put, kind):
+    rows = []
+    for p in blks:
+        if kind == "q8_0":
+            rows.append(_load(builder, _V8I, p, 2))
+            continue
+        v = _load(builder, _vec(_I8, 16), p, 2)  # elements 0..15 in the low nibbles, 16..31 in the high
+        lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
+        rows.append(builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32)))), _V8I))
+    put(_rows_f16(builder, blks, 0), _D0)
+    for k, v in enumerate(_transpose8(builder, rows)):
+        put(v, _QUANTS0 + 32 * k)
 
 
 def _pack_sig(raw, r0, nb, pack):
@@ -226,36 +230,29 @@ def _pack_sig(raw, r0, nb, pack):
     return types.none(raw, r0, nb, pack)
 
 
-@intrinsic
-def pack8_q6_k(typingctx, raw, r0, nb, pack):
-    """Write rows r0..r0+7 of raw (q6_K, (n_rows, nb*210)) into pack (>= nb * Q6K_PACKED_BYTES
-    bytes) in the layout `tile8_q6_k` reads. The caller guarantees the ranges are in bounds."""
-    sig = _pack_sig(raw, r0, nb, pack)
-    return (sig, _pack8_q6_codegen) if sig else None
+def _pack_intrinsic(block_bytes, packed_bytes, pack_half, kind):
+    def pack(typingctx, raw, r0, nb, pack):
+        sig = _pack_sig(raw, r0, nb, pack)
+        return (sig, lambda c, b, sg, a: _pack_codegen(c, b, sg, a, block_bytes, packed_bytes,
+                                                        lambda blks, put: pack_half(b, blks, put))) if sig else None
+
+    pack.__name__ = pack.__qualname__ = f"pack_{kind.lower()}"
+    pack.__doc__ = (f"Write rows r0..r0+TILE_ROWS-1 of raw ({kind}, (n_rows, nb*{block_bytes})) into pack (>= nb * "
+                    f"{packed_bytes} bytes) in the layout `tile_{kind.lower()}` reads. The caller guarantees the "
+                    "ranges are in bounds.")
+    return intrinsic(pack)
 
 
-@intrinsic
-def pack8_q4_0(typingctx, raw, r0, nb, pack):
-    """Write rows r0..r0+7 of raw (q4_0, (n_rows, nb*18)) into pack (>= nb * Q40_PACKED_BYTES
-    bytes) in the layout `tile8_q4_0` reads. The caller guarantees the ranges are in bounds."""
-    sig = _pack_sig(raw, r0, nb, pack)
-    return (sig, lambda c, b, sg, a: _pack8_legacy_codegen(c, b, sg, a, "q4_0")) if sig else None
+pack_q4_k = _pack_intrinsic(144, Q4K_PACKED_BYTES, _pack_half_q4_k, "q4_K")
+pack_q6_k = _pack_intrinsic(210, Q6K_PACKED_BYTES, _pack_half_q6_k, "q6_K")
+pack_q4_0 = _pack_intrinsic(18, Q40_PACKED_BYTES, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q4_0"), "q4_0")
+pack_q8_0 = _pack_intrinsic(34, Q80_PACKED_BYTES, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q8_0"), "q8_0")
 
 
-@intrinsic
-def pack8_q8_0(typingctx, raw, r0, nb, pack):
-    """Write rows r0..r0+7 of raw (q8_0, (n_rows, nb*34)) into pack (>= nb * Q80_PACKED_BYTES
-    bytes) in the layout `tile8_q8_0` reads. The caller guarantees the ranges are in bounds."""
-    sig = _pack_sig(raw, r0, nb, pack)
-    return (sig, lambda c, b, sg, a: _pack8_legacy_codegen(c, b, sg, a, "q8_0")) if sig else None
-
-
-@intrinsic
-def pack8_q4_k(typingctx, raw, r0, nb, pack):
-    """Write rows r0..r0+7 of raw (q4_K, (n_rows, nb*144)) into pack (>= nb * Q4K_PACKED_BYTES
-    bytes) in the layout `tile8_q4_k` reads. The caller guarantees the ranges are in bounds."""
-    sig = _pack_sig(raw, r0, nb, pack)
-    return (sig, _pack8_codegen) if sig else None
+def _abs(builder, v):
+    """|v| lane-wise (vpabsb): |-128| = 128, read as unsigned by `pmaddubsw` / `vpdpbusd`."""
+    fn = builder.module.declare_intrinsic(f"llvm.abs.v{v.type.count}i8", fnty=ir.FunctionType(v.type, [v.type, ir.IntType(1)]))
+    return builder.call(fn, [v, ir.Constant(ir.IntType(1), 0)])
 
 
 def _fma(builder, a, b, c):
@@ -276,105 +273,99 @@ def _exact(op, builder, a, b):
     return getattr(builder, op)(a, b, flags=("arcp",))
 
 
-def _per_half(builder, scalars):
-    """<8 * len(scalars) x T>: scalars[h] in every lane of half h."""
-    n = len(scalars)
-    v = ir.Constant(_vec(scalars[0].type, 8 * n), None)
-    for h, x in enumerate(scalars):
-        v = builder.insert_element(v, x, ir.Constant(_I32, h))
-    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, 8 * n), [h for h in range(n) for _ in range(8)]))
+def _splat_scalar(builder, x, n=None):
+    """<n x T> (n: the tile's lanes, TILE_ROWS) with x in every lane."""
+    n = n or TILE_ROWS
+    v = builder.insert_element(ir.Constant(_vec(x.type, n), None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, n), [0] * n))
 
 
 def _tile_codegen(context, builder, signature, args, block_sum):
-    """One token per iteration (two on a 512-bit ISA, one per 256-bit half), so that each
-    weight vector is loaded for one `pmaddubsw` (with the weights reused for several tokens in
-    registers, LLVM hoisted and spilled them).
+    """Blocks b0..b1-1 of the packed rows times tokens t0..t1-1, one token per iteration, so that
+    each weight vector is loaded for one `pmaddubsw` (with the weights reused for several tokens
+    in registers, LLVM hoisted and spilled them).
 
     `block_sum(tile, b, accs)` adds block b to the 8 accumulators (vector l, lane r: the row
-    kernel's lane l of row r); at the end each row gets that kernel's pairwise sum ((0+4)+(2+6))
-    + ((1+5)+(3+7)). Two tokens in one 512-bit vector take the same steps lane for lane."""
-    n_tok = TOKENS_PER_VECTOR
-    n_lanes = 8 * n_tok
-    vf = _vec(ir.FloatType(), n_lanes)
+    kernel's lane l of row r). They start at zero when b0 = 0, else from the token's row of the
+    scratch `acc` (n_tok, 8 * TILE_ROWS) where the previous range left them; after the last block
+    (b1 = nb) each row gets the row kernel's pairwise sum ((0+4)+(2+6)) + ((1+5)+(3+7)) in out,
+    else they go back to `acc`. (A range of blocks whose packed bytes stay in L1 is read by every
+    token before the next: a whole long row's would not fit.)"""
+    vf = _vec(ir.FloatType(), TILE_ROWS)
     pack = context.make_array(signature.args[0])(context, builder, args[0])
-    nb, t0, t1, r0 = args[1], args[5], args[6], args[8]
+    nb, b0, b1, t0, t1, r0 = args[1], args[2], args[3], args[7], args[8], args[10]
     pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
-    oty, oval = signature.args[7], args[7]
     sa = signature.args
+    first = builder.icmp_signed("==", b0, _c64(0))
+    last = builder.icmp_signed("==", b1, nb)
+    zero = ir.Constant(vf, [0.0] * TILE_ROWS)
 
-    def tokens(i, _):
-        if n_tok == 1:
-            ts = [i]
-        else:  # tokens t0 + 2i and the next one, or t0 + 2i again at an odd end (the same values stored twice)
-            ta = builder.add(t0, builder.mul(i, _c64(2)))
-            tb = builder.add(ta, _c64(1))
-            ts = [ta, builder.select(builder.icmp_signed("<", tb, t1), tb, ta)]
-        tile = _Tile(builder, pbase, n_tok,
-                     [_token_ptr(context, builder, sa[2], args[2], t, _I8) for t in ts],
-                     [_token_ptr(context, builder, sa[3], args[3], t, ir.FloatType()) for t in ts],
-                     [_token_ptr(context, builder, sa[4], args[4], t, _I32) for t in ts])
-        acc = _loop(builder, _c64(0), nb, lambda b, accs: block_sum(tile, b, accs), [ir.Constant(vf, [0.0] * n_lanes)] * 8)
-        s04, s26 = _exact("fadd", builder, acc[0], acc[4]), _exact("fadd", builder, acc[2], acc[6])
-        s15, s37 = _exact("fadd", builder, acc[1], acc[5]), _exact("fadd", builder, acc[3], acc[7])
-        y = _exact("fadd", builder, _exact("fadd", builder, s04, s26), _exact("fadd", builder, s15, s37))
-        for t, yt in zip(ts, [y] if n_tok == 1 else _halves(builder, y)):
-            orow = _token_ptr(context, builder, oty, oval, t, ir.FloatType())
-            _store(builder, yt, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
+    def token(t, _):
+        tile = _Tile(builder, pbase, _token_ptr(context, builder, sa[4], args[4], t, _I8),
+                     _token_ptr(context, builder, sa[5], args[5], t, ir.FloatType()),
+                     _token_ptr(context, builder, sa[6], args[6], t, _I32))
+        saved = builder.bitcast(_token_ptr(context, builder, sa[11], args[11], t, ir.FloatType()), ir.PointerType(_I8))
+        start = [builder.select(first, zero, _load(builder, vf, saved, 4 * TILE_ROWS * k)) for k in range(8)]
+        acc = _loop(builder, b0, b1, lambda b, accs: block_sum(tile, b, accs), start)
+        with builder.if_else(last) as (then, otherwise):
+            with then:
+                s04, s26 = _exact("fadd", builder, acc[0], acc[4]), _exact("fadd", builder, acc[2], acc[6])
+                s15, s37 = _exact("fadd", builder, acc[1], acc[5]), _exact("fadd", builder, acc[3], acc[7])
+                y = _exact("fadd", builder, _exact("fadd", builder, s04, s26), _exact("fadd", builder, s15, s37))
+                orow = _token_ptr(context, builder, sa[9], args[9], t, ir.FloatType())
+                _store(builder, y, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
+            with otherwise:
+                for k in range(8):
+                    _store(builder, acc[k], saved, 4 * TILE_ROWS * k)
         return []
 
-    if n_tok == 1:
-        _loop(builder, t0, t1, tokens, [])
-    else:
-        _loop(builder, _c64(0), builder.sdiv(builder.add(builder.sub(t1, t0), _c64(1)), _c64(2)), tokens, [])
+    _loop(builder, t0, t1, token, [])
     return context.get_dummy_value()
 
 
 class _Tile:
-    """What a block's code needs in the token loop: the packed rows and, per token of the vector,
-    its activations (xq i8*, xd f32*, xs i32*)."""
+    """What a block's code needs in the token loop: the packed rows and the token's activations
+    (xq i8*, xd f32*, xs i32*). Vectors have TILE_ROWS lanes, lane r = row r."""
 
-    def __init__(self, builder, pbase, n_tok, xqs, xds, xss):
-        self.b, self.pbase, self.n_tok, self.xqs, self.xds, self.xss = builder, pbase, n_tok, xqs, xds, xss
-
-    def wide(self, v):
-        """The 8 rows' values, in every token's half."""
-        return v if self.n_tok == 1 else _concat(self.b, v, v)
+    def __init__(self, builder, pbase, xq, xd, xs):
+        self.b, self.pbase, self.xq, self.xd, self.xs = builder, pbase, xq, xd, xs
 
     def src(self, blk, block_bytes):
         return self.b.gep(self.pbase, [self.b.mul(blk, _c64(block_bytes))])
 
-    def load_wide(self, ty, src, off):
-        return self.wide(_load(self.b, ty, src, off))
+    def load(self, ty, src, off):
+        """The item of the 8-row layout at offset off (a 32-byte vector type ty), for all TILE_ROWS rows."""
+        return _load(self.b, _vec(ty.element, ty.count * HALVES), src, _in_half(self.b, off))
 
-    def dot_quads(self, isums, w_at, x_off, scale_of, signed=False):
+    def dot_quads(self, isums, w_at, x_off, scale_of=None, signed=False):
         """isums[k] += scale_of(k) * (4 quants of each row . the token's 4 activations at x_off + 4k),
         k = 0..7, with w_at(k) the rows' quad k (unsigned bytes; signed ones, with signed=True, as
-        |w| . sign(x, w))."""
+        |w| . sign(x, w)); with no scale_of, the plain sums of 4 products (`vpdpbusd` on VNNI)."""
         b = self.b
         out = []
         for k in range(8):
-            xv = _per_half(b, [_load(b, _I32, xq, b.add(x_off, _c64(4 * k))) for xq in self.xqs])
-            xv = b.bitcast(xv, _vec(_I8, 32 * self.n_tok))
+            xv = b.bitcast(_splat_scalar(b, _load(b, _I32, self.xq, b.add(x_off, _c64(4 * k)))), _vec(_I8, 4 * TILE_ROWS))
             w = w_at(k)
-            if signed:
+            if signed and HALVES == 1:
                 w, xv = _psign(b, w, w), _psign(b, xv, w)
-            out.append(_madd_add(b, isums[k], _maddubs(b, w, xv), scale_of(k)))
+            elif signed:  # (AVX-512 has no vpsignb) |w|, and x negated where w < 0 (where w = 0 the product is 0 anyway)
+                zero = ir.Constant(w.type, [0] * w.type.count)
+                xv = b.select(b.icmp_signed("<", w, zero), b.sub(zero, xv), xv)
+                w = _abs(b, w)
+            out.append(_dot4(b, w, xv, isums[k]) if scale_of is None else _madd_add(b, isums[k], _maddubs(b, w, xv), scale_of(k)))
         return out
 
     def dx(self, blk):
-        return _per_half(self.b, [self.b.load(self.b.gep(xd, [blk]), align=4) for xd in self.xds])
+        return _splat_scalar(self.b, self.b.load(self.b.gep(self.xd, [blk]), align=4))
 
     def bsums(self, blk):
-        """Each token's 16 sums of 16 activations of block blk: <16 x i32> per token."""
+        """The token's 16 sums of 16 activations of block blk: <16 x i32>."""
         b = self.b
-        return [b.load(b.bitcast(b.gep(xs, [b.mul(blk, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
-                for xs in self.xss]
+        return b.load(b.bitcast(b.gep(self.xs, [b.mul(blk, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
 
-    def per_token_lane(self, vs, k):
-        """Lane k of each token's vector (of vs, one per token), in every lane of its half."""
-        v = vs[0] if self.n_tok == 1 else _concat(self.b, *vs)
-        n = vs[0].type.count
-        return _lanes(self.b, v, [n * h + k for h in range(self.n_tok) for _ in range(8)])
+    def lane(self, v, k):
+        """Lane k of v in every lane of the tile."""
+        return _lanes(self.b, v, [k] * TILE_ROWS)
 
 
 def _q4_k_block(tile, b, accs):
@@ -382,27 +373,26 @@ def _q4_k_block(tile, b, accs):
     two fused multiply-adds (`_x86._row_kquant45`); isum_l = sum over sub-blocks of scale * (4
     products), exact in int32."""
     builder = tile.b
-    n_lanes = 8 * tile.n_tok
-    vf, vi = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes)
+    vf, vi = _vec(ir.FloatType(), TILE_ROWS), _vec(_I32, TILE_ROWS)
     src = tile.src(b, Q4K_PACKED_BYTES)
     xq_off = builder.mul(b, _c64(256))
 
     def sub_block(sb, isums):  # sub-block sb = 2j + h: group j's low (h = 0) or high nibbles
-        scale = tile.load_wide(_V16H, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES)))
-        wsb = _gep8(builder, src, builder.add(builder.mul(sb, _c64(256)), _c64(_QUANTS)))
-        return tile.dot_quads(isums, lambda k: tile.load_wide(_V32B, wsb, 32 * k),
+        scale = tile.load(_V16H, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES)))
+        wsb = builder.add(builder.mul(sb, _c64(256)), _c64(_QUANTS))
+        return tile.dot_quads(isums, lambda k: tile.load(_V32B, src, builder.add(wsb, _c64(32 * k))),
                               builder.add(xq_off, builder.mul(sb, _c64(32))), lambda k: scale)
 
     # (a loop, not unrolled: an eighth of the code for LLVM to compile, at no measured cost)
-    isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * n_lanes)] * 8)
-    bsums = [builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F)
-             for bs in tile.bsums(b)]
+    isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
+    bs = tile.bsums(b)
+    bsums = builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F)
     dx = tile.dx(b)
-    a = _exact("fmul", builder, tile.load_wide(_V8F, src, _D), dx)
-    neg_b = _exact("fmul", builder, builder.fneg(tile.load_wide(_V8F, src, _DMIN)), dx)
+    a = _exact("fmul", builder, tile.load(_V8F, src, _D), dx)
+    neg_b = _exact("fmul", builder, builder.fneg(tile.load(_V8F, src, _DMIN)), dx)
     out = []
     for k in range(8):
-        msum = _exact("fmul", builder, tile.load_wide(_V8F, src, _MINS + 32 * k), tile.per_token_lane(bsums, k))
+        msum = _exact("fmul", builder, tile.load(_V8F, src, _MINS + 32 * k), tile.lane(bsums, k))
         out.append(_fma(builder, neg_b, msum, _fma(builder, a, builder.sitofp(isums[k], vf), accs[k])))
     return out
 
@@ -412,30 +402,29 @@ def _q6_k_block(tile, b, accs):
     the row kernel (`_x86._row_q6_k`); isum_l = sum over the 8 groups of 32 of the scale of its
     16 * (4 products): quads 0-3 of a group are sub-block 2g, 4-7 sub-block 2g+1."""
     builder = tile.b
-    n_lanes = 8 * tile.n_tok
-    vf, vi = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes)
+    vf, vi = _vec(ir.FloatType(), TILE_ROWS), _vec(_I32, TILE_ROWS)
     src = tile.src(b, Q6K_PACKED_BYTES)
     xq_off = builder.mul(b, _c64(256))
 
     def scale(j):
-        return tile.load_wide(_V16H, src, builder.add(builder.mul(j, _c64(32)), _c64(_SCALES6)))
+        return tile.load(_V16H, src, builder.add(builder.mul(j, _c64(32)), _c64(_SCALES6)))
 
     def group(g, isums):
         lo, hi = scale(builder.mul(g, _c64(2))), scale(builder.add(builder.mul(g, _c64(2)), _c64(1)))
-        wg = _gep8(builder, src, builder.add(builder.mul(g, _c64(256)), _c64(_QUANTS6)))
-        return tile.dot_quads(isums, lambda k: tile.load_wide(_V32B, wg, 32 * k),
+        wg = builder.add(builder.mul(g, _c64(256)), _c64(_QUANTS6))
+        return tile.dot_quads(isums, lambda k: tile.load(_V32B, src, builder.add(wg, _c64(32 * k))),
                               builder.add(xq_off, builder.mul(g, _c64(32))), lambda k: lo if k < 4 else hi)
 
-    isums = _loop(builder, _c64(0), _c64(8), group, [ir.Constant(vi, [0] * n_lanes)] * 8)
+    isums = _loop(builder, _c64(0), _c64(8), group, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
     bsums = tile.bsums(b)
-    db = _exact("fmul", builder, tile.load_wide(_V8F, src, _D6), tile.dx(b))
-    sh16 = ir.Constant(vi, [16] * n_lanes)
+    db = _exact("fmul", builder, tile.load(_V8F, src, _D6), tile.dx(b))
+    sh16 = ir.Constant(vi, [16] * TILE_ROWS)
     out = []
     for k in range(8):
-        s_lo, s_hi = (builder.ashr(builder.shl(builder.bitcast(tile.load_wide(_V16H, src, _SCALES6 + 32 * j), vi), sh16), sh16)
+        s_lo, s_hi = (builder.ashr(builder.shl(builder.bitcast(tile.load(_V16H, src, _SCALES6 + 32 * j), vi), sh16), sh16)
                       for j in (k, k + 8))
-        corr = builder.add(builder.mul(s_lo, tile.per_token_lane(bsums, k)), builder.mul(s_hi, tile.per_token_lane(bsums, k + 8)))
-        isum = builder.sub(isums[k], builder.shl(corr, ir.Constant(vi, [5] * n_lanes)))
+        corr = builder.add(builder.mul(s_lo, tile.lane(bsums, k)), builder.mul(s_hi, tile.lane(bsums, k + 8)))
+        isum = builder.sub(isums[k], builder.shl(corr, ir.Constant(vi, [5] * TILE_ROWS)))
         out.append(_fma(builder, db, builder.sitofp(isum, vf), accs[k]))
     return out
 
@@ -445,60 +434,44 @@ def _legacy_block(tile, b, accs, kind):
     with isum_l the 4 products of quad l (exact: q4_0 unsigned, less 8 * the block's activation
     sum in lane 0; q8_0 as |w| . sign(x, w)), as the row kernel (`_x86._row_legacy`)."""
     builder = tile.b
-    n_lanes = 8 * tile.n_tok
-    vf, vi = _vec(ir.FloatType(), n_lanes), _vec(_I32, n_lanes)
+    vf, vi = _vec(ir.FloatType(), TILE_ROWS), _vec(_I32, TILE_ROWS)
     src = tile.src(b, Q40_PACKED_BYTES)
-    ones = _splat(_I16, 16 * tile.n_tok, 1)
-    zero = ir.Constant(vi, [0] * n_lanes)
-    isums = tile.dot_quads([zero] * 8, lambda k: tile.load_wide(_V32B, src, _QUANTS0 + 32 * k),
-                           builder.mul(b, _c64(32)), lambda k: ones, signed=kind == "q8_0")
+    zero = ir.Constant(vi, [0] * TILE_ROWS)
+    isums = tile.dot_quads([zero] * 8, lambda k: tile.load(_V32B, src, _QUANTS0 + 32 * k), builder.mul(b, _c64(32)),
+                           signed=kind == "q8_0")
     if kind == "q4_0":
-        corr = _per_half(builder, [builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, 8))
-                                   for xs in tile.xss])
-        isums[0] = builder.sub(isums[0], corr)
-    db = _exact("fmul", builder, tile.load_wide(_V8F, src, _D0), tile.dx(b))
+        corr = builder.mul(builder.load(builder.gep(tile.xs, [b]), align=4), ir.Constant(_I32, 8))
+        isums[0] = builder.sub(isums[0], _splat_scalar(builder, corr))
+    db = _exact("fmul", builder, tile.load(_V8F, src, _D0), tile.dx(b))
     return [_fma(builder, db, builder.sitofp(isum, vf), acc) for isum, acc in zip(isums, accs)]
 
 
-def _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0):
+def _tile_sig(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
     if not (isinstance(pack, types.Array) and pack.ndim == 1 and pack.dtype == types.uint8 and pack.layout == "C"):
         return None
-    arrs = ((xq, types.int8), (xd, types.float32), (xs, types.int32), (out, types.float32))
+    arrs = ((xq, types.int8), (xd, types.float32), (xs, types.int32), (out, types.float32), (acc, types.float32))
     if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == dt and a.layout == "C" for a, dt in arrs):
         return None
-    if not all(isinstance(v, types.Integer) for v in (nb, t0, t1, r0)):
+    if not all(isinstance(v, types.Integer) for v in (nb, b0, b1, t0, t1, r0)):
         return None
-    return types.none(pack, nb, xq, xd, xs, t0, t1, out, r0)
+    return types.none(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
 
 
-@intrinsic
-def tile8_q4_0(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
-    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q4_0` times tokens t0..t1-1 of 2-D q8_0
-    activations (xq (n_tok, ne0) int8, xd and xs (n_tok, ne0/32): scales and int32 sums)."""
-    sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
-    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, lambda t, blk, accs: _legacy_block(t, blk, accs, "q4_0"))) if sig else None
+def _tile_intrinsic(block_sum, kind, form):
+    def tile(typingctx, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
+        sig = _tile_sig(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
+        return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, block_sum)) if sig else None
+
+    tile.__name__ = tile.__qualname__ = f"tile_{kind.lower()}"
+    tile.__doc__ = (f"Blocks b0..b1-1 of the rows packed by `pack_{kind.lower()}` (nb blocks) times tokens t0..t1-1 "
+                    f"of 2-D {form} activations (xq (n_tok, ne0) int8, xd float32 and xs int32 per block or, for "
+                    "q8_K, per 16 elements); at b1 = nb, out[t0:t1, r0:r0+TILE_ROWS] = the sums, else they wait "
+                    "in acc (n_tok, 8 * TILE_ROWS) float32 (see `_tile_codegen`). The caller guarantees the "
+                    "ranges are in bounds.")
+    return intrinsic(tile)
 
 
-@intrinsic
-def tile8_q8_0(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
-    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q8_0` times tokens t0..t1-1 of 2-D q8_0
-    activations (as `tile8_q4_0`)."""
-    sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
-    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, lambda t, blk, accs: _legacy_block(t, blk, accs, "q8_0"))) if sig else None
-
-
-@intrinsic
-def tile8_q6_k(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
-    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q6_k` times tokens t0..t1-1 of 2-D q8_K
-    activations (as `tile8_q4_k`)."""
-    sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
-    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, _q6_k_block)) if sig else None
-
-
-@intrinsic
-def tile8_q4_k(typingctx, pack, nb, xq, xd, xs, t0, t1, out, r0):
-    """out[t0:t1, r0:r0+8] = the 8 rows packed by `pack8_q4_k` times tokens t0..t1-1 of 2-D q8_K
-    activations (xq (n_tok, ne0) int8, xd (n_tok, ne0/256), xs (n_tok, ne0/16) int32).
-    The caller guarantees the ranges are in bounds."""
-    sig = _tile_sig(pack, nb, xq, xd, xs, t0, t1, out, r0)
-    return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, _q4_k_block)) if sig else None
+tile_q4_k = _tile_intrinsic(_q4_k_block, "q4_K", "q8_K")
+tile_q6_k = _tile_intrinsic(_q6_k_block, "q6_K", "q8_K")
+tile_q4_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q4_0"), "q4_0", "q8_0")
+tile_q8_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q8_0"), "q8_0", "q8_0")

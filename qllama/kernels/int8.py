@@ -14,7 +14,8 @@ kernel called by address); for each tile of TOKEN_TILE tokens a row is read from
 intrinsics (vector accumulators, one horizontal sum per row) and a 4-token variant that unpacks
 the weights once for 4 tokens and computes, per token, exactly what the one-token intrinsic
 computes (so prefill rows equal decode bit for bit); q2_K/q3_K call a per-block intrinsic.
-q4_K, q6_K, q4_0 and q8_0 batches take `gemm` (8 rows per pass, the same values: `_x86_gemm.py`).
+q4_K, q6_K, q4_0 and q8_0 batches take `gemm` (TILE_ROWS = 8 or, on a 512-bit ISA, 16 rows per
+pass; the same values: `_x86_gemm.py`).
 
 Numba's cache key covers every qllama/kernels/*.py (`jit.py`), so a change to an intrinsic in
 `_x86.py` recompiles the kernels that inline it.
@@ -46,19 +47,20 @@ from ._x86 import (
     row_dot_q8_0,
 )
 from ._x86_gemm import (
+    L1_BLOCK_BYTES,
     Q4K_PACKED_BYTES,
     Q6K_PACKED_BYTES,
     Q40_PACKED_BYTES,
     Q80_PACKED_BYTES,
     TILE_ROWS,
-    pack8_q4_0,
-    pack8_q4_k,
-    pack8_q6_k,
-    pack8_q8_0,
-    tile8_q4_0,
-    tile8_q4_k,
-    tile8_q6_k,
-    tile8_q8_0,
+    pack_q4_0,
+    pack_q4_k,
+    pack_q6_k,
+    pack_q8_0,
+    tile_q4_0,
+    tile_q4_k,
+    tile_q6_k,
+    tile_q8_0,
 )
 from .kquants import scale_q3_k
 
@@ -110,42 +112,55 @@ def _over_threads(rows, n_units, raw, xq, xd, xs, tab, out, n_threads) -> None:
 # a row is read from memory once and stays in L1 for the other tokens of the tile.
 
 
-# Batch kernels (q4_K, q6_K, q4_0, q8_0; `_x86_gemm.py`): 8 rows per pass, rows in the vector
+# Batch kernels (q4_K, q6_K, q4_0, q8_0; `_x86_gemm.py`): TILE_ROWS rows per pass, rows in the vector
 # lanes; the same values as the row kernels, bit for bit.
 GEMM_TYPES = (Q4_K, Q6_K, Q4_0, Q8_0)
 
 
 def _gemm_rows_of(type_id: int):
-    """The batch kernel of one type (a closure constant, as `_rows_of`): groups g0..g1-1 of 8 rows,
-    each packed once into a scratch (`pack8_*`), then multiplied with every token (`tile8_*`)."""
+    """The batch kernel of one type (a closure constant, as `_rows_of`): groups g0..g1-1 of
+    TILE_ROWS rows, each packed once into a scratch (`pack_*`), then multiplied with every token
+    (`tile_*`)."""
     bb = _BLOCK_BYTES[type_id]
     packed = {Q4_K: Q4K_PACKED_BYTES, Q6_K: Q6K_PACKED_BYTES, Q4_0: Q40_PACKED_BYTES, Q8_0: Q80_PACKED_BYTES}[type_id]
     q4k, q6k, q40 = type_id == Q4_K, type_id == Q6_K, type_id == Q4_0  # else q8_0
 
     def gemm_rows(raw, xq, xd, xs, tab, out, g0, g1):
-        nb = raw.shape[1] // bb
-        pack = np.empty(nb * packed, np.uint8)  # 8 rows, packed: in L1 or L2
+        nb, n_tok = raw.shape[1] // bb, xq.shape[0]
+        pack = np.empty(nb * packed, np.uint8)  # TILE_ROWS rows, packed: in L2
+        n_ranges = (nb * packed + L1_BLOCK_BYTES - 1) // L1_BLOCK_BYTES
+        per = (nb + n_ranges - 1) // n_ranges  # blocks per range: their packed bytes stay in L1
+        acc = np.empty((n_tok, 8 * TILE_ROWS), np.float32)  # (n_tok, 8 vectors of TILE_ROWS) between ranges
         for g in range(g0, g1):
             r = g * TILE_ROWS
             if q4k:
-                pack8_q4_k(raw, r, nb, pack)
-                tile8_q4_k(pack, nb, xq, xd, xs, 0, xq.shape[0], out, r)
+                pack_q4_k(raw, r, nb, pack)
             elif q6k:
-                pack8_q6_k(raw, r, nb, pack)
-                tile8_q6_k(pack, nb, xq, xd, xs, 0, xq.shape[0], out, r)
+                pack_q6_k(raw, r, nb, pack)
             elif q40:
-                pack8_q4_0(raw, r, nb, pack)
-                tile8_q4_0(pack, nb, xq, xd, xs, 0, xq.shape[0], out, r)
+                pack_q4_0(raw, r, nb, pack)
             else:
-                pack8_q8_0(raw, r, nb, pack)
-                tile8_q8_0(pack, nb, xq, xd, xs, 0, xq.shape[0], out, r)
+                pack_q8_0(raw, r, nb, pack)
+            for b0 in range(0, nb, per):
+                b1 = min(nb, b0 + per)
+                if q4k:
+                    tile_q4_k(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
+                elif q6k:
+                    tile_q6_k(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
+                elif q40:
+                    tile_q4_0(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
+                else:
+                    tile_q8_0(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
 
     return gemm_rows
 
 
 def gemm(type_id, raw, xq, xd, xs, tab, out, n_threads):
     """matmul_rows(type_id, ...) (the same values, bit for bit) for batches of 2+ tokens, when
-    n_rows is a multiple of 8 (type_id in GEMM_TYPES): groups of 8 rows over the threads."""
+    n_rows is a multiple of TILE_ROWS (type_id in GEMM_TYPES): groups of TILE_ROWS rows over the
+    threads."""
+    if raw.shape[0] % TILE_ROWS:
+        raise ValueError(f"gemm needs a multiple of {TILE_ROWS} rows, not {raw.shape[0]}")
     _over_threads(GEMM_ROWS[type_id], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
 
 
