@@ -189,12 +189,26 @@ def _is_arr(t, dtype):
     return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype
 
 
+def _shift_halves(builder, v, lo, hi):
+    """<64 x i8> v, each byte shifted right by lo in the low 32 bytes and hi in the high 32 (as
+    16-bit words, `vpsrlvw`: a byte takes bits of its neighbour only above bit 7 - lo; callers mask)."""
+    words = builder.bitcast(v, _vec(_I16, 32))
+    return builder.bitcast(builder.lshr(words, ir.Constant(_vec(_I16, 32), [lo] * 16 + [hi] * 16)), v.type)
+
+
+def _fold(builder, acc):
+    """<16 x i32> -> <8 x i32>: lane l + lane l+8 (exact: the 256-bit kernels' lane l)."""
+    return builder.add(_lanes(builder, acc, range(8)), _lanes(builder, acc, range(8, 16)))
+
+
 def _nibbles_core(builder, qp, xps, sc, qh_off):
     """Per token, <8 x i32> partial sums of sum_j sc[j] * nib . x over one q4_K/q5_K super-block.
 
     qp: <32 x i8>* to the 128 quant bytes; xps: one <32 x i8>* per token to its 256 int8
     activations (the weights are unpacked once for all of them); sc: <8 x i16>.
     """
+    if ZMM:
+        return _nibbles_core_zmm(builder, qp, xps, sc, qh_off)
     qh = None
     if qh_off is not None:
         base = builder.bitcast(qp, ir.PointerType(_I8))
@@ -221,12 +235,38 @@ def _nibbles_core(builder, qp, xps, sc, qh_off):
     return accs
 
 
+def _nibbles_core_zmm(builder, qp, xps, sc, qh_off):
+    """_nibbles_core on 512-bit vectors: the 32 bytes of group j hold its low nibbles (elements
+    64j..64j+31) and high ones (64j+32..64j+63), so one vector takes both, against the 64
+    consecutive activations; the lanes' sums are those of the 256-bit form, folded at the end."""
+    m15 = _splat(_I8, 64, 15)
+    qh = None
+    if qh_off is not None:
+        base = builder.bitcast(qp, ir.PointerType(_I8))
+        qh = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I64, qh_off)]), ir.PointerType(_vec(_I8, 32))), align=1)
+        qh = _concat(builder, qh, qh)
+    accs = [ir.Constant(_vec(_I32, 16), None)] * len(xps)
+    for j in range(4):
+        v = _load32(builder, qp, j)
+        q = builder.and_(_shift_halves(builder, _concat(builder, v, v), 0, 4), m15)
+        if qh is not None:  # 5th bit of element 64j+32h+l is bit 2j+h of qh[l]
+            bit = builder.and_(_shift_halves(builder, qh, 2 * j, 2 * j + 1), _splat(_I8, 64, 1))
+            q = builder.or_(q, builder.shl(bit, _splat(_I8, 64, 4)))
+        scl = _lanes(builder, sc, [2 * j] * 16 + [2 * j + 1] * 16)
+        for i, xp in enumerate(xps):
+            x = builder.load(builder.gep(builder.bitcast(xp, ir.PointerType(_vec(_I8, 64))), [ir.Constant(_I32, j)]), align=1)
+            accs[i] = _madd_add(builder, accs[i], _maddubs(builder, q, x), scl)
+    return [_fold(builder, a) for a in accs]
+
+
 def _q6_core(builder, base, xps, sc):
     """Per token, <8 x i32> partial sums of sum_k sc[k] * sum_l q * x over one q6_K block at i8* base.
 
     q unsigned 0..63 (unpacked once for all tokens); xps: one <32 x i8>* per token to its 256
     activations; sc: <16 x i16> the block's scales.
     """
+    if ZMM:
+        return _q6_core_zmm(builder, base, xps, sc)
     v32 = ir.PointerType(_vec(_I8, 32))
     m15 = _splat(_I8, 32, 15)
     m3 = _splat(_I8, 32, 3)
@@ -245,6 +285,29 @@ def _q6_core(builder, base, xps, sc):
                 p = _maddubs(builder, q, _load32(builder, xp, 4 * n + s))
                 accs[i] = _madd_add(builder, accs[i], p, scl)
     return accs
+
+
+def _q6_core_zmm(builder, base, xps, sc):
+    """_q6_core on 512-bit vectors: groups s = 2p and 2p+1 of each 128-element half in one vector
+    (their low 4 bits are the low (p = 0) or high (p = 1) nibbles of 64 consecutive bytes, their
+    activations 64 consecutive bytes); the lanes' sums are those of the 256-bit form, folded."""
+    v64 = ir.PointerType(_vec(_I8, 64))
+    m15, m3 = _splat(_I8, 64, 15), _splat(_I8, 64, 3)
+    accs = [ir.Constant(_vec(_I32, 16), None)] * len(xps)
+    for n in range(2):  # 128-element halves
+        ab = builder.load(builder.bitcast(_gep8(builder, base, 64 * n), v64), align=1)
+        h = builder.load(builder.bitcast(_gep8(builder, base, 128 + 32 * n), ir.PointerType(_vec(_I8, 32))), align=1)
+        hh = _concat(builder, h, h)
+        for p in range(2):
+            low = builder.and_(ab if p == 0 else _shift_halves(builder, ab, 4, 4), m15)
+            hs = builder.and_(_shift_halves(builder, hh, 4 * p, 4 * p + 2), m3)
+            q = builder.or_(low, builder.shl(hs, _splat(_I8, 64, 4)))
+            k = 8 * n + 4 * p  # sub-blocks k, k+1 (group 2p), k+2, k+3 (group 2p+1)
+            scl = _lanes(builder, sc, [k] * 8 + [k + 1] * 8 + [k + 2] * 8 + [k + 3] * 8)
+            for i, xp in enumerate(xps):
+                x = builder.load(builder.bitcast(_gep8(builder, builder.bitcast(xp, ir.PointerType(_I8)), 128 * n + 64 * p), v64), align=1)
+                accs[i] = _madd_add(builder, accs[i], _maddubs(builder, q, x), scl)
+    return [_fold(builder, a) for a in accs]
 
 
 def _two_bit_codegen(context, builder, signature, args, kind):
