@@ -208,7 +208,7 @@ _register(BF16, np.uint16, None, partial(_half_ops, True))
 for _tid, _family, _form, _kernel, _shared, _gemm in (
     (Q4_0, "legacy", "q8_0", "matmul_rows", True, "gemm"),
     (Q4_1, "legacy", "q8_1", "matmul_rows", True, None),
-    (Q5_0, "legacy", "q8_0", "matmul_rows", True, None),
+    (Q5_0, "legacy", "q8_0", "matmul_rows", True, "gemm"),
     (Q5_1, "legacy", "q8_1", "matmul_rows", True, None),
     (Q8_0, "legacy", "q8_0", "matmul_rows", True, "gemm"),
     (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),

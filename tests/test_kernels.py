@@ -302,7 +302,8 @@ def test_int8_batches_of_1_to_9_tokens(tid):
 
 
 # int8.GEMM_TYPES: block bytes, offset of d, activation form
-GEMMS = {gt.Q4_K: (144, 0, "q8_K"), gt.Q6_K: (210, 208, "q8_K"), gt.Q4_0: (18, 0, "q8_0"), gt.Q8_0: (34, 0, "q8_0")}
+GEMMS = {gt.Q4_K: (144, 0, "q8_K"), gt.Q6_K: (210, 208, "q8_K"), gt.Q4_0: (18, 0, "q8_0"), gt.Q5_0: (22, 0, "q8_0"),
+         gt.Q8_0: (34, 0, "q8_0")}
 
 
 @pytest.mark.parametrize("tid,n_rows", [(t, n) for t in GEMMS for n in (48, 80)],

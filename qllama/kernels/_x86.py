@@ -155,13 +155,13 @@ def _madd_add(builder, acc, p, s):
     return _call(builder, f"llvm.x86.avx512.vpdpwssd.{32 * n}", vi, [acc, builder.bitcast(p, vi), builder.bitcast(s, vi)])
 
 
-def _dot4(builder, u, s, acc=None):
+def _dot4(builder, u, s, acc=None, vnni=True):
     """<4n x i8> u8 u, i8 s -> <n x i32>: lane l = (acc's lane l +) the sum of the 4 products of
-    bytes 4l..4l+3, exact (`vpdpbusd` on a VNNI ISA; `pmaddubsw` + `pmaddwd` by ones, whose pair
-    sums never saturate for the quant ranges here)."""
+    bytes 4l..4l+3, exact (`vpdpbusd` on a VNNI ISA unless vnni=False; `pmaddubsw` + `pmaddwd` by
+    ones, whose pair sums never saturate for the quant ranges here)."""
     n = u.type.count // 4
     vi = _vec(_I32, n)
-    if not VNNI:
+    if not (VNNI and vnni):
         quads = _maddwd(builder, _maddubs(builder, u, s), _splat(_I16, 2 * n, 1))
     elif _native_vnni(n):
         return _call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * n}", vi,
@@ -595,7 +595,8 @@ def _row_legacy(context, builder, signature, args, kind):
             x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), v32), align=1)
             if kind == "q8_0":
                 x = _psign(builder, x, w)
-            isum = _dot4(builder, q, x)  # (8,) i32
+            # (q8_0: `pmaddubsw` + `pmaddwd`, 30 GB/s at one thread on Zen 5, against 17 with `vpdpbusd`)
+            isum = _dot4(builder, q, x, vnni=kind != "q8_0")  # (8,) i32
             if off:
                 corr = builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, off))
                 isum = builder.sub(isum, builder.insert_element(ir.Constant(_vec(_I32, 8), [0] * 8), corr, ir.Constant(_I32, 0)))

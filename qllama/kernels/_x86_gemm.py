@@ -1,4 +1,4 @@
-"""x86 mat-mat for batches (`int8.gemm`: q4_K, q6_K, q4_0, q8_0): TILE_ROWS rows per pass, rows in the lanes.
+"""x86 mat-mat for batches (`int8.gemm`: q4_K, q6_K, q4_0, q5_0, q8_0): TILE_ROWS rows per pass, rows in the lanes.
 
 The row intrinsics of `_x86.py` hold 32 consecutive quants of one row per vector and read each
 token's activations once per row; with many tokens that activation traffic (L2) is what bounds
@@ -25,7 +25,7 @@ same pairwise sum at the end (see `_tile_codegen`). So a prompt, a batch of look
 the server's steps of several streams give every row the logits of one-token decode, as the
 other int8 kernels do, on every ISA. Keeping those 8 lanes costs one `pmaddwd` per `pmaddubsw`
 (summing 8 `pmaddubsw` in int16 first, as llama.cpp does, measured ~25% faster but rounds
-differently). q4_0 and q8_0 take `vpdpbusd` on a VNNI ISA (one instruction per product of 4).
+differently). q4_0, q5_0 and q8_0 take `vpdpbusd` on a VNNI ISA (one instruction per product of 4).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
+from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _fifth_bits, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
 
 HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector
 TILE_ROWS = 8 * HALVES  # rows per pass (lane r of a vector: row r)
@@ -50,10 +50,10 @@ Q4K_PACKED_BYTES = 2624 * HALVES
 # both halves), then 64 vectors of transposed quants (32-element groups g, byte quads k) as 0..63
 _D6, _SCALES6, _QUANTS6 = 0, 32, 544
 Q6K_PACKED_BYTES = 2592 * HALVES
-# scratch bytes per q4_0 or q8_0 block of 8 rows: d (8 f32), then 8 vectors of transposed quants
-# (byte quads k): q4_0 as 0..15, q8_0 as they are (-128..127)
+# scratch bytes per q4_0, q5_0 or q8_0 block of 8 rows: d (8 f32), then 8 vectors of transposed
+# quants (byte quads k): q4_0 as 0..15, q5_0 as 0..31, q8_0 as they are (-128..127)
 _D0, _QUANTS0 = 0, 32
-Q40_PACKED_BYTES = Q80_PACKED_BYTES = 288 * HALVES
+Q40_PACKED_BYTES = Q50_PACKED_BYTES = Q80_PACKED_BYTES = 288 * HALVES
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -212,9 +212,13 @@ def _pack_half_legacy(builder, blks, put, kind):
         if kind == "q8_0":
             rows.append(_load(builder, _V8I, p, 2))
             continue
-        v = _load(builder, _vec(_I8, 16), p, 2)  # elements 0..15 in the low nibbles, 16..31 in the high
+        qs = 2 if kind == "q4_0" else 6  # (q5_0: the 32 fifth bits first, at byte 2)
+        v = _load(builder, _vec(_I8, 16), p, qs)  # elements 0..15 in the low nibbles, 16..31 in the high
         lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
-        rows.append(builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32)))), _V8I))
+        q = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+        if kind == "q5_0":
+            q = builder.or_(q, _fifth_bits(builder, _gep8(builder, p, 2)))
+        rows.append(builder.bitcast(q, _V8I))
     put(_rows_f16(builder, blks, 0), _D0)
     for k, v in enumerate(_transpose8(builder, rows)):
         put(v, _QUANTS0 + 32 * k)
@@ -246,6 +250,7 @@ def _pack_intrinsic(block_bytes, packed_bytes, pack_half, kind):
 pack_q4_k = _pack_intrinsic(144, Q4K_PACKED_BYTES, _pack_half_q4_k, "q4_K")
 pack_q6_k = _pack_intrinsic(210, Q6K_PACKED_BYTES, _pack_half_q6_k, "q6_K")
 pack_q4_0 = _pack_intrinsic(18, Q40_PACKED_BYTES, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q4_0"), "q4_0")
+pack_q5_0 = _pack_intrinsic(22, Q50_PACKED_BYTES, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q5_0"), "q5_0")
 pack_q8_0 = _pack_intrinsic(34, Q80_PACKED_BYTES, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q8_0"), "q8_0")
 
 
@@ -430,17 +435,17 @@ def _q6_k_block(tile, b, accs):
 
 
 def _legacy_block(tile, b, accs, kind):
-    """q4_0 / q8_0 (32 elements, q8_0 activations): per block acc_l = fma(d*dx, isum_l, acc_l)
-    with isum_l the 4 products of quad l (exact: q4_0 unsigned, less 8 * the block's activation
-    sum in lane 0; q8_0 as |w| . sign(x, w)), as the row kernel (`_x86._row_legacy`)."""
+    """q4_0 / q5_0 / q8_0 (32 elements, q8_0 activations): per block acc_l = fma(d*dx, isum_l, acc_l)
+    with isum_l the 4 products of quad l (exact: q4_0 / q5_0 unsigned, less 8 / 16 * the block's
+    activation sum in lane 0; q8_0 as |w| . sign(x, w)), as the row kernel (`_x86._row_legacy`)."""
     builder = tile.b
     vf, vi = _vec(ir.FloatType(), TILE_ROWS), _vec(_I32, TILE_ROWS)
     src = tile.src(b, Q40_PACKED_BYTES)
     zero = ir.Constant(vi, [0] * TILE_ROWS)
     isums = tile.dot_quads([zero] * 8, lambda k: tile.load(_V32B, src, _QUANTS0 + 32 * k), builder.mul(b, _c64(32)),
                            signed=kind == "q8_0")
-    if kind == "q4_0":
-        corr = builder.mul(builder.load(builder.gep(tile.xs, [b]), align=4), ir.Constant(_I32, 8))
+    if kind != "q8_0":
+        corr = builder.mul(builder.load(builder.gep(tile.xs, [b]), align=4), ir.Constant(_I32, 8 if kind == "q4_0" else 16))
         isums[0] = builder.sub(isums[0], _splat_scalar(builder, corr))
     db = _exact("fmul", builder, tile.load(_V8F, src, _D0), tile.dx(b))
     return [_fma(builder, db, builder.sitofp(isum, vf), acc) for isum, acc in zip(isums, accs)]
@@ -474,4 +479,5 @@ def _tile_intrinsic(block_sum, kind, form):
 tile_q4_k = _tile_intrinsic(_q4_k_block, "q4_K", "q8_K")
 tile_q6_k = _tile_intrinsic(_q6_k_block, "q6_K", "q8_K")
 tile_q4_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q4_0"), "q4_0", "q8_0")
+tile_q5_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q5_0"), "q5_0", "q8_0")
 tile_q8_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q8_0"), "q8_0", "q8_0")

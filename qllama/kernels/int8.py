@@ -14,7 +14,7 @@ kernel called by address); for each tile of TOKEN_TILE tokens a row is read from
 intrinsics (vector accumulators, one horizontal sum per row) and a 4-token variant that unpacks
 the weights once for 4 tokens and computes, per token, exactly what the one-token intrinsic
 computes (so prefill rows equal decode bit for bit); q2_K/q3_K call a per-block intrinsic.
-q4_K, q6_K, q4_0 and q8_0 batches take `gemm` (TILE_ROWS = 8 or, on a 512-bit ISA, 16 rows per
+q4_K, q6_K, q4_0, q5_0 and q8_0 batches take `gemm` (TILE_ROWS = 8 or, on a 512-bit ISA, 16 rows per
 pass; the same values: `_x86_gemm.py`).
 
 Numba's cache key covers every qllama/kernels/*.py (`jit.py`), so a change to an intrinsic in
@@ -51,13 +51,16 @@ from ._x86_gemm import (
     Q4K_PACKED_BYTES,
     Q6K_PACKED_BYTES,
     Q40_PACKED_BYTES,
+    Q50_PACKED_BYTES,
     Q80_PACKED_BYTES,
     TILE_ROWS,
     pack_q4_0,
+    pack_q5_0,
     pack_q4_k,
     pack_q6_k,
     pack_q8_0,
     tile_q4_0,
+    tile_q5_0,
     tile_q4_k,
     tile_q6_k,
     tile_q8_0,
@@ -112,9 +115,9 @@ def _over_threads(rows, n_units, raw, xq, xd, xs, tab, out, n_threads) -> None:
 # a row is read from memory once and stays in L1 for the other tokens of the tile.
 
 
-# Batch kernels (q4_K, q6_K, q4_0, q8_0; `_x86_gemm.py`): TILE_ROWS rows per pass, rows in the vector
+# Batch kernels (q4_K, q6_K, q4_0, q5_0, q8_0; `_x86_gemm.py`): TILE_ROWS rows per pass, rows in the vector
 # lanes; the same values as the row kernels, bit for bit.
-GEMM_TYPES = (Q4_K, Q6_K, Q4_0, Q8_0)
+GEMM_TYPES = (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0)
 
 
 @kernel(**_NOPY)
@@ -132,8 +135,9 @@ def _gemm_rows_of(type_id: int):
     TILE_ROWS rows, each packed once into a scratch (`pack_*`), then multiplied with every token
     (`tile_*`)."""
     bb = _BLOCK_BYTES[type_id]
-    packed = {Q4_K: Q4K_PACKED_BYTES, Q6_K: Q6K_PACKED_BYTES, Q4_0: Q40_PACKED_BYTES, Q8_0: Q80_PACKED_BYTES}[type_id]
-    q4k, q6k, q40 = type_id == Q4_K, type_id == Q6_K, type_id == Q4_0  # else q8_0
+    packed = {Q4_K: Q4K_PACKED_BYTES, Q6_K: Q6K_PACKED_BYTES, Q4_0: Q40_PACKED_BYTES, Q5_0: Q50_PACKED_BYTES,
+              Q8_0: Q80_PACKED_BYTES}[type_id]
+    q4k, q6k, q40, q50 = type_id == Q4_K, type_id == Q6_K, type_id == Q4_0, type_id == Q5_0  # else q8_0
 
     def gemm_rows(raw, xq, xd, xs, tab, out, g0, g1):
         nb, n_tok = raw.shape[1] // bb, xq.shape[0]
@@ -150,6 +154,8 @@ def _gemm_rows_of(type_id: int):
                 pack_q6_k(raw, r, nb, pack)
             elif q40:
                 pack_q4_0(raw, r, nb, pack)
+            elif q50:
+                pack_q5_0(raw, r, nb, pack)
             else:
                 pack_q8_0(raw, r, nb, pack)
             for b0 in range(0, nb, per):
@@ -160,6 +166,8 @@ def _gemm_rows_of(type_id: int):
                     tile_q6_k(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
                 elif q40:
                     tile_q4_0(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
+                elif q50:
+                    tile_q5_0(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
                 else:
                     tile_q8_0(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
 
