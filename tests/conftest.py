@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
 import pytest
+
+# A shell starts background jobs (`cmd &`, nohup) with SIGINT ignored, and children inherit an
+# ignored signal: the Ctrl-C tests' qllama processes would then never see their SIGINT. A handler
+# (unlike SIG_IGN) is reset to the default in a child, so restore Python's own.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
