@@ -323,8 +323,7 @@ def test_gemm_equals_the_row_kernel(tid, n_rows):
     assert set(GEMMS) == set(int8.GEMM_TYPES)
     rng = np.random.default_rng(900 + n_rows + tid)
     ne0 = 4096  # 16 or 128 blocks per row: 2 or 3 ranges of blocks (int8.gemm's L1_BLOCK_BYTES)
-    packed = {gt.Q4_K: int8.Q4K_PACKED_BYTES, gt.Q6_K: int8.Q6K_PACKED_BYTES}.get(tid, int8.Q40_PACKED_BYTES)
-    assert ne0 // (256 if form == "q8_K" else 32) * packed > int8.L1_BLOCK_BYTES
+    assert ne0 // (256 if form == "q8_K" else 32) * int8.PACKED_BYTES[tid] > int8.L1_BLOCK_BYTES
     raw = random_matrix(tid, ne0, n_rows, rng)
     at = block_bytes + d_at  # row 5, block 1: d = NaN
     raw.reshape(n_rows, -1)[5, at:at + 2] = np.array([0x7E00], np.uint16).view(np.uint8)

@@ -34,6 +34,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from ..ggml_types import GGML_TYPES, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
 from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _fifth_bits, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
 
 HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector
@@ -45,15 +46,14 @@ L1_BLOCK_BYTES = 32768  # packed bytes that every token reads before the next ra
 # (16 x i16), 8 min vectors (8 f32), then 64 vectors of transposed quants (groups of 64
 # elements j, low/high nibbles, byte quads k)
 _D, _DMIN, _SCALES, _MINS, _QUANTS = 0, 32, 64, 320, 576
-Q4K_PACKED_BYTES = 2624 * HALVES
 # scratch bytes per q6_K block of 8 rows: d (8 f32), 16 scale vectors (lane r = s_rj as an i16 in
 # both halves), then 64 vectors of transposed quants (32-element groups g, byte quads k) as 0..63
 _D6, _SCALES6, _QUANTS6 = 0, 32, 544
-Q6K_PACKED_BYTES = 2592 * HALVES
 # scratch bytes per q4_0, q5_0 or q8_0 block of 8 rows: d (8 f32), then 8 vectors of transposed
 # quants (byte quads k): q4_0 as 0..15, q5_0 as 0..31, q8_0 as they are (-128..127)
 _D0, _QUANTS0 = 0, 32
-Q40_PACKED_BYTES = Q50_PACKED_BYTES = Q80_PACKED_BYTES = 288 * HALVES
+# type id -> scratch bytes per block of TILE_ROWS rows (the 8-row layouts above, HALVES times)
+PACKED_BYTES = {Q4_K: 2624 * HALVES, Q6_K: 2592 * HALVES, Q4_0: 288 * HALVES, Q5_0: 288 * HALVES, Q8_0: 288 * HALVES}
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -234,7 +234,9 @@ def _pack_sig(raw, r0, nb, pack):
     return types.none(raw, r0, nb, pack)
 
 
-def _pack_intrinsic(block_bytes, packed_bytes, pack_half, kind):
+def _pack_intrinsic(type_id, pack_half):
+    block_bytes, packed_bytes, kind = GGML_TYPES[type_id].type_size, PACKED_BYTES[type_id], type_name(type_id)
+
     def pack(typingctx, raw, r0, nb, pack):
         sig = _pack_sig(raw, r0, nb, pack)
         return (sig, lambda c, b, sg, a: _pack_codegen(c, b, sg, a, block_bytes, packed_bytes,
@@ -247,11 +249,11 @@ def _pack_intrinsic(block_bytes, packed_bytes, pack_half, kind):
     return intrinsic(pack)
 
 
-pack_q4_k = _pack_intrinsic(144, Q4K_PACKED_BYTES, _pack_half_q4_k, "q4_K")
-pack_q6_k = _pack_intrinsic(210, Q6K_PACKED_BYTES, _pack_half_q6_k, "q6_K")
-pack_q4_0 = _pack_intrinsic(18, Q40_PACKED_BYTES, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q4_0"), "q4_0")
-pack_q5_0 = _pack_intrinsic(22, Q50_PACKED_BYTES, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q5_0"), "q5_0")
-pack_q8_0 = _pack_intrinsic(34, Q80_PACKED_BYTES, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q8_0"), "q8_0")
+pack_q4_k = _pack_intrinsic(Q4_K, _pack_half_q4_k)
+pack_q6_k = _pack_intrinsic(Q6_K, _pack_half_q6_k)
+pack_q4_0 = _pack_intrinsic(Q4_0, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q4_0"))
+pack_q5_0 = _pack_intrinsic(Q5_0, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q5_0"))
+pack_q8_0 = _pack_intrinsic(Q8_0, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q8_0"))
 
 
 def _abs(builder, v):
@@ -379,7 +381,7 @@ def _q4_k_block(tile, b, accs):
     products), exact in int32."""
     builder = tile.b
     vf, vi = _vec(ir.FloatType(), TILE_ROWS), _vec(_I32, TILE_ROWS)
-    src = tile.src(b, Q4K_PACKED_BYTES)
+    src = tile.src(b, PACKED_BYTES[Q4_K])
     xq_off = builder.mul(b, _c64(256))
 
     def sub_block(sb, isums):  # sub-block sb = 2j + h: group j's low (h = 0) or high nibbles
@@ -408,7 +410,7 @@ def _q6_k_block(tile, b, accs):
     16 * (4 products): quads 0-3 of a group are sub-block 2g, 4-7 sub-block 2g+1."""
     builder = tile.b
     vf, vi = _vec(ir.FloatType(), TILE_ROWS), _vec(_I32, TILE_ROWS)
-    src = tile.src(b, Q6K_PACKED_BYTES)
+    src = tile.src(b, PACKED_BYTES[Q6_K])
     xq_off = builder.mul(b, _c64(256))
 
     def scale(j):
@@ -440,7 +442,7 @@ def _legacy_block(tile, b, accs, kind):
     activation sum in lane 0; q8_0 as |w| . sign(x, w)), as the row kernel (`_x86._row_legacy`)."""
     builder = tile.b
     vf, vi = _vec(ir.FloatType(), TILE_ROWS), _vec(_I32, TILE_ROWS)
-    src = tile.src(b, Q40_PACKED_BYTES)
+    src = tile.src(b, PACKED_BYTES[Q4_0])  # (= q5_0's, q8_0's)
     zero = ir.Constant(vi, [0] * TILE_ROWS)
     isums = tile.dot_quads([zero] * 8, lambda k: tile.load(_V32B, src, _QUANTS0 + 32 * k), builder.mul(b, _c64(32)),
                            signed=kind == "q8_0")

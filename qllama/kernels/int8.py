@@ -48,11 +48,7 @@ from ._x86 import (
 )
 from ._x86_gemm import (
     L1_BLOCK_BYTES,
-    Q4K_PACKED_BYTES,
-    Q6K_PACKED_BYTES,
-    Q40_PACKED_BYTES,
-    Q50_PACKED_BYTES,
-    Q80_PACKED_BYTES,
+    PACKED_BYTES,
     TILE_ROWS,
     pack_q4_0,
     pack_q5_0,
@@ -117,7 +113,7 @@ def _over_threads(rows, n_units, raw, xq, xd, xs, tab, out, n_threads) -> None:
 
 # Batch kernels (q4_K, q6_K, q4_0, q5_0, q8_0; `_x86_gemm.py`): TILE_ROWS rows per pass, rows in the vector
 # lanes; the same values as the row kernels, bit for bit.
-GEMM_TYPES = (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0)
+GEMM_TYPES = tuple(PACKED_BYTES)  # q4_K, q6_K, q4_0, q5_0, q8_0
 
 
 @kernel(**_NOPY)
@@ -135,8 +131,7 @@ def _gemm_rows_of(type_id: int):
     TILE_ROWS rows, each packed once into a scratch (`pack_*`), then multiplied with every token
     (`tile_*`)."""
     bb = _BLOCK_BYTES[type_id]
-    packed = {Q4_K: Q4K_PACKED_BYTES, Q6_K: Q6K_PACKED_BYTES, Q4_0: Q40_PACKED_BYTES, Q5_0: Q50_PACKED_BYTES,
-              Q8_0: Q80_PACKED_BYTES}[type_id]
+    packed = PACKED_BYTES[type_id]
     q4k, q6k, q40, q50 = type_id == Q4_K, type_id == Q6_K, type_id == Q4_0, type_id == Q5_0  # else q8_0
 
     def gemm_rows(raw, xq, xd, xs, tab, out, g0, g1):
