@@ -168,6 +168,8 @@ def _unraisable_hook(unraisable) -> None:
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
         _lost["interrupt"] = True
         return
+    if _lost["interrupt"] or _lost["sigints"]:  # after a Ctrl-C, objects torn down mid-way (LLVM's, in
+        return  # a compile) may fail in their __del__: noise on the way out, not an error to show
     _saved["unraisablehook"](unraisable)
 
 
@@ -259,7 +261,9 @@ def main(argv: list[str] | None = None) -> None:
             _interrupted()
         raise
     finally:
-        sys.unraisablehook, warnings.showwarning = old_hook, old_show
+        warnings.showwarning = old_show
+        if not (_lost["interrupt"] or _lost["sigints"]):  # (interrupted: the hook stays for the shutdown)
+            sys.unraisablehook = old_hook
         if old_sigint is signal.default_int_handler:
             signal.signal(signal.SIGINT, old_sigint)
 
