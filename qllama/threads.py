@@ -20,7 +20,12 @@ probes keep losing, bounded so a losing probe costs at most `budget` of the deco
 probe of 2 threads under load can take 40 one-thread tokens). While it runs fewer threads than
 it may, it also watches the machine's idle CPU time (`/proc/stat`): when at least half a core
 sits idle, it probes the larger count without waiting for that bound, so it recovers within
-a second or so of the load going away. Greedy tokens do not depend on
+a second or so of the load going away. At the largest count it reads the CPU time of other
+processes instead: when its tokens have slowed by `slowdown` and others hold enough CPU that
+fewer threads fit beside them, it steps down at once, without a probe. (A probe alone can lose
+by chance: for the first steps after the load arrives, the one remaining thread may share the
+busy core until the scheduler moves it. Measured on a 2-core host with a pinned busy loop: the
+probe lost in 2 of 3 benchmark runs, and decoding stayed at 2 threads, 0.4x -t 1.) Greedy tokens do not depend on
 the thread count (every kernel splits rows, never a sum), so switching changes speed only.
 
 Prefill keeps every thread (`ThreadAdapter.max_threads`): its parallel regions are long (a batch
@@ -77,11 +82,15 @@ class IdleMeter:
             return None
         return self.n_cpu * (now[0] - last[0]) / (now[1] - last[1])
 
-    def others_cpus(self, min_seconds: float = 0.2) -> float | None:
+    def others_cpus(self, min_seconds: float = 0.2, max_seconds: float | None = None) -> float | None:
         """CPUs kept busy by other processes on average since the previous reading: the machine's
-        busy time less this process's CPU time (None: unknown, or under min_seconds apart)."""
+        busy time less this process's CPU time (None: unknown, or under min_seconds apart; or over
+        max_seconds apart, when the window restarts now: it would average over a pause)."""
         now, (own, wall) = self._read(), self._own_now()
         last, (own0, wall0) = self._last, self._own
+        if max_seconds is not None and wall - wall0 > max_seconds:
+            self._last, self._own = now, (own, wall)
+            return None
         if now is None or last is None or wall - wall0 < min_seconds or now[1] <= last[1]:
             return None
         self._last, self._own = now, (own, wall)
@@ -104,7 +113,8 @@ class ThreadAdapter:
     window: steps of the current count whose median is its estimate.
     small_batch: prompt batches up to this many tokens run at the decode count (`batch_threads`).
     idle: an `IdleMeter` (or anything with `idle_cpus() -> float | None`), read at most every
-        `idle_every` seconds of decoding while below the largest count; None: not used.
+        `idle_every` seconds of decoding while below the largest count, and, if it also has
+        `others_cpus` and `n_cpu`, as often at the largest count; None: not used.
     """
 
     def __init__(
@@ -149,6 +159,7 @@ class ThreadAdapter:
         self._checked_start = False  # whether the first step looked at the meter
         self._idle_probe = False  # the running probe was started by the idle meter
         self._idle_misses = 0  # idle-started probes lost since the last switch
+        self._best = 0.0  # the current count's fastest median since it was chosen
 
     # -- the decision (pure: no clock, no Numba) ---------------------------------------------
 
@@ -178,8 +189,13 @@ class ThreadAdapter:
         self._since += 1
         self._time_since += seconds
         self._idle_clock += seconds
-        if not self._reference and len(self._recent) == self._recent.maxlen:
-            self._reference = self.estimate()
+        if len(self._recent) == self._recent.maxlen:
+            est = self.estimate()
+            self._reference = self._reference or est
+            self._best = min(self._best, est) if self._best else est
+            if self.current == self.max_threads and self._idle_clock >= self.idle_every:
+                self._idle_clock = 0.0
+                self._step_down_if_loaded(est)
 
     def estimate(self) -> float:
         """Median step seconds at the current count (0 before the first step)."""
@@ -236,6 +252,36 @@ class ThreadAdapter:
         idle = self.idle.idle_cpus()
         return idle is not None and idle >= self.idle_threshold
 
+    def _step_down_if_loaded(self, est: float) -> None:
+        """At the largest count, every `idle_every` seconds: if this count's tokens are `slowdown`
+        times slower than its best and other processes held CPUs since the last reading, switch
+        to the largest count that fits beside them."""
+        others = getattr(self.idle, "others_cpus", None)
+        if others is None or self._probe is not None:
+            return
+        busy = others(max_seconds=4 * self.idle_every)  # a longer window spans a pause between requests
+        if busy is None or est <= self._best * self.slowdown:
+            return
+        room = max(1, int(self.idle.n_cpu - busy + 0.5))
+        fits = [c for c in self.candidates if c <= room]
+        if fits and fits[0] < self.current:
+            self._since, self._time_since = 0, 0.0
+            self._switch(fits[0], [])
+
+    def _switch(self, n: int, times: list[float]) -> None:
+        """Make n the current count; `times` are its steps measured so far (a probe's)."""
+        self.current = n
+        self.switches += 1
+        self._idle_misses = 0
+        if self.idle is not None:  # the idle window starts now
+            self.idle.idle_cpus()
+            self._idle_clock = 0.0
+        self._recent.clear()
+        self._recent.extend(times)
+        self._reference = self._best = 0.0
+        self._gap = self.first_gap
+        self._cooldown_s = 0.0
+
     def _decide(self) -> None:
         probe, times = self._probe, self._probe_times
         self._probe, self._probe_times = None, []
@@ -244,17 +290,7 @@ class ThreadAdapter:
         p = statistics.median(times)
         self._since, self._time_since = 0, 0.0
         if est and p < est * (1.0 - self.margin):  # the probed count wins: switch
-            self.current = probe
-            self.switches += 1
-            self._idle_misses = 0
-            if self.idle is not None:  # the idle window starts now
-                self.idle.idle_cpus()
-                self._idle_clock = 0.0
-            self._recent.clear()
-            self._recent.extend(times)
-            self._reference = 0.0
-            self._gap = self.first_gap
-            self._cooldown_s = 0.0
+            self._switch(probe, times)
         else:  # it lost: wait longer before the next probe, so that losing probes stay cheap
             self._gap = min(self.max_gap, self._gap * 2)
             self._idle_misses = self._idle_misses + 1 if by_idle else self._idle_misses

@@ -233,7 +233,8 @@ class FakeMeter(FakeIdle):
         super().__init__(0.0)
         self.others, self.n_cpu = others, n_cpu
 
-    def others_cpus(self):
+    def others_cpus(self, min_seconds: float = 0.2, max_seconds: float | None = None):
+        self.reads += 1
         return self.others
 
 
@@ -280,3 +281,46 @@ def test_idle_meter_that_misleads_costs_ever_less():
     assert len(starts) >= 4 and gaps[:4] == sorted(gaps[:4]) and gaps[3] > gaps[0]  # ever further apart
     probe_time = 0.300 * used.count(2)
     assert probe_time <= 0.10 * 0.015 * used.count(1) + 2 * 0.300  # converges to the budget (5%), here < 10%
+
+
+def test_load_at_max_threads_steps_down_by_the_meter_when_probes_lose():
+    """The load arrives while 2 threads run; a probe of 1 thread loses (its thread shares the busy
+    core at first), but the meter sees another process holding a CPU: 1 thread all the same."""
+    meter = FakeMeter(0.0)
+    a = ThreadAdapter([2, 1], idle=meter, max_gap=256)
+    drive(a, IDLE, 1500)
+    assert a.current == 2 and a.switches == 0
+    meter.others = 1.0  # from here, another process holds a CPU
+    shared = lambda n, i: 0.400 if n == 1 and i < 1505 else BUSY(n, i)  # noqa: E731  1 thread: slower than 2 at first
+    current = []
+    for i in range(1500, 1700):
+        drive(a, shared, 1, start=i)
+        current.append(a.current)
+    assert a.current == 1 and a.switches == 1
+    assert current.index(1) < 30  # within a few readings (the probe that lost would wait out its gap)
+
+
+def test_meter_alone_does_not_step_down_without_a_slowdown():
+    meter = FakeMeter(1.0)  # claims others hold a CPU, but 2 threads stay as fast as ever
+    a = ThreadAdapter([2, 1], idle=meter)
+    meter.others = 0.0  # (the start reading sees none)
+    drive(a, IDLE, 50)
+    meter.others = 1.0
+    drive(a, IDLE, 1000, start=50)
+    assert a.current == 2 and a.switches == 0 and meter.reads > 10
+
+
+def test_idle_meter_others_restarts_after_a_pause(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\n")
+    m = IdleMeter(str(stat))
+    m.n_cpu = 2
+    clock = {"cpu": 0.0, "wall": 0.0}
+    monkeypatch.setattr(IdleMeter, "_own_now", staticmethod(lambda: (clock["cpu"], clock["wall"])))
+    m._own = (0.0, 0.0)
+    stat.write_text("cpu  300 0 0 100 0 0 0 0 0 0\n")  # all busy for 5 s while this process slept
+    clock.update(wall=5.0)
+    assert m.others_cpus(max_seconds=1.0) is None  # a pause: the window restarts
+    stat.write_text("cpu  350 0 0 150 0 0 0 0 0 0\n")  # then half busy, all of it this process's
+    clock.update(cpu=0.5, wall=5.5)
+    assert m.others_cpus(max_seconds=1.0) == pytest.approx(0.0)
