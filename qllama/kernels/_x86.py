@@ -578,7 +578,10 @@ def _row_legacy(context, builder, signature, args, kind):
 
     def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
-        d = _load_f16(builder, blk)
+        h = builder.load(builder.bitcast(blk, ir.PointerType(ir.HalfType())), align=1)
+        v8h = _vec(ir.HalfType(), 8)
+        d = builder.fpext(builder.shuffle_vector(builder.insert_element(ir.Constant(v8h, None), h, ir.Constant(_I32, 0)),
+                                                 ir.Constant(v8h, None), ir.Constant(_vec(_I32, 8), [0] * 8)), v8f)
         qp = _gep8(builder, blk, qoff)
         if kind == "q8_0":
             w = builder.load(builder.bitcast(qp, v32), align=1)
@@ -595,13 +598,17 @@ def _row_legacy(context, builder, signature, args, kind):
             x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), v32), align=1)
             if kind == "q8_0":
                 x = _psign(builder, x, w)
-            # (q8_0: `pmaddubsw` + `pmaddwd`, 30 GB/s at one thread on Zen 5, against 17 with `vpdpbusd`)
-            isum = _dot4(builder, q, x, vnni=kind != "q8_0")  # (8,) i32
+            corr = None  # lane 0 starts at -off * xs_b (exact: the dot adds to it)
             if off:
-                corr = builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, off))
-                isum = builder.sub(isum, builder.insert_element(ir.Constant(_vec(_I32, 8), [0] * 8), corr, ir.Constant(_I32, 0)))
-            db = builder.fmul(d, builder.load(builder.gep(xd, [b]), align=4))
-            out.append(builder.fadd(accs[i], builder.fmul(_splat_f(builder, db), builder.sitofp(isum, v8f))))
+                corr = builder.mul(builder.load(builder.gep(xs, [b]), align=4), ir.Constant(_I32, -off))
+                corr = builder.insert_element(ir.Constant(_vec(_I32, 8), [0] * 8), corr, ir.Constant(_I32, 0))
+            # (q8_0: `pmaddubsw` + `pmaddwd`, 30 GB/s at one thread on Zen 5, against 17 with `vpdpbusd`)
+            isum = _dot4(builder, q, x, acc=corr, vnni=kind != "q8_0")  # (8,) i32
+            # flags of our own, so that Numba's fast-math adds none: d * dx rounded as ggml rounds it,
+            # then one fma (as ggml's `_mm256_fmadd_ps`: the products equal ggml's bit for bit)
+            db = builder.fmul(d, _splat_f(builder, builder.load(builder.gep(xd, [b]), align=4)), flags=("arcp",))
+            prod = builder.fmul(db, builder.sitofp(isum, v8f), flags=("contract",))
+            out.append(builder.fadd(accs[i], prod, flags=("contract",)))
             if m is not None:
                 outm.append(_fma(builder, m, builder.load(builder.gep(xs, [b]), align=4), accs[n + i]))
         return out + outm
