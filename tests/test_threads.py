@@ -249,7 +249,9 @@ def test_first_step_starts_low_when_other_processes_hold_a_cpu(others, start):
         assert used[1] == 1  # the usual immediate comparison
 
 
-def test_idle_meter_others_excludes_own_cpu(tmp_path, monkeypatch):
+def _meter_on_fake_stat(tmp_path, monkeypatch):
+    """(stat file, IdleMeter reading it, the clock dict its own CPU and wall time come from): 2 CPUs,
+    first reading 100 busy + 100 idle ticks at CPU 0 s, wall 0 s."""
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\n")
     m = IdleMeter(str(stat))
@@ -257,6 +259,11 @@ def test_idle_meter_others_excludes_own_cpu(tmp_path, monkeypatch):
     clock = {"cpu": 0.0, "wall": 0.0}
     monkeypatch.setattr(IdleMeter, "_own_now", staticmethod(lambda: (clock["cpu"], clock["wall"])))
     m._own = (0.0, 0.0)
+    return stat, m, clock
+
+
+def test_idle_meter_others_excludes_own_cpu(tmp_path, monkeypatch):
+    stat, m, clock = _meter_on_fake_stat(tmp_path, monkeypatch)
     stat.write_text("cpu  250 0 0 150 0 0 0 0 0 0\n")  # 150 busy of 200 ticks: 1.5 CPUs busy
     clock.update(cpu=0.5, wall=1.0)  # of which this process used 0.5 CPU
     assert m.others_cpus() == pytest.approx(1.0)
@@ -311,13 +318,7 @@ def test_meter_alone_does_not_step_down_without_a_slowdown():
 
 
 def test_idle_meter_others_restarts_after_a_pause(tmp_path, monkeypatch):
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\n")
-    m = IdleMeter(str(stat))
-    m.n_cpu = 2
-    clock = {"cpu": 0.0, "wall": 0.0}
-    monkeypatch.setattr(IdleMeter, "_own_now", staticmethod(lambda: (clock["cpu"], clock["wall"])))
-    m._own = (0.0, 0.0)
+    stat, m, clock = _meter_on_fake_stat(tmp_path, monkeypatch)
     stat.write_text("cpu  300 0 0 100 0 0 0 0 0 0\n")  # all busy for 5 s while this process slept
     clock.update(wall=5.0)
     assert m.others_cpus(max_seconds=1.0) is None  # a pause: the window restarts
