@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 from numba import prange, types
-from numba.extending import overload
+from numba.extending import overload, register_jitable
 
 from ..ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._x86 import (
+    row2_dot_q4_legacy,
+    row2_dot_q5_legacy,
+    row2_dot_q8_0,
     row_dot_q4_k,
     row_dot_q4_legacy,
     row_dot_q5_k,
@@ -49,6 +52,26 @@ FUSED_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
 # each whole-row intrinsic is then as tight as int8.py's; the sum dtype picks the compiled set) --
 
 
+def _paired(one, two):
+    """Rows [lo, hi) by the two-row intrinsic `two` on rows half the range apart (two fma chains
+    at once; rows side by side defeat the prefetcher), the odd one by `one`: the same bits."""
+
+    @register_jitable
+    def rows(raw, nb, out, lo, hi, xq, xd, xs):
+        h = (hi - lo) // 2
+        for i in range(lo, lo + h):
+            out[0, i], out[0, i + h] = two(raw[i], raw[i + h], nb, xq, xd, xs)
+        if (hi - lo) % 2:
+            out[0, hi - 1] = one(raw[hi - 1], nb, xq, xd, xs)
+
+    return rows
+
+
+_rows_q4_legacy = _paired(row_dot_q4_legacy, row2_dot_q4_legacy)
+_rows_q5_legacy = _paired(row_dot_q5_legacy, row2_dot_q5_legacy)
+_rows_q8_0 = _paired(row_dot_q8_0, row2_dot_q8_0)
+
+
 def _rows(type_id, raw, out, lo, hi, xq, xd, xs):
     """out[0, r] = row r of raw . x for r in [lo, hi); x one token's int8 activation (1-D arrays)."""
 
@@ -59,13 +82,9 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
 
         def legacy_1(type_id, raw, out, lo, hi, xq, xd, xs):
             if type_id == Q4_1:
-                nb = raw.shape[1] // 20
-                for r in range(lo, hi):
-                    out[0, r] = row_dot_q4_legacy(raw[r], nb, xq, xd, xs)
+                _rows_q4_legacy(raw, raw.shape[1] // 20, out, lo, hi, xq, xd, xs)
             else:
-                nb = raw.shape[1] // 24
-                for r in range(lo, hi):
-                    out[0, r] = row_dot_q5_legacy(raw[r], nb, xq, xd, xs)
+                _rows_q5_legacy(raw, raw.shape[1] // 24, out, lo, hi, xq, xd, xs)
 
         return legacy_1
 
@@ -83,17 +102,11 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
             for r in range(lo, hi):
                 out[0, r] = row_dot_q6_k(raw[r], nb, xq, xd, xs)
         elif type_id == Q8_0:
-            nb = raw.shape[1] // 34
-            for r in range(lo, hi):
-                out[0, r] = row_dot_q8_0(raw[r], nb, xq, xd, xs)
+            _rows_q8_0(raw, raw.shape[1] // 34, out, lo, hi, xq, xd, xs)
         elif type_id == Q4_0:
-            nb = raw.shape[1] // 18
-            for r in range(lo, hi):
-                out[0, r] = row_dot_q4_legacy(raw[r], nb, xq, xd, xs)
+            _rows_q4_legacy(raw, raw.shape[1] // 18, out, lo, hi, xq, xd, xs)
         else:
-            nb = raw.shape[1] // 22
-            for r in range(lo, hi):
-                out[0, r] = row_dot_q5_legacy(raw[r], nb, xq, xd, xs)
+            _rows_q5_legacy(raw, raw.shape[1] // 22, out, lo, hi, xq, xd, xs)
 
     return int_sums
 
