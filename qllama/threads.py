@@ -265,13 +265,13 @@ class ThreadAdapter:
         room = max(1, int(self.idle.n_cpu - busy + 0.5))
         fits = [c for c in self.candidates if c <= room]
         if fits and fits[0] < self.current:
-            self._since, self._time_since = 0, 0.0
             self._switch(fits[0], [])
 
     def _switch(self, n: int, times: list[float]) -> None:
         """Make n the current count; `times` are its steps measured so far (a probe's)."""
         self.current = n
         self.switches += 1
+        self._since, self._time_since = 0, 0.0
         self._idle_misses = 0
         if self.idle is not None:  # the idle window starts now
             self.idle.idle_cpus()

@@ -367,6 +367,15 @@ def _load_f16(builder, p):
     return builder.fpext(h, ir.FloatType())
 
 
+def _splat_f16(builder, p):
+    """<8 x float> with the fp16 at i8* p in every lane (vpbroadcastw + vcvtph2ps)."""
+    v8h = _vec(ir.HalfType(), 8)
+    h = builder.load(builder.bitcast(p, ir.PointerType(ir.HalfType())), align=1)
+    splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8h, None), h, ir.Constant(_I32, 0)),
+                                   ir.Constant(v8h, None), ir.Constant(_vec(_I32, 8), [0] * 8))
+    return builder.fpext(splat, _vec(ir.FloatType(), 8))
+
+
 def _gep8(builder, p, off):
     return builder.gep(p, [off if isinstance(off, ir.Value) else ir.Constant(_I64, off)])
 
@@ -568,7 +577,8 @@ def _row_legacy(context, builder, signature, args, kind):
     per block b, isum = sum_l q_l x_l in int32 (pmaddubsw + pmaddwd; q unsigned, or |w| and sign(x, w)
     for q8_0), minus off * xs_b for q4_0/q5_0 (xs: int32 sums of x); then acc += d_b*dx_b*isum
     (8 lanes), and for q4_1/q5_1 a scalar sum of m_b * s_b (xs: float32 s of q8_1), added at the
-    end. The weights are unpacked once for all tokens.
+    end. The weights are unpacked once for all tokens. The two-row form (`row2_*`: two row
+    arguments, one token) runs both rows' chains in one loop, each row's arithmetic unchanged.
     """
     bsz, qoff, qh_off, m_off, off = _LEGACY[kind]
     v8f = _vec(ir.FloatType(), 8)
@@ -589,10 +599,7 @@ def _row_legacy(context, builder, signature, args, kind):
 
     def row_body(rowp, b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
-        h = builder.load(builder.bitcast(blk, ir.PointerType(ir.HalfType())), align=1)
-        v8h = _vec(ir.HalfType(), 8)
-        d = builder.fpext(builder.shuffle_vector(builder.insert_element(ir.Constant(v8h, None), h, ir.Constant(_I32, 0)),
-                                                 ir.Constant(v8h, None), ir.Constant(_vec(_I32, 8), [0] * 8)), v8f)
+        d = _splat_f16(builder, blk)
         qp = _gep8(builder, blk, qoff)
         if kind == "q8_0":
             w = builder.load(builder.bitcast(qp, v32), align=1)
@@ -706,18 +713,22 @@ def row_dot4_q6_k(typingctx, row, nb, xq, xd, xs, t0):
     return (sig, _row_q6_k) if sig else None
 
 
+def _q8_0_sig(row, nb, xq, xd, xs, t0=None):
+    """(signature, codegen) of a q8_0 row intrinsic (q8_0 activations), or None."""
+    sig = _row_sig(row, nb, xq, xd, xs, t0)
+    return (sig, lambda c, b, sg, a: _row_legacy(c, b, sg, a, "q8_0")) if sig else None
+
+
 @intrinsic
 def row_dot_q8_0(typingctx, row, nb, xq, xd, xs):
     """A q8_0 row (nb blocks) times one q8_0 activation (xd per 32; xs unused) -> float32."""
-    sig = _row_sig(row, nb, xq, xd, xs)
-    return (sig, lambda c, b, sg, a: _row_legacy(c, b, sg, a, "q8_0")) if sig else None
+    return _q8_0_sig(row, nb, xq, xd, xs)
 
 
 @intrinsic
 def row_dot4_q8_0(typingctx, row, nb, xq, xd, xs, t0):
     """As row_dot4_q4_k for q8_0 (q8_0 activations)."""
-    sig = _row_sig(row, nb, xq, xd, xs, t0)
-    return (sig, lambda c, b, sg, a: _row_legacy(c, b, sg, a, "q8_0")) if sig else None
+    return _q8_0_sig(row, nb, xq, xd, xs, t0)
 
 
 def _legacy_sig(bits, row, nb, xq, xd, xs, t0=None):
@@ -779,5 +790,4 @@ def row2_dot_q5_legacy(typingctx, row_a, row_b, nb, xq, xd, xs):
 @intrinsic
 def row2_dot_q8_0(typingctx, row_a, row_b, nb, xq, xd, xs):
     """row_dot_q8_0 of two rows -> 2 float32."""
-    sig = _row_sig(row_a, nb, xq, xd, xs)
-    return _row2_sig((sig, lambda c, b, sg, a: _row_legacy(c, b, sg, a, "q8_0")) if sig else None, row_a, row_b)
+    return _row2_sig(_q8_0_sig(row_a, nb, xq, xd, xs), row_a, row_b)
