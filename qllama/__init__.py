@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 __all__ = ["load", "load_tokenizer", "Model", "Tokenizer", "GGUFFile", "QllamaError", "__version__"]
 
 from .errors import QllamaError
-from .gguf import GGUFFile
+from .gguf.reader import GGUFFile
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import Model, load

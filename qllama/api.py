@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import numpy as np
 
 from .errors import QllamaError
-from .generate import Chunk, Session, Timings, stream_generate
-from .gguf import GGUFFile
+from .generation.session import Chunk, Session, Timings, stream_generate
+from .gguf.reader import GGUFFile
 from .models import build_model, read_args
 from .qtensor import get_threads, set_threads
-from .sampling import Sampler, SamplingParams
+from .generation.sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported where used: the chat package is not needed to load a model
@@ -38,9 +38,9 @@ def load(
     warmup_next: `warmup()` comes next; on a first run its compile workers then start up while
     the model loads (they exit by themselves if no warm-up comes).
     `path` may also be a model reference (`demo`, `org/repo[:QUANT]`, `org/repo/file.gguf`,
-    `hf://...`): see `qllama.hub`; it is downloaded into the Hugging Face cache if needed.
+    `hf://...`): see `qllama.hub.refs`; it is downloaded into the Hugging Face cache if needed.
     """
-    from .hub import resolve
+    from .hub.refs import resolve
 
     return Model(resolve(path), n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size, type_k=type_k, type_v=type_v,
                  warmup_next=warmup_next)
@@ -69,12 +69,12 @@ class Model:
             raise QllamaError(f"context size must be >= 1, got {n_ctx}")
         if n_threads is not None and n_threads < 1:
             raise QllamaError(f"thread count must be >= 1, got {n_threads}")
-        from .memory import check_context
+        from .runtime.memory import check_context
 
         check_context(self.args, n_ctx, batch_size, kv_types=self.kv_types)  # before anything n_ctx-sized is allocated
         set_threads(n_threads)  # None: the physical cores
         self.n_threads = get_threads()
-        from . import compile_pool
+        from .runtime import compile_pool
 
         if warmup_next and compile_pool.default_workers() > 0 and not self.kernels_cached():
             compile_pool.prestart()  # the first run's compile workers start up while the model loads
@@ -111,13 +111,13 @@ class Model:
 
     def kernel_types(self) -> list[str]:
         """Type names of the model's matrices, e.g. ["q4_K", "q6_K"]: what its kernels are compiled for."""
-        from .warmup import kernel_types
+        from .runtime.warmup import kernel_types
 
         return kernel_types(self.gguf)
 
     def kernels_cached(self) -> bool:
-        """Whether Numba's disk cache already holds this model's kernels (then warmup() only loads them)."""
-        from .warmup import is_warm
+        """Whether the kernel cache already holds this model's kernels (then warmup() only loads them)."""
+        from .runtime.warmup import is_warm
 
         return is_warm(self.kernel_types(), self.n_threads)
 
@@ -125,8 +125,13 @@ class Model:
         """Call every kernel of the forward pass once on a scratch cache: Numba compiles them (first
         run) or loads them from its disk cache. Returns the seconds it took; later timings then
         measure the model alone, and this is reported apart (`Timings.compile_s`)."""
-        from .warmup import mark_warm, warm_up
+        from .kernels.jit import CacheDirError, check_cache_dir
+        from .runtime.warmup import mark_warm, warm_up
 
+        try:
+            check_cache_dir()
+        except CacheDirError as exc:
+            raise QllamaError(str(exc)) from None
         set_threads(self.n_threads)
         self.compile_s = warm_up(self._model)
         mark_warm(self.kernel_types(), self.n_threads)

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import numpy as np
 
 from .errors import QllamaError, UnsupportedError
-from .ggml_types import BF16, F16, F32, GGML_TYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name
+from .gguf.types import BF16, F16, F32, GGML_TYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name
 
 if TYPE_CHECKING:
-    from .gguf import GGUFFile
+    from .gguf.reader import GGUFFile
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -87,7 +87,7 @@ class TypeOps(NamedTuple):
 class TensorType(NamedTuple):
     """The entry of one supported type. Holds no kernel: `bind()` imports them (and numba)."""
 
-    ggml: GGMLType  # id, name, elements and bytes per block (`qllama.ggml_types`)
+    ggml: GGMLType  # id, name, elements and bytes per block (`qllama.gguf.types`)
     view: type | None  # dtype the float types' kernels read rows as (float32, or uint16 bits); None: blocks
     int8_form: str | None  # how x is rounded for the int8 path: "q8_K", "q8_0" or "q8_1" (`Activation`); None: none
     bind: Callable[[], TypeOps]

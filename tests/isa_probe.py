@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as GQ  # noqa: E402
 from gguf import quants as gq  # noqa: E402
 
-from qllama import ggml_types as gt  # noqa: E402
+from qllama.gguf import types as gt
 from qllama.kernels import _x86  # noqa: E402
 from qllama.qtensor import QTensor, int8_activations, quantize_activation, set_threads  # noqa: E402
 
@@ -54,22 +54,22 @@ def activations(n_tok: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def probe_model(workdir: str):
-    from qllama.gguf import GGUFFile
-    from qllama.models import ModelArgs, build_model
+    from qllama.gguf.reader import GGUFFile
+    from qllama.models import build_model, read_args
     from tools.make_model import ModelSpec, write_model
 
     path = Path(workdir) / "probe-q4_k_m.gguf"
     if not path.exists():
         write_model(path, ModelSpec(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2, preset="Q4_K_M", seed=7))
     gf = GGUFFile(path)
-    return build_model(gf, ModelArgs.from_metadata(gf.metadata), n_ctx=64)
+    return build_model(gf, read_args(gf.metadata), n_ctx=64)
 
 
 def compile_only(out: str, workdir: str) -> None:
     import json
     import re
 
-    from qllama.compile_pool import _resolve, record_jobs
+    from qllama.runtime.compile_pool import _resolve, record_jobs
 
     assert int8_activations(), "the probe needs the int8 kernels"
     jobs = record_jobs([lambda: main(None, workdir)])  # every kernel call is noted, none runs

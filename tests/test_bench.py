@@ -9,8 +9,9 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from qllama.bench import BenchTest, bench_tests, format_table, mean_sd, profile_decode, random_tokens, run_bench
-from qllama.bench_profile import OVERHEAD
+from qllama.bench.profile import profile_decode
+from qllama.bench.runner import BenchTest, bench_tests, format_table, mean_sd, random_tokens, run_bench
+from qllama.bench.profile import OVERHEAD
 from tools.make_model import ModelSpec, write_model
 
 
@@ -92,7 +93,7 @@ def _check_adds_up(p):
 
 
 def test_profile_accounts_for_the_step(tiny, int8_mode):
-    from qllama.bench_profile import ATTENTION, SAMPLING
+    from qllama.bench.profile import ATTENTION, SAMPLING
     from qllama.kernels._x86 import HAVE_AVX2
 
     if not HAVE_AVX2:

@@ -329,7 +329,7 @@ def test_builtin_from_names(md, family):
 
 
 def test_base_model_from_shared_gguf_has_no_template():
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     p = SHARED / "models" / "shakespeare-spm-Q4_K_M.gguf"
     if not p.exists():
@@ -341,7 +341,7 @@ def test_base_model_from_shared_gguf_has_no_template():
 
 def test_llama3_vocab_from_shared_gguf_has_no_template_but_a_llama3_hint():
     """Every Llama 3 base model's vocabulary has the chat tokens: they do not make it a chat model."""
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     p = SHARED / "vocab" / "ggml-vocab-llama-bpe.gguf"
     if not p.exists():
@@ -416,7 +416,7 @@ def test_bos_once_with_real_template_and_tokenizer():
     vocab = SHARED / "vocab" / "ggml-vocab-llama-bpe.gguf"
     if not vocab.exists():
         pytest.skip(f"{vocab} is absent")
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     md = GGUFFile(vocab).metadata
     tok = tok_mod.Tokenizer.from_metadata(md)

@@ -38,7 +38,7 @@ def scripted_model(path: Path, chain: list[str], default: str = ".", n_ctx: int 
 
     `chain` holds token texts as stored in the vocabulary (e.g. [GEN_PROMPT_LAST, "H", "i", "!", "</s>"]).
     """
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     write_model(path, ModelSpec(n_embd=64, n_layer=1, n_head=4, n_head_kv=2, n_ff=64, n_ctx=n_ctx,
                                 weight_type="f32", chat_template=template))

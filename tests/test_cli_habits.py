@@ -173,7 +173,7 @@ def test_huge_context_is_one_error_before_allocating(models, capsys):
 def test_context_check_is_in_the_library():
     """2 (K and V) x layers x positions x KV heads x head_dim x 2 bytes (the f16 cache), against the memory given."""
     from qllama.errors import ContextSizeError
-    from qllama.memory import check_context, kv_cache_bytes
+    from qllama.runtime.memory import check_context, kv_cache_bytes
 
     class Args:
         n_layer, n_head_kv, head_dim, n_ctx_train, n_swa = 16, 8, 64, 131072, 0
@@ -195,7 +195,7 @@ def test_context_check_is_in_the_library():
 def test_context_check_counts_window_layers_as_rings():
     """Gemma 3's pattern: 5 window layers keep window + batch positions, 1 global layer keeps n_ctx;
     the estimate equals what a KVCache of that shape really allocates."""
-    from qllama.memory import kv_cache_bytes
+    from qllama.runtime.memory import kv_cache_bytes
     from qllama.models.kvcache import KVCache
 
     class Args:
@@ -233,7 +233,7 @@ def test_raw_with_system_warns_and_ignores_it(models, capsys):
 
 
 def test_requantize_needs_the_flag_and_then_works(models, capsys):
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
     from qllama.qtensor import QTensor
 
     src, d = models["q8"], models["dir"]
@@ -280,7 +280,7 @@ def test_run_json_is_one_document(models, capsys):
 
 def test_warmup_is_reported_apart_from_prompt_speed(models):
     import qllama
-    from qllama.generate import Timings
+    from qllama.generation.session import Timings
 
     llm = qllama.load(models["plain"], n_threads=1)
     s = llm.warmup()

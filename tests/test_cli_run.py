@@ -139,7 +139,7 @@ def test_generated_text_keeps_the_leading_space_of_its_first_token():
     prompt = model.tokenize("ROMEO:\nO")
     the = model.tokenize("the", add_bos=False)  # the dummy prefix makes it "▁the"
     assert len(the) == 1 and model.tokenizer.token_bytes(the[0]) == b" the"
-    from qllama.generate import stream_generate
+    from qllama.generation.session import stream_generate
 
     class ForceThe:  # a sampler that always picks "▁the"
         def accept(self, t):

@@ -11,7 +11,7 @@ import codecs
 import numpy as np
 import pytest
 
-from qllama.generate import (
+from qllama.generation.session import (
     FINISH_CONTEXT,
     FINISH_EOG,
     FINISH_LENGTH,
@@ -21,7 +21,7 @@ from qllama.generate import (
     held_back,
     stream_generate,
 )
-from qllama.sampling import Sampler, SamplingParams
+from qllama.generation.sampling import Sampler, SamplingParams
 
 # token id -> bytes. 5 and 6 are the two halves of "é" (0xC3 0xA9); 7..10 the 4 bytes of an emoji.
 VOCAB = {0: b"", 1: b"Hello", 2: b" world", 3: b"!", 4: b"\n", 5: b"\xc3", 6: b"\xa9", 7: b"\xf0", 8: b"\x9f",

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qllama.errors import GGUFError
-from qllama.ggml_types import BF16, F16, F32, GGML_TYPES, Q4_K, Q6_K, Q8_0
-from qllama.gguf import (
+from qllama.gguf.types import BF16, F16, F32, GGML_TYPES, Q4_K, Q6_K, Q8_0
+from qllama.gguf.reader import (
     GGUFFile, MetadataType, ValueType, _Cursor, _read_string_array, _read_string_array_loop, _scan_starts, _walk_starts,
 )
 

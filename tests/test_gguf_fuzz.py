@@ -14,15 +14,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qllama.cli.inspect_cmd import render_json, render_text
 from qllama.errors import GGUFError
-from qllama.ggml_types import F16, F32, Q4_K, Q8_0
-from qllama.gguf import GGUFFile, ValueType
-from qllama.summary import summarize
+from qllama.gguf.types import F16, F32, Q4_K, Q8_0
+from qllama.gguf.reader import GGUFFile, ValueType
+from qllama.report.summary import summarize
 
 from test_gguf import ALL_TYPES_KVS, all_types_file, make_gguf  # noqa: E402  (tests/ is on sys.path)
 

@@ -80,7 +80,7 @@ def test_free_running_greedy_matches_until_first_near_tie(golden):
 
 
 def test_perplexity_matches_llama_cpp(golden):
-    from qllama.perplexity import perplexity
+    from qllama.generation.perplexity import perplexity
 
     name, model, ref = golden
     *_, rel_tol = FILES[name]

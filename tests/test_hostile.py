@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qllama.check import check_tensors
-from qllama.gguf import GGUFFile
+from qllama.report.check import check_tensors
+from qllama.gguf.reader import GGUFFile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -66,7 +66,7 @@ def test_scan_float_tensors_value_by_value():
 
 def test_large_tensors_take_the_parallel_scan(monkeypatch, tmp_path):
     """check_tensors must give the same answer whichever kernel a tensor's size selects."""
-    import qllama.check as check
+    import qllama.report.check as check
 
     if not SOURCE.exists():
         pytest.skip("needs ../shared")

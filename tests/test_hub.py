@@ -24,8 +24,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import numpy as np
 import pytest
 
-from qllama import hub
-from qllama.hub import HubError, HubRef
+from qllama.hub import refs as hub
+from qllama.hub.refs import HubError, HubRef
 
 MB = 1 << 20
 CHUNK = 10 * MB  # huggingface_hub writes the body in chunks of this size (its DOWNLOAD_CHUNK_SIZE)
@@ -341,7 +341,7 @@ def test_a_cached_model_needs_no_network(fake: FakeHub, cache: str, monkeypatch)
     import subprocess
     import sys
 
-    code = "import sys, qllama.hub as h; print(h.resolve('org/repo:Q8_0'), 'huggingface_hub' in sys.modules)"
+    code = "import sys, qllama.hub.refs as h; print(h.resolve('org/repo:Q8_0'), 'huggingface_hub' in sys.modules)"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_HUB_CACHE": cache}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout.split()
     assert out == [fetch(fake, "org/repo:Q8_0", cache).path, "False"]
@@ -360,7 +360,7 @@ def test_a_cached_model_needs_no_network(fake: FakeHub, cache: str, monkeypatch)
 
 def no_reread(monkeypatch) -> None:
     """Fail if a finished download is read back to hash it (it is hashed as it is written)."""
-    from qllama import hub_download
+    from qllama.hub import download as hub_download
 
     def boom(*a):
         raise AssertionError("the download was read back to be hashed")
@@ -508,7 +508,7 @@ def test_split_model_downloads_every_shard_and_loads_as_one(fake: FakeHub, cache
     from test_gguf import split_gguf
 
     import qllama
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     whole = tmp_path / "whole.gguf"
     tiny_model(whole, "q8_0")
@@ -550,7 +550,7 @@ def test_load_takes_a_reference(fake: FakeHub, tmp_path: Path, monkeypatch) -> N
 
 
 def test_list_and_rm(fake: FakeHub, cache: str, tmp_path: Path) -> None:
-    from qllama.hub_cache import list_models, partial_downloads, remove
+    from qllama.hub.cache import list_models, partial_downloads, remove
 
     fake.add("org/repo", {"m-Q4_K_M.gguf": blob(2000), "m-Q8_0.gguf": blob(3000, 1), "README.md": b"x"})
     fake.add("org/two", {"a/x.gguf": blob(500, 2), "b/x.gguf": blob(600, 3)})
@@ -644,7 +644,7 @@ def test_a_really_full_disk(fake: FakeHub, small_fs: Path, monkeypatch) -> None:
 def test_the_cache_is_shared_with_huggingface_hub(fake: FakeHub, cache: str) -> None:
     """huggingface_hub's own downloader works against FakeHub, and each side finds what the other fetched."""
     import huggingface_hub as hf
-    from qllama.hub_cache import list_models
+    from qllama.hub.cache import list_models
 
     fake.add("org/a", {"a-Q4_K_M.gguf": blob(3000), "README.md": b"# a"})
     fake.add("org/b", {"b-Q8_0.gguf": blob(4000, 1)})

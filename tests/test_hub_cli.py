@@ -184,6 +184,6 @@ def test_pip_install_then_run_demo_without_network(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert len(p.stdout.strip()) > 0
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import qllama.hub as h; print(h.demo_path())"],
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import qllama.hub.refs as h; print(h.demo_path())"],
                            capture_output=True, text=True, env=env, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(site))

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from qllama.cli.inspect_cmd import command as inspect_command
 from qllama.cli.inspect_cmd import human_bytes, human_count
-from qllama.ggml_types import F16, F32, Q4_K, Q6_K, Q8_0
-from qllama.gguf import GGUFFile, ValueType
-from qllama.summary import summarize
+from qllama.gguf.types import F16, F32, Q4_K, Q6_K, Q8_0
+from qllama.gguf.reader import GGUFFile, ValueType
+from qllama.report.summary import summarize
 
 from test_gguf import make_gguf  # noqa: E402  (tests/ is on sys.path)
 

@@ -203,7 +203,7 @@ import numpy as np  # noqa: E402
 
 
 def test_the_recording_notes_each_specialisation_once_without_compiling(pool_kernels):
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     model = ToyModel(pool_kernels)
     jobs = compile_pool.record_jobs([lambda: model.forward([0, 0], model.new_cache())] * 2)
@@ -217,7 +217,7 @@ def test_the_recording_notes_each_specialisation_once_without_compiling(pool_ker
 
 
 def test_a_pool_warm_up_leaves_every_kernel_compiled_and_loads_it_from_the_cache(pool_kernels):
-    from qllama.warmup import warm_up
+    from qllama.runtime.warmup import warm_up
 
     model = ToyModel(pool_kernels)
     warm_up(model, workers=2)
@@ -232,7 +232,7 @@ def test_a_pool_warm_up_leaves_every_kernel_compiled_and_loads_it_from_the_cache
 
 def test_workers_alone_compile_every_job_into_the_disk_cache(pool_kernels):
     """With here=False this process compiles nothing: all it runs afterwards comes from the cache."""
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     model = ToyModel(pool_kernels)
     jobs = compile_pool.record_jobs([lambda: model.forward([0], model.new_cache())])
@@ -244,7 +244,7 @@ def test_workers_alone_compile_every_job_into_the_disk_cache(pool_kernels):
 
 def test_this_process_compiles_alongside_the_workers(pool_kernels, monkeypatch):
     """With workers that never answer, this process compiles every job itself, in compile_jobs."""
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     monkeypatch.setattr(compile_pool, "WORKER_CMD", [sys.executable, "-c", FAILING_WORKERS["exits at once"]])
     model = ToyModel(pool_kernels)
@@ -258,7 +258,7 @@ def test_variants_compile_in_workers_and_load_from_the_cache(pool_kernels):
     """Members of a kernels/jit.py Variants family are jobs of their own (module, family, key)."""
     import importlib
 
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     def step():
         for k in (3, 5):
@@ -279,7 +279,7 @@ def _spawned(monkeypatch) -> list:
     """Record the worker processes compile_pool starts."""
     import subprocess
 
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     procs = []
     real = subprocess.Popen
@@ -304,8 +304,8 @@ FAILING_WORKERS = {
 @pytest.mark.parametrize("how", [pytest.param(h, marks=pytest.mark.slow) if h in ("exits at once", "answers err") else h
                                  for h in FAILING_WORKERS])  # (two in the default suite keep it fast)
 def test_the_warm_up_falls_back_to_compiling_itself_when_workers_fail(pool_kernels, monkeypatch, how):
-    from qllama import compile_pool
-    from qllama.warmup import warm_up
+    from qllama.runtime import compile_pool
+    from qllama.runtime.warmup import warm_up
 
     monkeypatch.setattr(compile_pool, "WORKER_CMD", [sys.executable, "-c", FAILING_WORKERS[how]])
     monkeypatch.setattr(compile_pool, "JOB_TIMEOUT_S", 2.0)
@@ -321,7 +321,7 @@ def test_the_warm_up_falls_back_to_compiling_itself_when_workers_fail(pool_kerne
 
 
 def test_one_failing_worker_leaves_its_jobs_to_the_others(pool_kernels, monkeypatch):
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     real = list(compile_pool.WORKER_CMD)
     cmds = iter([[sys.executable, "-c", FAILING_WORKERS["dies on its first job"]], real])
@@ -338,7 +338,7 @@ def test_one_failing_worker_leaves_its_jobs_to_the_others(pool_kernels, monkeypa
 def test_ctrl_c_while_workers_compile_kills_them(pool_kernels, monkeypatch):
     import selectors
 
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     monkeypatch.setattr(compile_pool, "WORKER_CMD", [sys.executable, "-c", FAILING_WORKERS["hangs"]])
     procs = _spawned(monkeypatch)
@@ -358,8 +358,8 @@ def test_no_pool_for_kernels_already_in_the_disk_cache(pool_kernels, monkeypatch
     """A second process (here: fresh dispatchers of the same module) finds the cache warm: no workers."""
     import importlib
 
-    from qllama import compile_pool
-    from qllama.warmup import warm_up
+    from qllama.runtime import compile_pool
+    from qllama.runtime.warmup import warm_up
 
     warm_up(ToyModel(pool_kernels), workers=0)  # compiles here and fills the disk cache
     fresh = importlib.reload(pool_kernels)  # new dispatchers with nothing in memory
@@ -371,7 +371,7 @@ def test_no_pool_for_kernels_already_in_the_disk_cache(pool_kernels, monkeypatch
 
 def test_a_failing_step_does_not_end_the_recording(pool_kernels):
     """The model's own checks may reject the garbage that skipped kernels leave: later steps still run."""
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     model = ToyModel(pool_kernels)
 
@@ -388,8 +388,8 @@ def test_a_failing_step_does_not_end_the_recording(pool_kernels):
 
 
 def test_no_worker_can_start(pool_kernels, monkeypatch):
-    from qllama import compile_pool
-    from qllama.warmup import warm_up
+    from qllama.runtime import compile_pool
+    from qllama.runtime.warmup import warm_up
 
     def refuse(*a, **k):
         raise OSError("Resource temporarily unavailable")
@@ -400,7 +400,7 @@ def test_no_worker_can_start(pool_kernels, monkeypatch):
 
 
 def test_compile_workers_setting(monkeypatch):
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     monkeypatch.setenv("QLLAMA_COMPILE_WORKERS", "0")
     assert compile_pool.default_workers() == 0
@@ -444,7 +444,7 @@ def test_a_change_in_another_kernel_module_recompiles_the_cached_kernel(tmp_path
 
 
 def test_prestarted_workers_serve_the_next_compile_or_are_stopped(pool_kernels, monkeypatch):
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     procs = _spawned(monkeypatch)
     assert compile_pool.prestart(1) == 1 and len(procs) == 1
@@ -461,7 +461,8 @@ def test_prestarted_workers_serve_the_next_compile_or_are_stopped(pool_kernels, 
 
 def test_only_a_load_that_announces_a_warm_up_starts_compile_workers(tmp_path, monkeypatch):
     import qllama
-    from qllama import api, compile_pool
+    from qllama import api
+    from qllama.runtime import compile_pool
     from tools.make_model import ModelSpec, write_model
 
     path = tmp_path / "m.gguf"

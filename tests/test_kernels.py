@@ -20,7 +20,7 @@ import pytest
 from gguf import GGMLQuantizationType as GQ
 from gguf import quants as gq
 
-from qllama import ggml_types as gt
+from qllama.gguf import types as gt
 from qllama.errors import QllamaError, UnsupportedError
 from qllama.qtensor import (
     INT8_TYPES,
@@ -517,7 +517,7 @@ def test_operations_validate_input():
 def test_from_gguf_rejects_unsupported_type(tmp_path):
     from gguf import GGUFWriter
 
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     path = tmp_path / "t.gguf"
     w = GGUFWriter(str(path), "llama")
@@ -545,7 +545,7 @@ def _q4km_path() -> Path:
 
 
 def test_llama_cpp_tensors_dequantize_bit_exact():
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     gf = GGUFFile(_q4km_path())
     seen = set()
@@ -560,7 +560,7 @@ def test_llama_cpp_tensors_dequantize_bit_exact():
 
 
 def test_llama_cpp_tensors_matvec():
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     gf = GGUFFile(_q4km_path())
     rng = np.random.default_rng(9)

@@ -17,7 +17,7 @@ import pytest
 import qllama
 from conftest import REPO
 from qllama.errors import QllamaError
-from qllama.memory import kv_cache_bytes
+from qllama.runtime.memory import kv_cache_bytes
 from qllama.models.kvcache import KVCache, from_f32, kv_type, to_f32
 from reference_forward import Reference
 from tools.make_model import ModelSpec, family_spec, write_model

@@ -12,9 +12,9 @@ import pytest
 
 import qllama
 from conftest import shared_path
-from qllama import lookup
-from qllama.generate import Timings
-from qllama.lookup import NgramDrafter, accept_draft, batch_matches_decode
+from qllama.generation import lookup
+from qllama.generation.session import Timings
+from qllama.generation.lookup import NgramDrafter, accept_draft, batch_matches_decode
 from qllama.qtensor import int8_activations
 from tools.make_model import ModelSpec, family_spec, write_model
 
@@ -115,8 +115,8 @@ def test_draft_length_adapts_to_refusals():
     """Halved (not below 2) after a draft is refused, doubled (up to n_draft) after one is taken whole."""
     from types import SimpleNamespace
 
-    from qllama.lookup import LookupSteps
-    from qllama.sampling import Sampler, SamplingParams
+    from qllama.generation.lookup import LookupSteps
+    from qllama.generation.sampling import Sampler, SamplingParams
 
     steps = LookupSteps(SimpleNamespace(model=None), Sampler(SamplingParams(temperature=1.0)), np.zeros(4, np.float32),
                         [1, 2, 3], 8, set(), 100, Timings())
@@ -337,7 +337,7 @@ def test_sampling_with_lookup_follows_the_model_distribution(models, monkeypatch
     """Chi-square of the first three sampled tokens (joint) against their exact probabilities
     from the model, over 2000 seeded lookup runs (a third of them with a draft for token 2,
     drafted from a 1-token match: the acceptance rule holds for any draft policy)."""
-    from qllama.sampling import Sampler, SamplingParams
+    from qllama.generation.sampling import Sampler, SamplingParams
 
     monkeypatch.setattr(lookup, "MIN_MATCH", 1)
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from qllama.errors import QllamaError, UnsupportedError
-from qllama.gguf import GGUFFile
-from qllama.models import ModelArgs, build_model
+from qllama.gguf.reader import GGUFFile
+from qllama.models import ModelArgs, build_model, read_args
 from qllama.qtensor import int8_activations
 from tools.make_model import ModelSpec, write_model
 
@@ -98,7 +98,7 @@ def built(tmp_path_factory):
             path = tmp_path_factory.mktemp("models") / f"{name}.gguf"
             stored = write_model(path, spec)
             gf = GGUFFile(path)
-            args = ModelArgs.from_metadata(gf.metadata)
+            args = read_args(gf.metadata)
             model = build_model(gf, args, n_ctx=64)
             model.kv_types = ("f32", "f32")  # exact comparisons; the f16 cache is tested in test_kvcache.py
             cache[name] = (model, stored, tol)
@@ -196,15 +196,15 @@ def test_config_defaults_and_rejections():
         "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.attention.head_count": 4,
         "tokenizer.ggml.tokens": ["a"] * 100,
     }
-    a = ModelArgs.from_metadata(md)
+    a = read_args(md)
     # llama.cpp's defaults: MHA, rope base 10000, n_rot = head_dim, vocab = len(tokens)
     assert (a.n_head_kv, a.rope_freq_base, a.n_rot, a.n_vocab, a.rope_scale) == (4, 10000.0, 16, 100, 1.0)
     assert a.default_n_ctx() == 2048
-    assert ModelArgs.from_metadata({**md, "llama.context_length": 131072}).default_n_ctx() == 4096
-    assert ModelArgs.from_metadata({**md, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}).rope_scale == 4.0
+    assert read_args({**md, "llama.context_length": 131072}).default_n_ctx() == 4096
+    assert read_args({**md, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}).rope_scale == 4.0
     with pytest.raises(UnsupportedError, match="'gpt2'"):
-        ModelArgs.from_metadata({**md, "general.architecture": "gpt2"})
+        read_args({**md, "general.architecture": "gpt2"})
     with pytest.raises(QllamaError, match="head"):
-        ModelArgs.from_metadata({**md, "llama.attention.head_count_kv": 3})
+        read_args({**md, "llama.attention.head_count_kv": 3})
     with pytest.raises(QllamaError, match="missing"):
-        ModelArgs.from_metadata({k: v for k, v in md.items() if k != "llama.block_count"})
+        read_args({k: v for k, v in md.items() if k != "llama.block_count"})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from qllama.errors import UnsupportedError
-from qllama.gguf import GGUFFile
+from qllama.gguf.reader import GGUFFile
 from qllama.models import SUPPORTED_ARCHITECTURES, build_model, read_args
 from tools.make_model import ModelSpec, family_spec, write_model
 
@@ -165,7 +165,7 @@ def test_registry_lists_the_families():
 def test_session_prefix_reuse_over_a_ring(files, float_path):
     """A chat-like Session reuses the cached prefix when the ring still holds its window, and
     evaluates everything again when it does not; the logits equal a fresh evaluation either way."""
-    from qllama.generate import Session
+    from qllama.generation.session import Session
 
     m = _model(files["gemma3"], batch=4)
     session = Session(m, batch_size=4)

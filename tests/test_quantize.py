@@ -21,8 +21,8 @@ from qllama import quantize as qz
 from qllama.kernels import quantize_k
 from qllama.quantize import blocks as qblocks
 from qllama.errors import GGUFError, QllamaError, UnsupportedError
-from qllama.ggml_types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from qllama.gguf import GGUFFile, ValueType
+from qllama.gguf.types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from qllama.gguf.reader import GGUFFile, ValueType
 from qllama.quantize import choose_tensor_type, plan_quantization, quantize_array, quantize_gguf, use_more_bits
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qllama.errors import QllamaError
-from qllama.sampling import (
+from qllama.generation.sampling import (
     Sampler,
     SamplingParams,
     apply_repeat_penalty,

@@ -41,7 +41,7 @@ TIMEOUT = 60.0
 
 def scripted_model(path, chain=CHAIN, default=".", template=TEMPLATE, n_ctx=256):
     """A model whose greedy continuation of chain[0] is chain[1:], and `default` after any other token."""
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
 
     n_embd = 64
     write_model(path, ModelSpec(n_embd=n_embd, n_layer=1, n_head=4, n_head_kv=2, n_ff=64, n_ctx=n_ctx,

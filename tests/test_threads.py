@@ -6,7 +6,7 @@ from __future__ import annotations
 import numba
 import pytest
 
-from qllama.threads import IdleMeter, ThreadAdapter, adapter_for
+from qllama.runtime.threads import IdleMeter, ThreadAdapter, adapter_for
 
 
 class FakeIdle:
@@ -156,7 +156,6 @@ def test_greedy_generation_is_identical_with_adaptation(monkeypatch):
     """A default-threads model (adaptive) forced to switch counts every few steps decodes the
     same greedy tokens as one fixed at 1 thread (kernels split rows, never a sum)."""
     import qllama
-    from qllama.generate import Session
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("Numba's pool has a single thread")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import shared_path
 from qllama.errors import QllamaError, UnsupportedError
-from qllama.gguf import GGUFFile
+from qllama.gguf.reader import GGUFFile
 from qllama.tokenizer.pretokenizers import get_pretokenizer, known_pretokenizers
 from qllama.tokenizer import (
     TokenAttr,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import shared_path
-from qllama.gguf import GGUFFile
+from qllama.gguf.reader import GGUFFile
 from qllama.tokenizer import TokenAttr, TokenType, load_tokenizer
 from test_tokenizer import _llama_cpp_detokenize  # noqa: E402  (tests/ is on sys.path)
 
@@ -232,8 +232,8 @@ class _Scripted:
 
 
 def _generate(t, script: list[int]):
-    from qllama.generate import stream_generate
-    from qllama.sampling import Sampler, SamplingParams
+    from qllama.generation.session import stream_generate
+    from qllama.generation.sampling import Sampler, SamplingParams
 
     session = _Scripted(t.n_vocab, script)
     chunks = list(stream_generate(session, t, [1], Sampler(SamplingParams(temperature=0.0)), max_tokens=10))

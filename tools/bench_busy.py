@@ -11,8 +11,8 @@ first with the machine as it is ("idle" phase: no busy loop of ours), then with 
 (`while True: pass` in a child process) holding one CPU: pinned to the last CPU by default,
 `--busy-free` leaves it to the scheduler.
 
-qllama runs through its generation session (`qllama.generate.Session.decode`), so its default
-(no thread count) is the adaptive mode of `qllama.threads`, and the worker reports the thread
+qllama runs through its generation session (`qllama.generation.session.Session.decode`), so its default
+(no thread count) is the adaptive mode of `qllama.runtime.threads`, and the worker reports the thread
 count it settled on. llama.cpp runs through llama-cpp-python (tools/bench_vs_llamacpp.py's
 runner); "default" there is llama-cpp-python's own default, n_threads = cpu_count // 2.
 
@@ -66,7 +66,7 @@ class QllamaSessionRunner:
 
     def tg(self, n: int) -> tuple[float, float]:
         """(wall seconds, CPU seconds of this process) of n decode steps; the prompt is not counted."""
-        from qllama.bench import random_tokens
+        from qllama.bench.runner import random_tokens
         from qllama.qtensor import set_threads
 
         s = self.session

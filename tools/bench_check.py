@@ -19,8 +19,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from qllama.check import check_tensors  # noqa: E402
-from qllama.gguf import GGUFFile  # noqa: E402
+from qllama.report.check import check_tensors  # noqa: E402
+from qllama.gguf.reader import GGUFFile  # noqa: E402
 
 
 def main() -> int:

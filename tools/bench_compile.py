@@ -96,7 +96,7 @@ def child(model: str, mode: str, threads: int) -> dict:
     cpu0, t0 = _cpu_s(), time.perf_counter()
     llm.warmup()
     wall = time.perf_counter() - t0
-    from qllama import compile_pool
+    from qllama.runtime import compile_pool
 
     return dict(model=model, mode=mode, cold=cold, warmup_s=wall, cpu_s=_cpu_s() - cpu0, src=qllama.__file__,
                 process_s=time.perf_counter() - t_start, types=llm.kernel_types(), kernels=records,
@@ -107,8 +107,8 @@ def child_only(model: str, kernel: str, threads: int) -> dict:
     """Compile only `kernel`'s (comma-separated names) specialisations that the warm-up of `model` needs (empty cache)."""
     records = _install_compile_timer()
     import qllama
-    from qllama import compile_pool
-    from qllama.warmup import _forward_passes, _unchecked
+    from qllama.runtime import compile_pool
+    from qllama.runtime.warmup import _forward_passes, _unchecked
 
     llm = qllama.load(model, n_threads=threads)
     with _unchecked(llm.forward_model):

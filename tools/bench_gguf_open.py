@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from qllama.gguf import GGUFFile  # noqa: E402
+from qllama.gguf.reader import GGUFFile  # noqa: E402
 
 DEFAULT_FILE = REPO.parent / "shared" / "vocab" / "ggml-vocab-llama-bpe.gguf"
 
@@ -55,7 +55,7 @@ def time_oracle(path: str, contents: bool) -> float:
 
 
 def time_fresh_process(path: str, runs: int) -> list[float]:
-    code = f"from qllama.gguf import GGUFFile; GGUFFile({path!r})"
+    code = f"from qllama.gguf.reader import GGUFFile; GGUFFile({path!r})"
     out = []
     for _ in range(runs):
         t0 = time.perf_counter()

@@ -70,7 +70,7 @@ def make_matrix(tname: str, ne0: int, ne1: int, rng: np.random.Generator):
     from gguf import GGMLQuantizationType as GQ
     from gguf import quants as gq
 
-    from qllama.ggml_types import GGML_TYPES_BY_NAME
+    from qllama.gguf.types import GGML_TYPES_BY_NAME
     from qllama.qtensor import QTensor
 
     t = GGML_TYPES_BY_NAME[tname]
@@ -89,7 +89,7 @@ def make_matrix(tname: str, ne0: int, ne1: int, rng: np.random.Generator):
 def bench(args) -> None:
     from qllama.qtensor import QTensor, int8_activations, set_int8_activations, set_threads
 
-    from qllama.ggml_types import type_name
+    from qllama.gguf.types import type_name
 
     rng = np.random.default_rng(0)
     print(f"# int8-activation types on this host: {sorted(type_name(t) for t in int8_activations())}")
@@ -233,7 +233,7 @@ def cmp_matrix(tname: str, ne0: int, ne1: int):
     from gguf import GGMLQuantizationType as GQ
     from gguf import quants as gq
 
-    from qllama.ggml_types import GGML_TYPES_BY_NAME
+    from qllama.gguf.types import GGML_TYPES_BY_NAME
     from qllama.qtensor import QTensor
 
     rng = np.random.default_rng(ne0 * 7 + ne1)
@@ -256,7 +256,7 @@ def cmp_worker(args) -> None:
     set_threads(args.threads[0])
     rng = np.random.default_rng(1)
     items = []
-    from qllama.ggml_types import GGML_TYPES_BY_NAME
+    from qllama.gguf.types import GGML_TYPES_BY_NAME
 
     for tname in args.types:
         bs = GGML_TYPES_BY_NAME[tname].block_size
@@ -317,7 +317,7 @@ def compare(args) -> None:
             p.wait()
     print(f"# {args.compare} (old) vs this tree (new), {args.threads[0]} thread(s), {args.rounds} passes each, "
           f"A B A B; load average during the run {min(loads):.1f}..{max(loads):.1f}")
-    print(f"# per call: median wall, least CPU time, medians over passes; n=1 streams weights from DRAM")
+    print("# per call: median wall, least CPU time, medians over passes; n=1 streams weights from DRAM")
     print(f"{'matrix':28} {'old us':>9} {'new us':>9} {'new/old':>7} {'old cpu':>9} {'new cpu':>9} {'new/old':>7}")
     for key in runs["old"][0]:
         ow, oc = (float(np.median([r[key][i] for r in runs["old"]])) * 1e6 for i in (0, 1))

@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qllama.gguf import GGUFFile  # noqa: E402
+from qllama.gguf.reader import GGUFFile  # noqa: E402
 from qllama.tokenizer import Tokenizer  # noqa: E402
 
 MIB = 1 << 20

@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:
 ENGINES = ("qllama", "llama.cpp")
 
 
-# -- the llama.cpp runner (same interface as qllama.bench.BenchRunner) ----------------------------
+# -- the llama.cpp runner (same interface as qllama.bench.runner.BenchRunner) ----------------------------
 
 
 class LlamaCppRunner:
@@ -51,7 +51,7 @@ class LlamaCppRunner:
         self._prefix: list[int] = []
 
     def _ensure_prefix(self, depth: int) -> None:
-        from qllama.bench import random_tokens
+        from qllama.bench.runner import random_tokens
 
         if depth > len(self._prefix):
             more = random_tokens(depth, self.n_vocab, seed=99)[len(self._prefix) :]
@@ -62,7 +62,7 @@ class LlamaCppRunner:
         self.llm.n_tokens = depth  # eval() first drops cache entries at positions >= n_tokens
 
     def warmup(self) -> float:
-        from qllama.bench import random_tokens
+        from qllama.bench.runner import random_tokens
 
         t0 = time.perf_counter()
         self.llm.n_tokens = 0
@@ -73,7 +73,7 @@ class LlamaCppRunner:
         return time.perf_counter() - t0
 
     def pp(self, n: int, depth: int = 0) -> float:
-        from qllama.bench import random_tokens
+        from qllama.bench.runner import random_tokens
 
         self._ensure_prefix(depth)
         ids = random_tokens(n, self.n_vocab, seed=1234)
@@ -84,7 +84,7 @@ class LlamaCppRunner:
         return dt
 
     def tg(self, n: int, depth: int = 0) -> float:
-        from qllama.bench import random_tokens
+        from qllama.bench.runner import random_tokens
 
         self._ensure_prefix(depth)
         ids = random_tokens(n, self.n_vocab, seed=4321)
@@ -106,7 +106,7 @@ class LlamaCppRunner:
 
 def _worker(engine: str, model: str, n_ctx: int, batch: int, threads: int) -> None:
     """Serve {"kind", "n", "depth"} requests on stdin with {"tps"} on stdout, one JSON per line."""
-    from qllama.bench import BenchRunner, BenchTest
+    from qllama.bench.runner import BenchRunner, BenchTest
 
     if engine == "qllama":
         runner = BenchRunner(model, n_ctx=n_ctx, batch_size=batch, n_threads=threads)
@@ -159,7 +159,7 @@ class Worker:
 
 def compare_throughput(model: str, threads: list[int], reps: int, n_prompt: int, n_gen: int, depths: list[int],
                        batch: int, say) -> list[dict]:
-    from qllama.bench import bench_tests, needed_ctx
+    from qllama.bench.runner import bench_tests, needed_ctx
 
     n_ctx = needed_ctx(n_prompt, n_gen, depths)
     tests = bench_tests(n_prompt, n_gen, depths)

@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from qllama.ggml_types import F32, GGML_TYPES, type_name  # noqa: E402
-from qllama.gguf import GGUFFile  # noqa: E402
+from qllama.gguf.types import F32, GGML_TYPES, type_name  # noqa: E402
+from qllama.gguf.reader import GGUFFile  # noqa: E402
 from qllama.quantize import get_preset, quantize_gguf  # noqa: E402
 
 

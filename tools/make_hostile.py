@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ class Case:
 
 
 def _scale_cases() -> list[Case]:
-    from qllama.ggml_types import GGML_TYPES_BY_NAME
+    from qllama.gguf.types import GGML_TYPES_BY_NAME
 
     cases = []
     for tname in QUANT_TYPES:
@@ -104,7 +103,7 @@ CASES = {c.name: c for c in all_cases()}
 
 def _encode_tensor(values: np.ndarray, tname: str, rng: np.random.Generator) -> tuple[np.ndarray, str]:
     """float32 (rows, ne0) -> the array GGUFWriter takes for ggml type `tname`, and that type name."""
-    from qllama.ggml_types import GGML_TYPES_BY_NAME
+    from qllama.gguf.types import GGML_TYPES_BY_NAME
 
     if tname == "f32":
         return values.astype(np.float32), tname
@@ -142,7 +141,7 @@ def write_case(case: Case, source: Path, out: Path) -> Path:
     """Write one hostile file; returns its path (OUT/<name>.gguf)."""
     import gguf
 
-    from qllama.gguf import GGUFFile
+    from qllama.gguf.reader import GGUFFile
     from qllama.quantize.writer import copy_metadata
 
     dst = out / f"{case.name}.gguf"

@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from qllama.ggml_types import GGML_TYPES_BY_NAME  # noqa: E402
-from qllama.gguf import GGUFFile, ValueType  # noqa: E402
+from qllama.gguf.types import GGML_TYPES_BY_NAME  # noqa: E402
+from qllama.gguf.reader import GGUFFile, ValueType  # noqa: E402
 
 # Byte offsets of the fp16 scale fields inside one block, per type: scaling them all by c
 # scales every dequantized value by c (each type is linear in these fields).
@@ -211,7 +211,7 @@ def write_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> di
     def add(name: str, rows: int, cols: int, std: float, kind: str) -> None:
         tname = spec.types.get(kind, spec.weight_type)
         if spec.preset:
-            from qllama.ggml_types import GGML_TYPES
+            from qllama.gguf.types import GGML_TYPES
             from qllama.quantize import choose_tensor_type
 
             tid = choose_tensor_type(name, (cols, rows), spec.preset, spec.n_layer, tied_embeddings=spec.tied)
@@ -463,7 +463,7 @@ def write_family(path: str | Path, spec: ModelSpec) -> dict[str, np.ndarray]:
     def add(name: str, rows: int, cols: int, std: float, kind: str) -> None:
         tname = spec.types.get(kind, spec.weight_type)
         if spec.preset:
-            from qllama.ggml_types import GGML_TYPES
+            from qllama.gguf.types import GGML_TYPES
             from qllama.quantize import choose_tensor_type
 
             tid = choose_tensor_type(name, (cols, rows), spec.preset, n_layer, tied_embeddings=tied)

@@ -38,9 +38,6 @@ COMMANDS = {
     "version": "version_cmd",
     "lens": "lens_cmd",
     "attention": "attention_cmd",
-    "pull": "pull_cmd",
-    "list": "list_cmd",
-    "rm": "rm_cmd",
 }
 
 # llama.cpp flags with no meaning on a CPU-only runtime: flag -> (takes a value, why it is ignored)

@@ -58,7 +58,8 @@ def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, 
     Each figure is the mean ± sd of REPS repetitions after an untimed warm-up; the Numba
     compile / cache-load time of the warm-up is reported separately. Progress goes to stderr.
     """
-    from ..bench import format_profile, format_table, profile_decode, run_bench
+    from ..bench.profile import format_profile, profile_decode
+    from ..bench.runner import format_table, run_bench
 
     err = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))  # noqa: E731
     depths = sorted({0, *depths})
@@ -84,9 +85,9 @@ def command(model, n_prompt, n_gen, threads, reps, depths, batch_size, as_json, 
 
 def _say_if_compiling(model: str, threads: list[int], err) -> None:
     """The first run's notice (as `run` prints it): bench's own warm-up then compiles, timed apart."""
-    from ..gguf import GGUFFile
+    from ..gguf.reader import GGUFFile
     from ..qtensor import physical_cores
-    from ..warmup import is_warm, kernel_types
+    from ..runtime.warmup import is_warm, kernel_types
 
     with GGUFFile(model) as g:
         types = kernel_types(g)

@@ -6,13 +6,13 @@ import time
 
 import click
 
-from ..gguf import GGUFFile
+from ..gguf.reader import GGUFFile
 
 
 def run_check(gf: GGUFFile, *, quiet_ok: bool = False) -> bool:
     """Scan every tensor of `gf` for NaN/Inf; print one line per bad tensor on stderr and a
     summary line. Returns True when every tensor is finite."""
-    from ..check import check_tensors
+    from ..report.check import check_tensors
 
     t0 = time.perf_counter()
     report = check_tensors(gf)
@@ -33,7 +33,7 @@ def run_check(gf: GGUFFile, *, quiet_ok: bool = False) -> bool:
 
 def check_json(gf: GGUFFile) -> dict:
     """The check as a JSON-able dict (for `inspect --check --json`)."""
-    from ..check import check_tensors
+    from ..report.check import check_tensors
 
     report = check_tensors(gf)
     return {

@@ -15,8 +15,8 @@ from typing import Any
 import click
 import numpy as np
 
-from ..gguf import GGUFFile, MetadataType, ValueType
-from ..summary import KV_CACHE_TOKENS, ModelSummary, summarize
+from ..gguf.reader import GGUFFile, MetadataType, ValueType
+from ..report.summary import KV_CACHE_TOKENS, ModelSummary, summarize
 from .model_ref import ModelRef
 
 JSON_ARRAY_LIMIT = 64  # --json: arrays longer than this are summarised

@@ -7,14 +7,14 @@ import os
 
 import click
 
-from .. import hub
+from ..hub import refs as hub
 
 
 @click.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def command(as_json: bool) -> None:
     """List the cached GGUF models: reference, quant, size and path."""
-    from ..hub_cache import list_models, partial_downloads
+    from ..hub.cache import list_models, partial_downloads
 
     rows = [dict(ref=m.ref, quant=m.quant, size=m.size, path=m.path, complete=m.complete) for m in list_models()]
     try:

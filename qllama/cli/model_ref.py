@@ -1,7 +1,7 @@
 """MODEL arguments that take a model reference: a path, `demo`, `org/repo[:QUANT]`, `org/repo/file.gguf`, `hf://...`.
 
 `ModelRef` is a click type: a local path is checked exactly as `click.Path` checks it (so the
-errors stay those of a path); a hub reference is resolved through `qllama.hub`, downloading
+errors stay those of a path); a hub reference is resolved through `qllama.hub.refs`, downloading
 the file into the Hugging Face cache with a progress bar on stderr when it is not cached.
 """
 
@@ -11,7 +11,7 @@ import time
 
 import click
 
-from .. import hub
+from ..hub import refs as hub
 
 
 class ModelRef(click.ParamType):

@@ -25,7 +25,7 @@ def command(model, file, file_opt, ctx_size, chunks, threads, type_k, type_v, as
 
     Progress is drawn on stderr when it is a terminal."""
     from ..api import load
-    from ..perplexity import perplexity
+    from ..generation.perplexity import perplexity
     from .options import read_text_file
     from .warm import warm_up
 

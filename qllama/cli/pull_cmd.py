@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .. import hub
+from ..hub import refs as hub
 from .model_ref import fetch_model
 
 
@@ -30,7 +30,7 @@ def command(ref: str, check: bool) -> int:
         click.echo(f"{model.ref} is up to date ({model.size / 1e6:.1f} MB)", err=True)
     click.echo(model.path)
     if check:
-        from ..gguf import GGUFFile
+        from ..gguf.reader import GGUFFile
         from .check_report import run_check
 
         with GGUFFile(model.path) as gf:

@@ -25,7 +25,7 @@ def command(src, dst, preset, force, dry_run, allow_requantize):
     --allow-requantize, as in llama-quantize.
     """
     from ..errors import QllamaError
-    from ..ggml_types import type_name
+    from ..gguf.types import type_name
     from ..quantize import FLOAT_TYPES, RequantizeError, get_preset, plan_quantization, quantize_gguf
 
     p = get_preset(preset)  # unknown TYPE: error before touching any file

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .. import hub
+from ..hub import refs as hub
 
 
 @click.command("rm")
@@ -14,7 +14,7 @@ def command(refs: tuple[str, ...]) -> None:
 
     Only the cache is touched (never a local path); no network is used.
     """
-    from ..hub_cache import remove
+    from ..hub.cache import remove
 
     for ref in refs:
         kind, target = hub.parse(ref if ref.startswith("hf://") or ref == hub.DEMO else f"hf://{ref}"

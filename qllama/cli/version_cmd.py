@@ -44,15 +44,17 @@ def version_text() -> str:
     import numpy
 
     from .. import __version__
+    from ..kernels.jit import kernel_cache_dir
 
     return "\n".join([
         f"qllama {__version__}",
         f"numba {numba.__version__}, numpy {numpy.__version__}, python {platform.python_version()}",
         f"SIMD: {simd_path()}",
+        f"kernel cache: {kernel_cache_dir()} (QLLAMA_CACHE_DIR to move it)",
     ])
 
 
 @click.command("version")
 def command() -> None:
-    """Print the versions of qllama, Numba and NumPy, and the SIMD path this CPU uses."""
+    """Print the versions of qllama, Numba and NumPy, the SIMD path this CPU uses and the kernel cache."""
     click.echo(version_text())

@@ -34,7 +34,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ..ggml_types import GGML_TYPES, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
+from ..gguf.types import GGML_TYPES, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
 from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _fifth_bits, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
 
 HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector

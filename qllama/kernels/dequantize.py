@@ -14,7 +14,7 @@ from __future__ import annotations
 from numba import prange, types
 from numba.extending import overload
 
-from ..ggml_types import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QK_K
+from ..gguf.types import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QK_K
 from . import kquants as kq
 from . import legacy as lg
 from .jit import Variants

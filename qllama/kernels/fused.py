@@ -25,7 +25,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload, register_jitable
 
-from ..ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._x86 import (
     row2_dot_q4_legacy,
     row2_dot_q5_legacy,

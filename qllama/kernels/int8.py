@@ -28,7 +28,7 @@ from numba import prange
 
 from .jit import Variants, address_of, call_address, kernel
 
-from ..ggml_types import Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._fp16 import f16_at
 from ._x86 import (
     dot_q2_k,

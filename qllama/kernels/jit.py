@@ -19,12 +19,15 @@ instead of 10). `make(key)` returns a closure over `key` (an int): Numba types i
 and its disk cache keys the closure on that value. `name` is the family's attribute in its
 module, so that compile_pool's workers can find a variant (`variant_of`).
 
-Numba's disk cache keys a function on its own source file only. A kernel that calls an
-intrinsic from `_x86.py` or an `@kernel` function from another module compiles that code into
-itself, and would keep the old code after only the other file changed (seen while editing
-`_x86.py`: fused and int8 kernels ran stale intrinsics). So every kernel of this package is
-keyed on the digest of all of `qllama/kernels/*.py` (and of the settings choosing `_x86.ISA`) as
-well: changing any of them recompiles the package's kernels on the next run.
+Compiled kernels live in the user's cache (`kernel_cache_dir()`: `~/.cache/qllama/kernels/<digest>`
+on Linux, QLLAMA_CACHE_DIR to move it), never inside the installed package: a `__pycache__` written
+into site-packages outlives `pip uninstall` and shadows a later editable install. Numba's disk
+cache keys a function on its own source file only; a kernel that calls an intrinsic from
+`_x86.py` or an `@kernel` function from another module compiles that code into itself, and would
+keep the old code after only the other file changed. So every kernel of this package is stamped
+with the digest of all of `qllama/kernels/*.py` (and of the settings choosing `_x86.ISA`), and
+that digest names the directory: changing any kernel source recompiles the package's kernels on
+the next run, while reinstalling the same sources finds them again.
 
 Kernels are optimised at LLVM level `OPT_LEVEL` (1), not Numba's default 3: measured on the 1B
 Q4_K_M model, a cold compile takes 37% less CPU time (36.0 -> 22.7 s), and prefill, decode and
@@ -40,12 +43,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 from llvmlite import ir
 from numba import njit, types
 from numba.core import config as numba_config
-from numba.core.caching import CacheImpl
+from numba.core.caching import CacheImpl, _CacheLocator
 from numba.core.compiler_lock import global_compiler_lock
 from numba.extending import intrinsic
 
@@ -66,13 +71,69 @@ def _sources_digest() -> bytes:
 SOURCES_DIGEST = _sources_digest()
 
 
-class PackageStampLocator:
-    """The cache locator Numba would choose for a kernel of this package, with a source stamp
-    that also covers every other kernel module (see the module docstring). Functions defined
-    elsewhere are left to Numba's own locators."""
+def cache_root() -> Path:
+    """qllama's cache directory: QLLAMA_CACHE_DIR, else the platform's user cache directory
+    (`$XDG_CACHE_HOME/qllama` or `~/.cache/qllama` on Linux, `~/Library/Caches/qllama` on macOS,
+    `%LOCALAPPDATA%\\qllama\\Cache` on Windows). Never inside the installed package: a cache there
+    outlives `pip uninstall` and shadows a later editable install."""
+    override = os.environ.get("QLLAMA_CACHE_DIR", "").strip()
+    if override:
+        return Path(override).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "qllama"
+    if os.name == "nt":
+        return Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local") / "qllama" / "Cache"
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "qllama"
 
-    def __init__(self, inner):
-        self._inner = inner
+
+def kernel_cache_dir() -> Path:
+    """Where the compiled kernels of this very source tree live: `<cache>/kernels/<digest>`, the
+    digest covering the kernel sources and the ISA settings (so a reinstall of the same version
+    finds its kernels, and two versions never overwrite each other's). NUMBA_CACHE_DIR, when set,
+    takes the place of `<cache>` (the tools use it for cold-start runs)."""
+    numba_dir = os.environ.get("NUMBA_CACHE_DIR", "").strip()
+    root = Path(numba_dir).expanduser() / "qllama" if numba_dir and not os.environ.get("QLLAMA_CACHE_DIR") else cache_root()
+    return root / "kernels" / SOURCES_DIGEST.hex()[:16]
+
+
+def check_cache_dir() -> Path:
+    """Create the kernel cache directory and make sure it takes files; a QllamaError-shaped
+    OSError message otherwise (the caller turns it into one `error:` line)."""
+    path = kernel_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as exc:
+        raise CacheDirError(f"the kernel cache {path} is not writable ({exc.strerror or exc}); "
+                            "set QLLAMA_CACHE_DIR to a writable directory") from None
+    return path
+
+
+class CacheDirError(OSError):
+    """The kernel cache directory cannot be created or written."""
+
+
+class KernelCacheLocator(_CacheLocator):
+    """Numba's cache locator for the kernels of this package: every kernel's compiled code goes to
+    `kernel_cache_dir()`, stamped with the digest of all kernel sources (see the module docstring).
+    Functions defined elsewhere are left to Numba's own locators."""
+
+    def __init__(self, py_func):
+        self._lineno = py_func.__code__.co_firstlineno
+        self._path = str(kernel_cache_dir())
+
+    def ensure_cache_path(self):
+        os.makedirs(self._path, exist_ok=True)
+
+    def get_cache_path(self):
+        return self._path
+
+    def get_source_stamp(self):
+        return SOURCES_DIGEST
+
+    def get_disambiguator(self):
+        return str(self._lineno)
 
     @classmethod
     def from_function(cls, py_func, py_file):
@@ -80,24 +141,11 @@ class PackageStampLocator:
             ours = Path(py_file).resolve().parent == KERNELS_DIR
         except (OSError, TypeError):
             ours = False
-        if not ours:
-            return None
-        for other in CacheImpl._locator_classes:
-            if other is not cls:
-                inner = other.from_function(py_func, py_file)
-                if inner is not None:
-                    return cls(inner)
-        return None
-
-    def get_source_stamp(self):
-        return (self._inner.get_source_stamp(), SOURCES_DIGEST)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+        return cls(py_func) if ours else None
 
 
-if PackageStampLocator not in CacheImpl._locator_classes:
-    CacheImpl._locator_classes.insert(0, PackageStampLocator)
+if KernelCacheLocator not in CacheImpl._locator_classes:
+    CacheImpl._locator_classes.insert(0, KernelCacheLocator)
 
 FIXED_OPTIONS = {"cache": True, "error_model": "numpy"}
 OPT_LEVEL = 1  # LLVM optimisation level of qllama's kernels (see the module docstring)

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ..ggml_types import Q5_K
+from ..gguf.types import Q5_K
 from .jit import kernel
 
 _F32 = np.float32

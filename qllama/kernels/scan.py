@@ -5,7 +5,7 @@ fp16 0x7C00, bf16 0x7F80, f32 0x7F800000. The kernels test those bits on integer
 mmap, so they never convert, never allocate per item, and stream at memory speed.
 
 `count_nonfinite` runs serially; `count_nonfinite_parallel` splits the items over threads and
-is worth waking the thread pool only for large tensors (see `qllama.check`).
+is worth waking the thread pool only for large tensors (see `qllama.report.check`).
 """
 
 from __future__ import annotations

@@ -129,13 +129,6 @@ class ModelArgs:
     def default_n_ctx(self) -> int:
         return min(self.n_ctx_train, DEFAULT_N_CTX_CAP)
 
-    @classmethod
-    def from_metadata(cls, md: Mapping[str, Any]) -> "ModelArgs":
-        """The arguments of any supported architecture (see `qllama.models.read_args`)."""
-        from . import read_args
-
-        return read_args(md)
-
 
 def read_common_args(md: Mapping[str, Any], arch: str, *, neox: bool) -> ModelArgs:
     """The keys llama.cpp reads for every architecture, with its defaults."""

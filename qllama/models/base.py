@@ -11,7 +11,6 @@ the one-segment case.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -19,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf import GGUFFile
+from ..gguf.reader import GGUFFile
 from ..qtensor import INT8_TYPES, TYPES, QTensor, get_threads, int8_enabled, quantize_activation
 from .args import ModelArgs, read_common_args
 from .kvcache import SWA_BATCH, KVCache

@@ -9,7 +9,7 @@ import re
 from typing import Iterable, NamedTuple
 
 from ..errors import QllamaError
-from ..ggml_types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from .blocks import FLOAT_TYPES
 
 

@@ -1,6 +1,6 @@
 """GGUF -> GGUF: `quantize_gguf` writes a model quantized to a preset, as `plan_quantization` says.
 
-Reads with `qllama.gguf.GGUFFile`, writes with gguf-py's `GGUFWriter` (streaming, one tensor in
+Reads with `qllama.gguf.reader.GGUFFile`, writes with gguf-py's `GGUFWriter` (streaming, one tensor in
 memory at a time), copies every metadata key with its type, sets `general.file_type` and
 `general.quantization_version`.
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import GGUFError, OutputExistsError, QllamaError, UnsupportedError
-from ..ggml_types import BF16, GGML_TYPES, type_name
+from ..gguf.types import BF16, GGML_TYPES, type_name
 from .blocks import CHUNK_ELEMENTS, FLOAT_TYPES, bf16_to_f32, quantize_array
 from .presets import choose_tensor_type, get_preset
 
@@ -46,7 +46,7 @@ def plan_quantization(src, preset: str, allow_requantize: bool = False) -> list[
     Raises RequantizeError when a tensor that must be converted is already quantized, unless
     allow_requantize (then it is dequantized and quantized again: the errors add up).
     """
-    from ..gguf import GGUFFile
+    from ..gguf.reader import GGUFFile
 
     own = not isinstance(src, GGUFFile)
     g = GGUFFile(src) if own else src
@@ -95,7 +95,7 @@ def copy_metadata(writer, g, skip_keys=()) -> None:
     (but the keys the writer sets itself, and `skip_keys`)."""
     from gguf import GGUFValueType
 
-    from ..gguf import ValueType
+    from ..gguf.reader import ValueType
 
     skip = {"general.architecture", "general.alignment", "general.file_type", "general.quantization_version",
             "split.no", "split.count", "split.tensors.count", *skip_keys}  # set by the writer / ours / not a split
@@ -164,7 +164,7 @@ def quantize_gguf(
     """
     import gguf as gguf_py
 
-    from ..gguf import GGUFFile
+    from ..gguf.reader import GGUFFile
 
     p = get_preset(preset)
     src_path = os.fspath(src_path)

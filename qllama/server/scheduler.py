@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..sampling import Sampler
+from ..generation.sampling import Sampler
 from .schemas import GenParams
 from .text import TextOutput, TokenLogprob, token_logprob
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import QllamaError
-from ..sampling import SamplingParams
+from ..generation.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_STOP_STRINGS = 16

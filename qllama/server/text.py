@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..generate import held_back
+from ..generation.session import held_back
 
 
 @dataclass

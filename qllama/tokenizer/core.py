@@ -60,7 +60,7 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, gf) -> "Tokenizer":
-        """The tokenizer stored in an open `qllama.gguf.GGUFFile`."""
+        """The tokenizer stored in an open `qllama.gguf.reader.GGUFFile`."""
         return cls.from_metadata(gf.metadata)
 
     @classmethod
@@ -309,6 +309,6 @@ def _raw_bytes(text: str) -> bytes:
 
 def load_tokenizer(path: str | PathLike) -> Tokenizer:
     """The tokenizer of a GGUF file (a full model or a vocab-only file)."""
-    from ..gguf import GGUFFile
+    from ..gguf.reader import GGUFFile
 
     return Tokenizer.from_gguf(GGUFFile(path))

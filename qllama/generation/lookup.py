@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, Collection
 
 import numpy as np
 
-from .errors import QllamaError
+from ..errors import QllamaError
 
 if TYPE_CHECKING:
-    from .generate import Session, Timings
+    from .session import Session, Timings
     from .sampling import Sampler
 
 NGRAM_MAX = 4  # longest n-gram looked up (llama.cpp's LLAMA_NGRAM_MAX)
@@ -151,8 +151,8 @@ def batch_matches_decode(model) -> bool:
     f32 (the same dot loop in mat-vec and mat-mat). Quantized matrices on the float path use a
     fused mat-vec that rounds differently from the tiled mat-mat, and f16/bf16 ones convert on
     the fly in mat-vec but through a scratch row in mat-mat (measured: last bits differ)."""
-    from .ggml_types import F32
-    from .qtensor import QTensor, int8_activations
+    from ..gguf.types import F32
+    from ..qtensor import QTensor, int8_activations
 
     fast = int8_activations() | {F32}
     w = model.weights
@@ -261,7 +261,7 @@ class LookupSteps:
         session = self.session
         if len(batch) == 1:
             return session.decode(batch[0]).reshape(1, -1)
-        from .qtensor import set_threads
+        from ..qtensor import set_threads
 
         def step():
             return session.model.forward(batch, session.cache, all_logits=True)

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .ggml_types import FILE_TYPES, GGML_TYPES
-from .gguf import GGUFFile
+from ..gguf.types import FILE_TYPES, GGML_TYPES
+from ..gguf.reader import GGUFFile
 
 KV_CACHE_TOKENS = 1024  # "per 1K tokens of context"
 KV_CACHE_ELEMENT_BYTES = 2  # the runtime's default KV cache is f16, as llama.cpp's (f32, -ctk/-ctv f32, doubles it)
@@ -264,8 +264,8 @@ def _family_fields(f: GGUFFile, s: ModelSummary) -> None:
     """The fields of an architecture qllama runs, read as the runtime reads them (qllama.models,
     which imports no Numba until a forward pass), and the KV cache as the runtime allocates it:
     windowed layers hold a ring of window + SWA_BATCH positions, not the whole context."""
-    from .models import read_args
-    from .models.kvcache import SWA_BATCH
+    from ..models import read_args
+    from ..models.kvcache import SWA_BATCH
 
     try:
         a = read_args(f.metadata)

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import GGUFError
-from .ggml_types import GGML_TYPES, type_name
+from ..errors import GGUFError
+from .types import GGML_TYPES, type_name
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import warnings
 
-from .errors import ContextSizeError, QllamaWarning
+from ..errors import ContextSizeError, QllamaWarning
 
 def kv_cache_bytes(args, n_ctx: int, batch: int, kv_types: tuple[str, str] = ("f16", "f16")) -> int:
     """Bytes of a model's KV cache: keys and values, of types kv_types ("f16": 2 bytes, "f32": 4),
     for every layer's slots (a window layer keeps only a ring, see `models.kvcache`), KV head
     and head dimension."""
-    from .models.kvcache import kv_bytes_per_element, ring_slots
+    from ..models.kvcache import kv_bytes_per_element, ring_slots
 
     windows = [args.n_swa if args.is_swa(il) else 0 for il in range(args.n_layer)]
     per_slot = args.n_head_kv * args.head_dim * sum(kv_bytes_per_element(t) for t in kv_types)

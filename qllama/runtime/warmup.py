@@ -8,22 +8,20 @@ caller reports it on its own line. What is not compiled yet is first compiled by
 processes, one per CPU (qllama/compile_pool.py): on 2 cores that about halves a first run.
 
 Whether a warm-up will compile (so that a front end can say "compiling kernels..." before it
-starts) is known from a marker file written next to Numba's cache after a warm-up succeeded.
-Its name is a hash of what decides which compiled code is needed: the Numba version, the
-kernel sources in qllama/kernels/ (paths, sizes and modification times), the
-model's tensor types, the int8-activation path and whether kernels run on several threads.
-An empty or deleted Numba cache holds no marker, so it reads as cold.
+starts) is known from a marker file written into the kernel cache (`kernels.jit.kernel_cache_dir`,
+one directory per digest of the kernel sources) after a warm-up succeeded. Its name is a hash of
+what decides which compiled code is needed: the Numba version, the model's tensor types, the
+int8-activation path, the ISA and whether kernels ran on several threads. An empty or deleted
+cache holds no marker, so it reads as cold.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import time
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parent
 PREFILL_TOKENS = 5  # >= 4: the int8 prefill kernels work on groups of 4 tokens, plus a remainder
 # depth of the third pass: attention runs in parallel there for any model with >= 2 heads
 # (layer_ops.attention_parallel_pays), and costs little (at n_ctx 4096 it took ~0.2 s of a 1B warm-up)
@@ -100,63 +98,27 @@ def _forward_passes(model, tokens: int) -> list:
 # -- is Numba's cache warm for this model? -----------------------------------------------------
 
 
-def numba_cache_dir() -> Path | None:
-    """The directory where Numba caches the kernels of qllama.kernels (None: caching is impossible)."""
-    try:
-        from numba.core import caching
-
-        from .kernels import jit
-
-        impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # (renamed in Numba 0.61)
-        func = jit.kernel  # any function of a file in qllama/kernels/ locates that package's cache
-        source = inspect.getfile(func)
-        for cls in impl._locator_classes:  # Numba's own choice of directory, in its order
-            locator = cls.from_function(func, source)
-            if locator is not None:
-                return Path(locator.get_cache_path())
-    except (ImportError, AttributeError, OSError):
-        pass
-    return None
-
-
-def _source_stamp() -> list[tuple[str, int, int]]:
-    """(path, mtime, size) of the kernel sources: editing one of them makes Numba recompile it."""
-    stamp = []
-    for p in sorted((_PACKAGE / "kernels").rglob("*.py")):
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        stamp.append((str(p.relative_to(_PACKAGE)), st.st_mtime_ns, st.st_size))
-    return stamp
-
-
-def _marker(types: list[str], n_threads: int) -> Path | None:
+def _marker(types: list[str], parallel: bool) -> Path:
     import numba
 
-    from .kernels._x86 import ISA
-    from .qtensor import int8_activations
+    from ..kernels._x86 import ISA
+    from ..kernels.jit import kernel_cache_dir
+    from ..qtensor import int8_activations
 
-    d = numba_cache_dir()
-    if d is None:
-        return None
-    key = repr((numba.__version__, _source_stamp(), sorted(types), sorted(int8_activations()), n_threads > 1, ISA))
-    return d / f"qllama-warm-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    key = repr((numba.__version__, sorted(types), sorted(int8_activations()), parallel, ISA))
+    return kernel_cache_dir() / f"qllama-warm-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 
 
 def is_warm(types: list[str], n_threads: int) -> bool:
-    """Whether a warm-up for these tensor types and thread count succeeded with the current sources
-    and Numba cache (then warming up only loads compiled code)."""
-    m = _marker(types, n_threads)
-    return m is not None and m.exists()
+    """Whether a warm-up for these tensor types succeeded with the current kernel sources (then
+    warming up only loads compiled code). A warm-up on several threads also compiled every kernel
+    a single thread runs, so it counts for `-t 1` too."""
+    return _marker(types, True).exists() or (n_threads <= 1 and _marker(types, False).exists())
 
 
 def mark_warm(types: list[str], n_threads: int) -> None:
-    """Record that the Numba cache now holds every kernel these types and threads need."""
-    m = _marker(types, n_threads)
-    if m is None:
-        return
+    """Record that the kernel cache now holds every kernel these types and threads need."""
     try:
-        m.write_text("qllama kernels compiled for " + ", ".join(types) + "\n")
+        _marker(types, n_threads > 1).write_text("qllama kernels compiled for " + ", ".join(types) + "\n")
     except OSError:  # a read-only cache: we will just say "compiling" again next time
         pass

@@ -18,8 +18,8 @@ import os
 import re
 import shutil
 
-from .errors import QllamaError
-from .hub import HubError, HubRef, HubUnreachable, hf_module
+from ..errors import QllamaError
+from .records import HubError, HubRef, HubUnreachable, hf_module
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SHA1_RE = re.compile(r"[0-9a-f]{40}")

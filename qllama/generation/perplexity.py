@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import QllamaError
+from ..errors import QllamaError
 
 
 @dataclass

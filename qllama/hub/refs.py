@@ -28,8 +28,8 @@ A download goes to `blobs/<sha256>.incomplete` and is resumed from there (HTTP r
 next attempt; it becomes the blob only after its size and sha256 match what the hub announced
 (X-Linked-Etag), so an interrupted, cut or corrupt download never sits where a model is found.
 A split model (`*-00001-of-0000N.gguf`) is fetched shard by shard and resolves to its first
-shard, which `qllama.gguf.GGUFFile` opens together with the others. (One file's download:
-`qllama.hub_download`; listing and removing cached models: `qllama.hub_cache`.)
+shard, which `qllama.gguf.reader.GGUFFile` opens together with the others. (One file's download:
+`qllama.hub.download`; listing and removing cached models: `qllama.hub.cache`.)
 
 huggingface_hub is imported only when a hub reference is used: local paths stay fast.
 """
@@ -40,10 +40,10 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import QllamaError
+from .download import download, hub_errors, write_ref
+from .records import CachedModel, HubError, HubRef, HubUnreachable, hf_module
 
 DEMO = "demo"
 DEMO_FILE = "shakespeare-spm-Q4_K_M.gguf"
@@ -63,48 +63,6 @@ _URL_RE = re.compile(r"(hf://|(?:https?://)?(?:www\.)?(?:hf\.co|huggingface\.co)
 _WEB_FILE_RE = re.compile(rf"({_NAME}/{_NAME})/(?:resolve|blob)/([^/]+)/(.+\.gguf)(?:\?.*)?", re.IGNORECASE)
 _NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")  # GGUF side files (llama.cpp's list)
 _SHA1_RE = re.compile(r"[0-9a-f]{40}")
-
-
-class HubError(QllamaError):
-    """A reference that cannot be resolved or downloaded (one line; the hub's reason included)."""
-
-
-class HubUnreachable(HubError):
-    """The hub could not be asked (no network, offline mode, a timeout)."""
-
-
-@dataclass(frozen=True)
-class HubRef:
-    """A model on the hub: repo id, and a quant tag or a file path (or neither), at a revision."""
-
-    repo: str
-    tag: str | None = None
-    filename: str | None = None
-    revision: str = "main"
-
-    def __str__(self) -> str:
-        rev = "" if self.revision == "main" else f"@{self.revision}"
-        if self.filename:
-            return f"{self.repo}{rev}/{self.filename}"
-        return f"{self.repo}{rev}" + (f":{self.tag}" if self.tag else "")
-
-
-@dataclass
-class CachedModel:
-    """A model file in the cache: `path` (first shard) and every shard's path."""
-
-    ref: HubRef  # with the exact filename
-    commit: str
-    paths: list[str] = field(default_factory=list)
-    downloaded: bool = False  # something was fetched by this call
-
-    @property
-    def path(self) -> str:
-        return self.paths[0]
-
-    @property
-    def size(self) -> int:
-        return sum(os.path.getsize(p) for p in self.paths)
 
 
 # -- references ------------------------------------------------------------------------------
@@ -231,16 +189,6 @@ def choose(ref: HubRef, files: list[str]) -> list[str]:
 # -- the cache ----------------------------------------------------------------------------------
 
 
-def hf_module():
-    """huggingface_hub, imported on first use."""
-    import huggingface_hub  # lazily: ~0.3 s, and only hub references need it
-    import huggingface_hub.constants
-    import huggingface_hub.errors
-    import huggingface_hub.utils
-
-    return huggingface_hub
-
-
 def cache_dir() -> str:
     """huggingface_hub's cache folder (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).
 
@@ -351,7 +299,6 @@ def fetch(
     refresh: ask the hub even when a cached copy exists (a newer commit is fetched; identical
     blobs are not downloaded again). Offline (HF_HUB_OFFLINE=1) only the cache is used.
     """
-    from .hub_download import download, hub_errors, write_ref
 
     if not refresh:
         hit = cached(ref, cache)  # before importing huggingface_hub: a cached model needs nothing else

@@ -23,16 +23,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import QllamaError
+from ..errors import QllamaError
 
 __all__ = [
     "BenchRunner",
     "BenchTest",
     "bench_tests",
     "run_bench",
-    "profile_decode",
     "format_table",
-    "format_profile",
     "mean_sd",
     "random_tokens",
 ]
@@ -86,7 +84,7 @@ class BenchRunner:
 
     def __init__(self, path: str | os.PathLike, n_ctx: int, batch_size: int = 512, n_threads: int | None = None,
                  type_k: str = "f16", type_v: str = "f16"):
-        from .api import load
+        from ..api import load
 
         self.llm = load(path, n_ctx=n_ctx, n_threads=n_threads, batch_size=batch_size, type_k=type_k, type_v=type_v,
                         warmup_next=True)
@@ -101,7 +99,7 @@ class BenchRunner:
 
     def set_threads(self, n: int) -> int:
         """Use n threads; returns the count actually used (capped by Numba's pool size)."""
-        from .qtensor import get_threads, set_threads
+        from ..qtensor import get_threads, set_threads
 
         set_threads(n)
         return get_threads()
@@ -203,7 +201,7 @@ def run_bench(
         raise QllamaError("token counts and depths must be >= 0")
     if n_prompt == 0 and n_gen == 0:
         raise QllamaError("nothing to measure: both -p and -n are 0")
-    from .qtensor import physical_cores
+    from ..qtensor import physical_cores
 
     threads = list(threads) or [physical_cores()]
     if any(t < 1 for t in threads):
@@ -256,5 +254,3 @@ def format_table(doc: dict, extra: dict | None = None) -> str:
 
 
 # -- the per-operation profile of decode: qllama/bench_profile.py (re-exported here) ------------
-
-from .bench_profile import DecodeProfile, format_profile, profile_decode  # noqa: E402  (it imports BenchRunner)

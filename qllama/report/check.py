@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ggml_types import BF16, F16, F32, GGML_TYPES
-from .gguf import GGUFFile
+from ..gguf.types import BF16, F16, F32, GGML_TYPES
+from ..gguf.reader import GGUFFile
 
 # per element type: (integer view, mask of the exponent bits)
 _ELEMENT_LAYOUT = {
@@ -56,7 +56,7 @@ class CheckReport:
 
 def scan_tensor(gf: GGUFFile, name: str) -> TensorFinding | None:
     """Scan one tensor; None when it is finite. Raises KeyError for a type the scan does not know."""
-    from .kernels.scan import count_nonfinite, count_nonfinite_parallel
+    from ..kernels.scan import count_nonfinite, count_nonfinite_parallel
 
     info = gf.tensors[name]
     raw = gf.tensor_bytes(name)  # uint8 view into the mmap

@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .bench import BenchRunner, random_tokens
+from .runner import BenchRunner, random_tokens
 
 ATTENTION = "rope + kv store + attention"
 SAMPLING = "sampling"
@@ -59,8 +59,8 @@ def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128
                    type_v: str = "f16", fused: bool = True) -> DecodeProfile:
     """Time every kernel call of `steps` decode steps (each followed by sampling) after `depth`
     cached tokens; see the module docstring."""
-    from .models.decode import KernelClock
-    from .sampling import Sampler, SamplingParams
+    from ..models.decode import KernelClock
+    from ..generation.sampling import Sampler, SamplingParams
 
     own = runner is None
     if own:

@@ -12,7 +12,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from .hub import HubError, HubRef, hf_module, is_model_file, shard_info, cache_dir, choose, quant_tag, repo_folder
+from .records import HubError, HubRef, hf_module
+from .refs import is_model_file, shard_info, cache_dir, choose, quant_tag, repo_folder
 
 
 @dataclass

@@ -7,10 +7,10 @@ Numba compiles one function at a time, on one core, under a global lock, so a co
    compiled code in this process replaced by a recorder: the call notes (kernel, argument types)
    and returns without computing anything. Kernels that Numba's disk cache already holds are not
    noted (loading them is cheap).
-2. Compile. This process and worker processes (`python -m qllama.compile_pool`, started ahead
+2. Compile. This process and worker processes (`python -m qllama.runtime.compile_pool`, started ahead
    by `prestart` while the model loads) take the noted specialisations one at a time, most
    expensive first (`MEASURED_S`), and compile them into the disk cache that this process uses
-   (the same NUMBA_CACHE_DIR or __pycache__ directories).
+   (`kernels.jit.kernel_cache_dir()`, which the workers compute the same way).
 3. The caller then runs the real warm-up, which loads the workers' kernels from the disk cache.
 
 Nothing here is needed for correctness: whatever the pool did not compile (a worker failed,
@@ -42,9 +42,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .kernels.jit import OPT_LEVEL, argument_kinds
+from ..kernels.jit import OPT_LEVEL, argument_kinds
 
-WORKER_CMD = [sys.executable, "-m", "qllama.compile_pool"]  # (tests replace it to simulate failures)
+WORKER_CMD = [sys.executable, "-m", "qllama.runtime.compile_pool"]  # (tests replace it to simulate failures)
 JOB_TIMEOUT_S = 600.0  # a worker silent this long on one job is killed (its job falls back)
 LOCK_NAME = "qllama-cache-save.lock"
 STATS: list[dict] = []  # the last compile_jobs: one entry per compiled job (CPU and wall seconds, worker), for tools

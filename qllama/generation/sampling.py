@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import QllamaError
+from ..errors import QllamaError
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .errors import ContextOverflowError, QllamaError
-from .models import KVCache, Transformer
-from .qtensor import get_threads, set_threads
+from ..errors import ContextOverflowError, QllamaError
+from ..models import KVCache, Transformer
+from ..qtensor import get_threads, set_threads
 from .sampling import Sampler
-from .threads import ThreadAdapter, adapter_for
+from ..runtime.threads import ThreadAdapter, adapter_for
 
 # Why a generation ended.
 FINISH_EOG = "eog"  # an end-of-generation token (eos, eot, <|im_end|>...)
@@ -35,13 +35,13 @@ class Timings:
     cached_tokens: int = 0  # prompt tokens reused from the KV cache
     gen_tokens: int = 0  # tokens sampled
     gen_s: float = 0.0
-    lookup: int = 0  # prompt-lookup drafts per forward (0: off; see qllama.lookup)
+    lookup: int = 0  # prompt-lookup drafts per forward (0: off; see qllama.generation.lookup)
     lookup_note: str = ""  # why lookup did not draft, if it did not
     draft_tokens: int = 0  # tokens drafted from n-gram matches
     draft_accepted: int = 0  # drafts the model agreed with
     gen_forwards: int = 0  # forward passes while generating with lookup
     draft_forwards: int = 0  # of those, the ones that verified drafts (the rest: one-token steps)
-    decode_threads: str = ""  # the adaptive thread count's state after generating (qllama.threads); "" if fixed
+    decode_threads: str = ""  # the adaptive thread count's state after generating (qllama.runtime.threads); "" if fixed
 
     @property
     def prompt_tps(self) -> float:
@@ -93,7 +93,7 @@ class Session:
     chat turn evaluates only its new tokens.
 
     adapt_threads: one-token decode steps pick their thread count from measured step times
-    (`qllama.threads`), between the current Numba thread count (kept for prefill) and fewer;
+    (`qllama.runtime.threads`), between the current Numba thread count (kept for prefill) and fewer;
     False keeps the current count everywhere (an explicit thread count).
     """
 
@@ -200,7 +200,7 @@ def stream_generate(
     Multi-byte characters are never split (the tokenizer's streaming decoder holds back
     incomplete UTF-8). Text that may be the start of a stop string is held back until it is
     known not to be one. The last chunk has a finish_reason (possibly with empty text).
-    lookup > 0 drafts up to that many tokens per forward from n-gram matches (`qllama.lookup`): the
+    lookup > 0 drafts up to that many tokens per forward from n-gram matches (`qllama.generation.lookup`): the
     same tokens (greedy) or the same distribution (sampling), fewer passes over the weights.
     """
     stops = [s for s in stop if s]

@@ -1,0 +1,1 @@
+"""Benchmarks: `qllama bench` (runner) and the per-operation profile."""

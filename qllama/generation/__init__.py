@@ -1,0 +1,1 @@
+"""From logits to text: the decode session, sampling, prompt lookup, perplexity."""

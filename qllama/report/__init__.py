@@ -1,0 +1,1 @@
+"""Reports on a file: the `inspect` summary and the NaN/Inf scan."""
