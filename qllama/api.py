@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import numpy as np
 
 from .errors import QllamaError
+from .generation.sampling import Sampler, SamplingParams, sampling_params
 from .generation.session import Chunk, Session, Timings, stream_generate
 from .gguf.reader import GGUFFile
 from .models import build_model, read_args
 from .qtensor import get_threads, set_threads
-from .generation.sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported where used: the chat package is not needed to load a model
@@ -201,19 +201,27 @@ class Model:
         prompt: str | Sequence[int],
         *,
         max_tokens: int = 256,
-        temperature: float = 0.8,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        repeat_penalty: float = 1.0,
-        repeat_last_n: int = 64,
-        seed: int | None = None,
+        sampling: SamplingParams | None = None,
         stop: Sequence[str] | str = (),
         add_bos: bool = True,
         parse_special: bool = False,
         lookup: int = 0,
+        **sampling_fields,
     ) -> Iterator[Chunk]:
-        """Like `generate`, but yields `Chunk`s (text, token ids, finish_reason on the last one)."""
+        """Generate the continuation of `prompt` (text, or token ids as given) as `Chunk`s (text,
+        token ids; a finish_reason on the last one). The one generation call: `generate`,
+        `complete` and `chat` are thin over it.
+
+        Sampling is one value, `sampling=SamplingParams(...)` (llama.cpp's defaults), or its fields
+        as keywords (`temperature=0`, `top_k`, `top_p`, `min_p`, `repeat_penalty`, `repeat_last_n`,
+        `seed`), which override the value's. temperature 0 is greedy; seed None is random. `stop`
+        strings end generation and are not included; BOS is added when `add_bos` and the model asks
+        for it; `parse_special` reads control tokens written in the prompt text. `lookup` N > 0
+        drafts up to N tokens per forward from n-gram matches in the prompt and output
+        (prompt-lookup decoding, `qllama.generation.lookup`): greedy output is unchanged, sampling
+        keeps its distribution; faster when the output copies from the prompt. Timings are in
+        `last_timings` afterwards.
+        """
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_bos=add_bos, parse_special=parse_special)
         else:
@@ -224,68 +232,21 @@ class Model:
             raise QllamaError(f"lookup must be >= 0 draft tokens, got {lookup}")
         if isinstance(stop, str):
             stop = [stop]
-        params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
-        sampler = Sampler(params)
+        sampler = Sampler(sampling_params(sampling, **sampling_fields))
         timings = Timings(load_s=self.load_s, compile_s=self.compile_s)
         self.last_timings = timings
         set_threads(self.n_threads)
         return stream_generate(self.session, self.tokenizer, ids, sampler, max_tokens, stop, timings, lookup=lookup)
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.8,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        repeat_penalty: float = 1.0,
-        repeat_last_n: int = 64,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        add_bos: bool = True,
-        parse_special: bool = False,
-        lookup: int = 0,
-    ) -> Iterator[str]:
-        """Stream the continuation of `prompt` (text, or token ids as given) as text chunks.
-
-        temperature 0 is greedy; seed None is random; `stop` strings end generation and are not
-        included; BOS is added when `add_bos` and the model asks for it; `parse_special` reads
-        control tokens written in the prompt text. `lookup` N > 0 drafts up to N tokens per forward
-        from n-gram matches in the prompt and output (prompt-lookup decoding, `qllama.lookup`):
-        greedy output is unchanged, sampling keeps its distribution; faster when the output copies
-        from the prompt. Timings are in `last_timings` afterwards.
-        """
-        chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
-                             stop=stop, add_bos=add_bos, parse_special=parse_special, lookup=lookup)
-        for chunk in chunks:
+    def generate(self, prompt: str | Sequence[int], **options) -> Iterator[str]:
+        """The text chunks of `stream(prompt, **options)`."""
+        for chunk in self.stream(prompt, **options):
             if chunk.text:
                 yield chunk.text
 
-    def complete(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.8,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        repeat_penalty: float = 1.0,
-        repeat_last_n: int = 64,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        add_bos: bool = True,
-        parse_special: bool = False,
-        lookup: int = 0,
-    ) -> str:
-        """The whole continuation of `prompt` as one string (the options of `generate`)."""
-        return "".join(self.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                                     seed=seed, stop=stop, add_bos=add_bos, parse_special=parse_special,
-                                     lookup=lookup))
+    def complete(self, prompt: str | Sequence[int], **options) -> str:
+        """The whole continuation of `prompt` as one string (the options of `stream`)."""
+        return "".join(self.generate(prompt, **options))
 
     # -- chat ------------------------------------------------------------------------------
 
@@ -369,31 +330,16 @@ class Model:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.chat_tokens(messages, chat_template=chat_template, add_bos=add_bos), fmt
 
-    def chat(
-        self,
-        messages: Sequence[dict],
-        *,
-        chat_template: str | os.PathLike | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.8,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        repeat_penalty: float = 1.0,
-        repeat_last_n: int = 64,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-    ) -> Iterator[str]:
-        """Stream the assistant's reply to a conversation (the sampling options of `generate`).
+    def chat(self, messages: Sequence[dict], *, chat_template: str | os.PathLike | None = None,
+             **options) -> Iterator[str]:
+        """Stream the assistant's reply to a conversation as text chunks (the options of `stream`).
 
         The KV cache is reused across calls: only the tokens after the longest common prefix
         with the previous call are evaluated, and the model's own tokens of earlier answers are
         kept (`chat_prompt_ids`), as `qllama chat` does.
         """
         ids = self.chat_prompt_ids(messages, chat_template=chat_template)
-        return self.generate(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
-                             stop=stop)
+        return self.generate(ids, **options)
 
     def __repr__(self) -> str:
         a = self.args

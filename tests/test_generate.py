@@ -18,9 +18,9 @@ from qllama.generation.session import (
     FINISH_STOP,
     ContextOverflowError,
     Timings,
-    held_back,
     stream_generate,
 )
+from qllama.generation.text import held_back
 from qllama.generation.sampling import Sampler, SamplingParams
 
 # token id -> bytes. 5 and 6 are the two halves of "é" (0xC3 0xA9); 7..10 the 4 bytes of an emoji.
@@ -32,8 +32,8 @@ EOS = 14
 class FakeTokenizer:
     eog_ids = frozenset({EOS})
 
-    def stream_decoder(self, strip_leading_space=True):
-        assert strip_leading_space is False  # generated text continues the prompt: keep its first space
+    def stream_decoder(self, continuation=False):
+        assert continuation  # generated text continues the prompt: keep its first space
         dec = codecs.getincrementaldecoder("utf-8")("replace")
 
         class D:

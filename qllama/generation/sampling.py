@@ -7,6 +7,7 @@ Each step works on a candidate set (ids, logits) that only shrinks; the Sampler 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -38,6 +39,15 @@ class SamplingParams:
             raise QllamaError(f"repeat penalty must be > 0, got {self.repeat_penalty}")
         if self.repeat_last_n < -1:
             raise QllamaError(f"repeat-last-n must be >= -1, got {self.repeat_last_n}")
+
+
+def sampling_params(base: "SamplingParams | None" = None, **fields) -> SamplingParams:
+    """`base` (default: llama.cpp's defaults) with some fields replaced, An unknown
+    field name is a TypeError, as an unknown keyword argument would be."""
+    unknown = set(fields) - {f.name for f in dataclasses.fields(SamplingParams)}
+    if unknown:
+        raise TypeError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
+    return dataclasses.replace(base or SamplingParams(), **fields)  # (the Sampler validates)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -14,8 +14,9 @@ import numpy as np
 from ..errors import ContextOverflowError, QllamaError
 from ..models import KVCache, Transformer
 from ..qtensor import get_threads, set_threads
-from .sampling import Sampler
 from ..runtime.threads import ThreadAdapter, adapter_for
+from .sampling import Sampler
+from .text import TextOutput
 
 # Why a generation ended.
 FINISH_EOG = "eog"  # an end-of-generation token (eos, eot, <|im_end|>...)
@@ -174,17 +175,6 @@ class _PlainSteps:
         self.logits = self.session.decode(token)
 
 
-def held_back(text: str, stops: Iterable[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
-
-
 def stream_generate(
     session: Session,
     tokenizer,
@@ -203,7 +193,6 @@ def stream_generate(
     lookup > 0 drafts up to that many tokens per forward from n-gram matches (`qllama.generation.lookup`): the
     same tokens (greedy) or the same distribution (sampling), fewer passes over the weights.
     """
-    stops = [s for s in stop if s]
     timings = timings if timings is not None else Timings()
     eog = tokenizer.eog_ids
     clock = time.perf_counter
@@ -222,11 +211,7 @@ def stream_generate(
     else:
         steps = _PlainSteps(session, sampler, logits)
 
-    # The generated ids continue the prompt: keep the leading space of the first one
-    # (llama.cpp's detokenizer would strip it only at the start of a text).
-    decoder = tokenizer.stream_decoder(strip_leading_space=False)
-    pending = ""  # decoded text not yet emitted
-    pending_ids: list[int] = []
+    output = TextOutput(tokenizer, stop)
     reason = None
     t_gen = clock()
     try:
@@ -239,18 +224,12 @@ def stream_generate(
             if token in eog:
                 reason = FINISH_EOG
                 break
-            pending += decoder.feed(token)
-            pending_ids.append(token)
-            if stops:
-                hits = [i for i in (pending.find(s) for s in stops) if i >= 0]
-                if hits:
-                    pending = pending[: min(hits)]
-                    reason = FINISH_STOP
-                    break
-            emit = len(pending) - held_back(pending, stops)
-            if emit > 0:
-                yield Chunk(pending[:emit], pending_ids)
-                pending, pending_ids = pending[emit:], []
+            text, ids, stopped = output.feed(token, token)
+            if stopped:
+                final = Chunk(text, ids, FINISH_STOP)
+                break
+            if text:
+                yield Chunk(text, ids)
             if steps.full:
                 reason = FINISH_CONTEXT
                 break
@@ -260,6 +239,8 @@ def stream_generate(
         adapter = getattr(session, "threads", None)  # stand-in sessions (tests) may have none
         if adapter is not None:
             timings.decode_threads = adapter.describe()
-    if reason != FINISH_STOP:
-        pending += decoder.flush()
-    yield Chunk(pending, pending_ids, reason)
+    if reason is None:  # a stop string
+        yield final
+        return
+    text, ids = output.finish()
+    yield Chunk(text, ids, reason)

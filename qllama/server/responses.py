@@ -14,7 +14,7 @@ import secrets
 import time
 
 from .scheduler import Usage
-from .text import TokenLogprob
+from .logprobs import TokenLogprob
 
 FINGERPRINT = "qllama"
 

@@ -31,7 +31,8 @@ import numpy as np
 
 from ..generation.sampling import Sampler
 from .schemas import GenParams
-from .text import TextOutput, TokenLogprob, token_logprob
+from ..generation.text import TextOutput
+from .logprobs import TokenLogprob, token_logprob
 
 FINISH_STOP = "stop"  # an end-of-generation token or a stop string
 FINISH_LENGTH = "length"  # max_tokens reached or the context is full
