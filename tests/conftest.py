@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -47,3 +48,21 @@ def int8_mode():
     was_on = bool(int8_activations())
     yield set_int8_activations
     set_int8_activations(was_on)
+
+
+def synthetic_models(tmp_path_factory, cases: dict) -> "Callable[[str], str]":
+    """name -> path of a synthetic model file for `cases[name]` (a tools.make_model spec), written
+    on first use into one temporary folder (a module-scoped fixture's getter)."""
+    from tools.make_model import write_model
+
+    root = tmp_path_factory.mktemp("models")
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            path = root / f"{name}.gguf"
+            write_model(path, cases[name])
+            made[name] = str(path)
+        return made[name]
+
+    return get

@@ -17,8 +17,9 @@ import qllama
 from qllama.errors import QllamaError
 from qllama.models.points import BLOCK_POINTS, first_nonfinite, point_names
 from qllama.qtensor import int8_activations, set_int8_activations
+from conftest import synthetic_models
 from reference_forward import Reference
-from tools.make_model import ModelSpec, family_spec, write_model
+from tools.make_model import ModelSpec, family_spec
 
 FLOAT_TOL = 1e-4
 # comparisons with exact (float64) arithmetic run an f32 KV cache; the f16 cache's rounding is
@@ -40,17 +41,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hooks")
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            path = root / f"{name}.gguf"
-            write_model(path, CASES[name])
-            made[name] = str(path)
-        return made[name]
-
-    return get
+    return synthetic_models(tmp_path_factory, CASES)
 
 
 def _ids(n_vocab: int, n: int = N_TOKENS, seed: int = 0) -> list[int]:

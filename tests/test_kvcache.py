@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import qllama
-from conftest import REPO
+from conftest import REPO, synthetic_models
 from qllama.errors import QllamaError
 from qllama.runtime.memory import kv_cache_bytes
 from qllama.models.kvcache import KVCache, from_f32, kv_type, to_f32
 from reference_forward import Reference
-from tools.make_model import ModelSpec, family_spec, write_model
+from tools.make_model import ModelSpec, family_spec
 
 _F32 = dict(n_embd=64, n_ff=128, n_head=4)
 CASES = {
@@ -33,17 +33,7 @@ N_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kvcache")
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            path = root / f"{name}.gguf"
-            write_model(path, CASES[name])
-            made[name] = str(path)
-        return made[name]
-
-    return get
+    return synthetic_models(tmp_path_factory, CASES)
 
 
 def _ids(n_vocab: int, seed: int = 0) -> list[int]:
