@@ -1,0 +1,253 @@
+"""`qllama batch`: OpenAI Batch files through the server's app and continuous batching (the
+shipped `demo` model). Format, error lines, resume after a crash or a Ctrl-C; no Ray here (the Ray
+tests are in tests/test_ray.py, slow suite)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+httpx = pytest.importorskip("httpx")
+
+import qllama  # noqa: E402
+from qllama import batch  # noqa: E402
+from qllama.errors import QllamaError  # noqa: E402
+
+PROMPTS = ["ROMEO:", "JULIET:", "KING HENRY:", "To be, or not", "HAMLET:", "First Citizen:", "MENENIUS:", "O"]
+VOLATILE = ("id", "created", "timings")  # differ between any two answers of the server too
+
+
+def completion(cid, prompt, mt=12, **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "demo", "prompt": prompt, "max_tokens": mt, "temperature": 0, **body}}
+
+
+def chat(cid, text, n=8):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "demo", "messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0}}
+
+
+def write_lines(path, objs):
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def read_results(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return qllama.load("demo", n_threads=1)
+
+
+@pytest.fixture(scope="module")
+def engine(llm):
+    return batch.BatchEngine(llm, model_name="demo", parallel=4, chunk=64, chat_template="chatml")
+
+
+def run(engine, inp, out):
+    results = batch.ResultsFile(str(out))
+    return batch.run_job(engine.run, batch.read_input(str(inp)), results, progress=False, echo=lambda m: None)
+
+
+def test_results_are_the_servers_answers_and_batched(engine, llm, tmp_path):
+    reqs = [completion(f"c{i}", p) for i, p in enumerate(PROMPTS)] + [chat("chat", "Hi", 6)]
+    inp = write_lines(tmp_path / "in.jsonl", reqs)
+    out = tmp_path / "out.jsonl"
+    before = engine.scheduler.max_busy
+    stats = run(engine, inp, out)
+    assert stats.ok == len(reqs) and stats.errors == 0
+    assert engine.scheduler.max_busy >= 2 or before >= 2  # several requests shared a step
+    lines = read_results(out)
+    assert sorted(r["custom_id"] for r in lines) == sorted(r["custom_id"] for r in reqs)
+    by_id = {r["custom_id"]: r for r in lines}
+    for r in lines:
+        assert set(r) == {"id", "custom_id", "response", "error"} and r["error"] is None
+        assert r["id"].startswith("batch_req_") and r["response"]["request_id"].startswith("req_")
+        assert r["response"]["status_code"] == 200
+    # the greedy text of each is what the model says alone
+    for i, p in enumerate(PROMPTS):
+        body = by_id[f"c{i}"]["response"]["body"]
+        assert body["choices"][0]["text"] == llm.complete(p, max_tokens=12, temperature=0)
+    # the whole body is what `qllama serve` answers (its app behind a real HTTP client)
+    from starlette.testclient import TestClient
+
+    from qllama.server.app import ServerState, create_app
+    from qllama.server.engine import model_forward
+    from qllama.server.scheduler import Scheduler
+
+    forward, new_cache, _ = model_forward(llm)
+    sched = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=2, n_threads=1)
+    sched.start()
+    try:
+        client = TestClient(create_app(ServerState(llm, sched, "demo", chat_template="chatml")))
+        for req in (reqs[0], reqs[3], reqs[-1]):
+            served = client.post(req["url"], json=req["body"])
+            assert served.status_code == 200
+            want = {k: v for k, v in served.json().items() if k not in VOLATILE}
+            got = {k: v for k, v in by_id[req["custom_id"]]["response"]["body"].items() if k not in VOLATILE}
+            assert got == want
+            assert set(by_id[req["custom_id"]]["response"]["body"]) == set(served.json())
+        bad = client.post("/v1/completions", json={"prompt": "x", "temperature": "hot"})
+    finally:
+        sched.close()
+        sched.join(10)
+    # an error is answered as the server answers it, too
+    inp2 = write_lines(tmp_path / "in2.jsonl", [{"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+                                                 "body": {"prompt": "x", "temperature": "hot"}}])
+    run(engine, inp2, tmp_path / "out2.jsonl")
+    (r,) = read_results(tmp_path / "out2.jsonl")
+    assert r["response"]["status_code"] == bad.status_code == 400
+    assert r["response"]["body"] == bad.json()
+    assert r["error"] == {"code": "invalid_request_error", "message": bad.json()["error"]["message"]}
+
+
+def test_bad_lines_and_requests_give_error_lines_and_the_rest_completes(engine, tmp_path):
+    lines = [
+        completion("ok1", "ROMEO:"),
+        "{not json",
+        {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},  # no custom_id
+        {**completion("get", "x"), "method": "GET"},
+        {**completion("embed", "x"), "url": "/v1/embeddings"},
+        {"custom_id": "nobody", "method": "POST", "url": "/v1/completions"},
+        completion("stream", "x", stream=True),
+        completion("hot", "x", temperature="hot"),
+        completion("n2", "x", n=2),
+        completion("dup", "a"),
+        completion("dup", "b"),
+        completion("toolong", "ROMEO: " * 400),
+        completion("ok2", "JULIET:"),
+        "[1, 2]",
+    ]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    stats = run(engine, inp, out)
+    res = read_results(out)
+    assert stats.ok == 2 and stats.errors == len(res) - 2 == 11
+    by_id = {r["custom_id"]: r for r in res if r["custom_id"] is not None}
+    assert len(by_id) == len([r for r in res if r["custom_id"] is not None])  # no custom_id twice
+    for cid in ("ok1", "ok2"):
+        assert by_id[cid]["response"]["status_code"] == 200 and by_id[cid]["error"] is None
+    for cid in ("get", "embed", "nobody", "stream", "hot", "n2", "dup", "toolong"):
+        r = by_id[cid]
+        assert r["response"]["status_code"] == 400, cid
+        assert r["response"]["body"]["error"]["message"] == r["error"]["message"]
+    assert "method" in by_id["get"]["error"]["message"]
+    assert "/v1/embeddings" in by_id["embed"]["error"]["message"]
+    assert by_id["hot"]["response"]["body"]["error"]["param"] == "temperature"
+    assert "unique" in by_id["dup"]["error"]["message"] and "lines 10, 11" in by_id["dup"]["error"]["message"]
+    assert by_id["toolong"]["error"]["code"] == "exceed_context_size_error"
+    nulls = sorted(r["error"]["line"] for r in res if r["custom_id"] is None)
+    assert nulls == [2, 3, 14]
+    # a re-run has nothing to do: every line, with or without a custom_id, is already answered
+    stats = run(engine, inp, out)
+    assert stats.done == 0 and len(read_results(out)) == len(res)
+
+
+def test_resume_after_a_crash_repairs_the_last_line_and_skips_what_is_done(engine, tmp_path):
+    reqs = [completion(f"c{i}", p, mt=8) for i, p in enumerate(PROMPTS)]
+    inp = write_lines(tmp_path / "in.jsonl", reqs)
+    full = tmp_path / "full.jsonl"
+    run(engine, inp, full)
+    whole = full.read_text().splitlines(keepends=True)
+    # a crash after 3 results, in the middle of writing the 4th
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(whole[:3]) + whole[3][: len(whole[3]) // 2])
+    results = batch.ResultsFile(str(out))
+    assert results.repaired == len(whole[3]) // 2 and len(results.done_ids) == 3
+    stats = batch.run_job(engine.run, batch.read_input(str(inp)), results, progress=False, echo=lambda m: None)
+    assert stats.done == len(reqs) - 3
+    text = out.read_text()
+    assert text.startswith("".join(whole[:3]))  # what was done stays, byte for byte
+    res = read_results(out)
+    assert sorted(r["custom_id"] for r in res) == sorted(r["custom_id"] for r in reqs)  # each once
+    texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in res}
+    assert texts == {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in read_results(full)}
+    # a whole last line without its newline is kept (and ended)
+    out.write_text(text.rstrip("\n"))
+    results = batch.ResultsFile(str(out))
+    assert results.repaired == 0 and len(results.done_ids) == len(reqs)
+    results.close()
+    assert out.read_text() == text
+
+
+def test_a_file_that_is_not_a_results_file_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"custom_id": "a"}\nsomething else\n{"custom_id": "b"}\n')
+    with pytest.raises(QllamaError, match="line 2 is not a result line"):
+        batch.ResultsFile(str(out))
+
+
+def test_parse_input_rules():
+    reqs = batch.parse_input(["", json.dumps(completion("a", "x")), "  ", json.dumps(completion("a", "y")),
+                              json.dumps(completion("b", "z"))])
+    assert [(r.line, r.custom_id, r.error is None) for r in reqs] == [(2, "a", False), (5, "b", True)]
+    rec = reqs[1].record()
+    assert batch.BatchRequest.from_record(json.loads(json.dumps(rec))) == reqs[1]
+
+
+def cli(*args, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
+    return subprocess.run([sys.executable, "-m", "qllama", *args], capture_output=True, text=True, timeout=180,
+                          env=env, **kw)
+
+
+def test_cli_runs_resumes_and_names_the_ray_extra(tmp_path):
+    inp = write_lines(tmp_path / "in.jsonl", [completion(f"c{i}", p, mt=6) for i, p in enumerate(PROMPTS[:4])]
+                      + ["oops"])
+    out = tmp_path / "out.jsonl"
+    p = cli("batch", "demo", "-i", str(inp), "-o", str(out), "--parallel", "4", "-t", "1")
+    assert p.returncode == 0, p.stderr
+    assert "5 requests in" in p.stderr and "4 ok, 1 errors" in p.stderr
+    assert "\r" not in p.stderr  # no progress bar when stderr is not a terminal
+    assert len(read_results(out)) == 5
+    p = cli("batch", "demo", "-i", str(inp), "-o", str(out))
+    assert p.returncode == 0 and "nothing to do" in p.stderr
+    assert len(read_results(out)) == 5
+    # without Ray installed: one error line naming the extra
+    fake = tmp_path / "noray"
+    (fake / "ray").mkdir(parents=True)
+    (fake / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    p = cli("batch", "demo", "-i", str(inp), "-o", str(tmp_path / "o2.jsonl"), "--ray", "auto", env=env)
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == ["error: --ray needs Ray: pip install 'qllama[ray]'"]
+    p = cli("batch", "demo", "-i", str(tmp_path / "missing.jsonl"), "-o", str(out))
+    assert p.returncode == 1 and p.stderr.startswith("error:") and "Traceback" not in p.stderr
+
+
+def test_ctrl_c_keeps_every_finished_result_then_the_rerun_completes(tmp_path):
+    n = 48
+    inp = write_lines(tmp_path / "in.jsonl", [completion(f"c{i}", PROMPTS[i % len(PROMPTS)] + " " * (i // 8), mt=40)
+                                              for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "qllama", "batch", "demo", "-i", str(inp), "-o", str(out),
+                             "--parallel", "2", "-t", "1"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        end = time.monotonic() + 120
+        while not (out.exists() and out.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < end, "no results came"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    done = read_results(out)  # every line whole
+    assert 2 <= len(done) < n and all(r["response"]["status_code"] == 200 for r in done)
+    p = cli("batch", "demo", "-i", str(inp), "-o", str(out), "--parallel", "4", "-t", "1")
+    assert p.returncode == 0, p.stderr
+    assert f"{len(done)} of {n} requests are already in" in p.stderr
+    res = read_results(out)
+    assert sorted(r["custom_id"] for r in res) == sorted(f"c{i}" for i in range(n))
+    assert all(r["response"]["status_code"] == 200 for r in res)
