@@ -25,25 +25,13 @@ What is emitted does not change:
   token then has P(x) = p(x) + 0 and P(y) = (1 - p(x)) p(y) / (1 - p(x)) = p(y): the same
   distribution as plain sampling (not the same draws for a seed).
 
-It pays only where a batched forward of T tokens costs well under T one-token forwards: the
-weights are read once, but every row's integer dot products are still computed, and the
-one-token step has fused kernels a batch does not. Measured (CPU time, SmolLM2-135M Q4_1, 1
-thread, AVX2, load ~4), a batch of T tokens with every row's logits costs c(T) one-token steps:
-c(2) 2.0, c(4) 2.4, c(8) 4.1, c(9) 4.9, c(16) 8.0. Each refused draft thus costs about half a
-step, and a draft pays only when nearly all of it is taken. Hence the policy of `LookupSteps`:
-
-- draft only from a match of at least `MIN_MATCH` tokens; otherwise take a plain one-token
-  step (the session's decode: fused kernels, adaptive thread count);
-- draft no more tokens than the match is long, and no more than the current limit, which
-  halves after a refused draft and doubles (up to N) after one taken whole;
-- cut a batch longer than `TOKEN_GROUP` to a multiple of it (the mat-mul kernels' token group).
-
-Against the first policy (the latest occurrence of the longest 1-4-gram, always N drafts),
-measured by tools/bench_lookup.py (SmolLM2 fixing a 30-line function, --lookup 8, -t 1, load
-average 6-7, A B A B): 120 tokens of code, acceptance 72% -> 98%, 1.3x -> 1.7-1.9x plain greedy
-(wall and per CPU second); the whole 350-token answer (the code, then free text that copies
-little), 0.57x -> 1.47x; sampling at temperature 0.7 (120 tokens, 3 seeds), 0.69x -> 1.69x
-per CPU second.
+It pays only where a batched forward of T tokens costs well under T one-token forwards, so
+`LookupSteps` drafts only from a match of at least `MIN_MATCH` tokens (otherwise it takes a plain
+one-token step: the session's decode, fused kernels, adaptive thread count); drafts no more
+tokens than the match is long, and no more than the current limit, which halves after a refused
+draft and doubles (up to N) after one taken whole; and cuts a batch longer than `TOKEN_GROUP` to a
+multiple of it (the mat-mul kernels' token group). The measurements behind this policy are in
+docs/measurements.md.
 """
 
 from __future__ import annotations

@@ -29,14 +29,12 @@ with the digest of all of `qllama/kernels/*.py` (and of the settings choosing `_
 that digest names the directory: changing any kernel source recompiles the package's kernels on
 the next run, while reinstalling the same sources finds them again.
 
-Kernels are optimised at LLVM level `OPT_LEVEL` (1), not Numba's default 3: measured on the 1B
-Q4_K_M model, a cold compile takes 37% less CPU time (36.0 -> 22.7 s), and prefill, decode and
-decode at depth 1024 run as fast (`tools/bench_compile.py`; the hot loops are explicit vector
-intrinsics, `_x86.py`, which need no further optimisation). Numba's optimisation passes run
-at this level around each of qllama's compiles only; its machine-code generation has one level
-per process, set when this module creates the code generator (`_machine_code_at_opt_level`).
-NUMBA_OPT, when set, wins. The level is not part of Numba's cache key, so a cache filled at
-another level is used as it is.
+Kernels are optimised at LLVM level `OPT_LEVEL` (1), not Numba's default 3: the hot loops are
+explicit vector intrinsics (`_x86.py`) that need no further optimisation, and a cold compile costs
+about a third less (docs/measurements.md). Numba's optimisation passes run at this level around
+each of qllama's compiles only; its machine-code generation has one level per process, set when
+this module creates the code generator (`_machine_code_at_opt_level`). NUMBA_OPT, when set, wins.
+The level is not part of Numba's cache key, so a cache filled at another level is used as it is.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Thread count for one-token decode steps, adapted online to how busy the machine is.
 
 Why: every Numba parallel region (a `prange`) ends in a barrier that waits for all of its
-threads. On an idle machine two threads decode faster than one; when another process holds a
-core, the second thread waits for a scheduler slice at every region (a few hundred per token),
-and decoding can fall 2-12x below one thread (SmolLM2-135M Q4_1 on a 2-core host: idle -t 2
-~1.35x -t 1; with a busy loop 0.5x (issue 15), and 0.08x at load average 14). Numba's OpenMP
-layer (libgomp here; TBB is not installed) cannot skip a thread that has not started, so the
-remedy is not to ask for it: run fewer threads. The waiting strategy is no lever: at load 14,
-OMP_WAIT_POLICY=passive made -t 2 decode ~7x faster than libgomp's default spinning, but it
-costs a futex wake per region (~30 us against ~2 us spinning, a few hundred regions per token)
-on an idle machine, and libgomp reads it once at start-up; the workqueue layer costs 200+ us
-per region. So the spinning default stays, and the thread count adapts.
+threads. When another process holds a core, the second thread waits for a scheduler slice at
+every region (a few hundred per token), and decoding falls far below one thread. Numba's OpenMP
+layer cannot skip a thread that has not started, and no waiting policy helps on an idle machine
+as well, so the thread count adapts (measurements: docs/measurements.md).
 
 `ThreadAdapter` is that choice, made from wall times: it decodes at its current count, and now
 and then probes the other candidates for a few tokens, switching when one is clearly faster
@@ -22,10 +16,8 @@ it may, it also watches the machine's idle CPU time (`/proc/stat`): when at leas
 sits idle, it probes the larger count without waiting for that bound, so it recovers within
 a second or so of the load going away. At the largest count it reads the CPU time of other
 processes instead: when its tokens have slowed by `slowdown` and others hold enough CPU that
-fewer threads fit beside them, it steps down at once, without a probe. (A probe alone can lose
-by chance: for the first steps after the load arrives, the one remaining thread may share the
-busy core until the scheduler moves it. Measured on a 2-core host with a pinned busy loop: the
-probe lost in 2 of 3 benchmark runs, and decoding stayed at 2 threads, 0.4x -t 1.) Greedy tokens do not depend on
+fewer threads fit beside them, it steps down at once, without a probe. (A probe alone can lose by chance: the one remaining thread may share the busy core until the
+scheduler moves it.) Greedy tokens do not depend on
 the thread count (every kernel splits rows, never a sum), so switching changes speed only.
 
 Prefill keeps every thread (`ThreadAdapter.max_threads`): its parallel regions are long (a batch
