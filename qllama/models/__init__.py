@@ -16,12 +16,19 @@ from .base import Transformer
 from .kvcache import SWA_BATCH, KVCache
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
+from .granite import Granite, GraniteMoe
 from .llama import Llama
+from .olmoe import Olmoe
 from .phi3 import Phi3
 from .qwen2 import Qwen2
+from .qwen2moe import Qwen2Moe
 from .qwen3 import Qwen3
+from .qwen3moe import Qwen3Moe
 
-ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Gemma2, Gemma3, Phi3)}
+ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (
+    Llama, Qwen2, Qwen3, Gemma2, Gemma3, Phi3,
+    Qwen3Moe, Olmoe, Qwen2Moe, Granite, GraniteMoe,  # mixtures of experts (models/moe.py; granite also dense)
+)}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 

@@ -76,6 +76,7 @@ FLOAT_RULES: dict[str, tuple[str, Any]] = {
     "rope.scaling.attn_factor": ("finite and > 0", lambda v: v > 0),
     "attn_logit_softcapping": ("finite and >= 0", lambda v: v >= 0),
     "final_logit_softcapping": ("finite and >= 0", lambda v: v >= 0),
+    "logit_scale": ("finite and > 0", lambda v: v > 0),
 }
 
 
@@ -109,6 +110,15 @@ class ModelArgs:
     swa_layers: tuple[bool, ...] = ()  # per layer: windowed or not
     rope_freq_base_swa: float = 10000.0  # RoPE of the window layers
     rope_scale_swa: float = 1.0
+    # mixture of experts (models/moe.py reads these; 0 experts = a dense FFN)
+    n_expert: int = 0  # {arch}.expert_count
+    n_expert_used: int = 0  # {arch}.expert_used_count: experts run per token
+    n_ff_exp: int = 0  # rows of each expert's gate/up (expert_feed_forward_length, or the family's rule)
+    n_ff_shexp: int = 0  # rows of the shared expert's gate/up; 0 = no shared expert
+    # Granite's scales (0 = none): embeddings and each block's two branches are multiplied, logits divided
+    embd_scale: float = 0.0
+    residual_scale: float = 0.0
+    logit_scale: float = 0.0
 
     @property
     def n_rep(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from .args import ModelArgs, read_common_args
 from .kvcache import SWA_BATCH, KVCache
 from .nonfinite import locate as locate_nonfinite
 from .points import attention_numpy, attention_points
+
+if TYPE_CHECKING:
+    from .moe import MoeFFN
 
 ACT_SILU = 0  # gated FFN activations, as kernels.layer_ops numbers them
 ACT_GELU = 1
@@ -58,8 +61,8 @@ class LayerWeights:
     attn_norm: np.ndarray  # (n_embd,)
     attn_output: QTensor  # [q_dim, n_embd]
     ffn_norm: np.ndarray  # (n_embd,)
-    ffn_up: QTensor  # [n_embd, n_ff], or [n_embd, 2 n_ff] gate|up fused (phi3)
-    ffn_down: QTensor  # [n_ff, n_embd]
+    ffn_up: QTensor | None  # [n_embd, n_ff], or [n_embd, 2 n_ff] gate|up fused (phi3); None in an MoE layer
+    ffn_down: QTensor | None  # [n_ff, n_embd]; None in an MoE layer
     ffn_gate: QTensor | None = None  # [n_embd, n_ff]; None when fused into ffn_up
     attn_q: QTensor | None = None  # [n_embd, q_dim]
     attn_k: QTensor | None = None  # [n_embd, kv_dim]
@@ -72,6 +75,7 @@ class LayerWeights:
     attn_k_norm: np.ndarray | None = None  # (head_dim,)
     post_attention_norm: np.ndarray | None = None  # (n_embd,) (gemma2/3)
     post_ffw_norm: np.ndarray | None = None  # (n_embd,) (gemma2/3)
+    moe: "MoeFFN | None" = None  # a mixture of experts instead of ffn_gate/up/down (models/moe.py; those are None)
 
 
 @dataclass
@@ -118,19 +122,20 @@ class WeightReader:
         return self.vector(name, length) if self.has(name) else None
 
     def layer(self, i: int, a: ModelArgs, *, fused_ffn: bool = False, qk_norm: bool = False,
-              post_norms: bool = False) -> LayerWeights:
+              post_norms: bool = False, dense_ffn: bool = True) -> LayerWeights:
         """The tensors of block i, as llama.cpp's create_tensor_qkv and the family loaders read
-        them: a fused attn_qkv or attn_q/k/v, each with an optional bias."""
+        them: a fused attn_qkv or attn_q/k/v, each with an optional bias. dense_ffn False: no
+        ffn_gate/up/down (a mixture-of-experts layer; models/moe.py reads its tensors)."""
         p = f"blk.{i}."
         d, qd, kv, ff = a.n_embd, a.q_dim, a.kv_dim, a.n_ff
         lw = LayerWeights(
             attn_norm=self.vector(p + "attn_norm.weight", d),
             attn_output=self.matrix(p + "attn_output.weight", qd, d),
             ffn_norm=self.vector(p + "ffn_norm.weight", d),
-            ffn_up=self.matrix(p + "ffn_up.weight", d, 2 * ff if fused_ffn else ff),
-            ffn_down=self.matrix(p + "ffn_down.weight", ff, d),
+            ffn_up=self.matrix(p + "ffn_up.weight", d, 2 * ff if fused_ffn else ff) if dense_ffn else None,
+            ffn_down=self.matrix(p + "ffn_down.weight", ff, d) if dense_ffn else None,
         )
-        if not fused_ffn:
+        if not fused_ffn and dense_ffn:
             lw.ffn_gate = self.matrix(p + "ffn_gate.weight", d, ff)
         if self.has(p + "attn_qkv.weight"):
             lw.attn_qkv = self.matrix(p + "attn_qkv.weight", d, qd + 2 * kv)
@@ -508,6 +513,8 @@ class Transformer:
         probe, n_ff = self._probe, self.args.n_ff
         if probe:
             h = probe.fire("ffn_in", self._il, h)
+        if layer.moe is not None:  # a mixture of experts (models/moe.py)
+            return layer.moe.forward(self, h, act)
         if self._dec is not None:  # gate|up, GLU and down in one fused call
             return self._dec.ffn(self._il, h, act, self._threads, self._clock)
         hq = quantize_activation(h)  # shared by gate and up

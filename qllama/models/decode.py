@@ -114,7 +114,7 @@ class DecodeState:
             else:
                 self.qkv_calls.append((self._calls([(lw.attn_q, self.q), (lw.attn_k, self.k), (lw.attn_v, self.v)]), None))
             self.out_calls.append(self._calls([(lw.attn_output, self.attn_out)]))
-            self.ffn_calls.append(self._ffn_call(lw, n_ff))
+            self.ffn_calls.append(self._ffn_call(lw, n_ff) if lw.moe is None else None)  # (MoE: models/moe.py)
         self._out_w = plan.weights.output
         self._out_ok = plan.weights.output.type_id in fused.FUSED_TYPES
         self._logits_addresses = [0, 0]  # the output matrix's chunk and quantizer addresses, found on first use

@@ -16,7 +16,10 @@ P = n_past + T the positions in the cache after the call.
 | `blk.{i}.attn_z` | (T, H, D) | per-head attention output (probs @ values), before the output projection (TransformerLens's hook_z) |
 | `blk.{i}.attn_out` | (T, n_embd) | the attention output projection (Gemma: before post_attention_norm) |
 | `blk.{i}.ffn_in` | (T, n_embd) | RMSNorm of the residual stream: the FFN's input |
-| `blk.{i}.ffn_act` | (T, n_ff) | act(gate) * up: the input of ffn_down |
+| `blk.{i}.ffn_moe_logits` | (T, n_expert) | mixture of experts: the router's logits (ffn_gate_inp); a hook may mask or bias experts |
+| `blk.{i}.ffn_moe_experts` | (T, n_expert_used) | the chosen expert ids (as floats), best first; a hook may force others |
+| `blk.{i}.ffn_moe_weights` | (T, n_expert_used) | those experts' weights (router probabilities, renormalised / scaled as the family does) |
+| `blk.{i}.ffn_act` | (T, n_ff) | act(gate) * up: the input of ffn_down (dense FFN layers only) |
 | `blk.{i}.ffn_out` | (T, n_embd) | ffn_down's output (Gemma: before post_ffw_norm) |
 | `blk.{i}.resid` | (T, n_embd) | the residual stream after block i |
 | `result_norm` | (R, n_embd) | final RMSNorm of the rows whose logits are computed (R = T for `Model.logits`, else the last row) |
@@ -49,6 +52,9 @@ from .kvcache import from_f32, to_f32
 
 BLOCK_POINTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_scores", "attn_probs", "attn_z", "attn_out",
                 "ffn_in", "ffn_act", "ffn_out", "resid")
+MOE_POINTS = ("ffn_moe_logits", "ffn_moe_experts", "ffn_moe_weights")  # the router of a mixture of experts
+# a mixture-of-experts block's points: the router's instead of ffn_act (each expert has its own)
+MOE_BLOCK_POINTS = BLOCK_POINTS[: BLOCK_POINTS.index("ffn_act")] + MOE_POINTS + ("ffn_out", "resid")
 ATTN_WEIGHTS = ("attn_scores", "attn_probs")  # need the NumPy attention path
 
 # what ran since the previous point, for the timer (per-operation profile)
@@ -63,6 +69,9 @@ OPS = {
     "attn_z": "attention",
     "attn_out": "matvec attn_output (+quantize x)",
     "ffn_in": "residual add + rmsnorm",
+    "ffn_moe_logits": "router matvec ffn_gate_inp",
+    "ffn_moe_weights": "router softmax + top-k",
+    "ffn_moe_experts": "router softmax + top-k",
     "ffn_act": "matvec ffn_gate + ffn_up (+quantize x) + glu",
     "ffn_out": "matvec ffn_down (+quantize x)",
     "resid": "residual add",
@@ -73,9 +82,10 @@ OPS = {
 HookFn = Callable[[str, np.ndarray, "int | None"], "np.ndarray | None"]
 
 
-def point_names(n_layer: int) -> list[str]:
-    """Every point of an n_layer model, in the order a forward pass fires them."""
-    return ["embed"] + [f"blk.{i}.{p}" for i in range(n_layer) for p in BLOCK_POINTS] + ["result_norm", "logits"]
+def point_names(n_layer: int, moe: bool = False) -> list[str]:
+    """Every point of an n_layer model (moe: a mixture of experts), in the order a forward pass fires them."""
+    block = MOE_BLOCK_POINTS if moe else BLOCK_POINTS
+    return ["embed"] + [f"blk.{i}.{p}" for i in range(n_layer) for p in block] + ["result_norm", "logits"]
 
 
 def full_name(point: str, il: int | None) -> str:
@@ -89,11 +99,12 @@ def _patterns(spec: str | Iterable[str]) -> tuple[str, ...]:
     return pats
 
 
-def _check_known(pats: Sequence[str], n_layer: int) -> None:
-    names = point_names(n_layer)
+def _check_known(pats: Sequence[str], n_layer: int, moe: bool = False) -> None:
+    names = point_names(n_layer, moe)
     for p in pats:
         if not fnmatch.filter(names, p):
-            raise QllamaError(f"no point matches {p!r} (points: embed, blk.N.{{{','.join(BLOCK_POINTS)}}}, "
+            block = MOE_BLOCK_POINTS if moe else BLOCK_POINTS
+            raise QllamaError(f"no point matches {p!r} (points: embed, blk.N.{{{','.join(block)}}}, "
                               f"result_norm, logits; N < {n_layer})")
 
 
@@ -138,7 +149,7 @@ class Hooks:
         if not callable(fn):
             raise QllamaError("a hook must be callable as fn(name, array, layer)")
         pats = _patterns(pattern)
-        _check_known(pats, self._probe.n_layer)
+        _check_known(pats, self._probe.n_layer, self._probe.moe)
         hook = _Hook(pats, fn)
         self._probe._add(hook)
         return HookHandle(self._probe, hook)
@@ -166,7 +177,7 @@ class Trace:
     def __init__(self, probe: "Probe", capture: str | Iterable[str]):
         self._probe = probe
         self.patterns = _patterns(capture)
-        _check_known(self.patterns, probe.n_layer)
+        _check_known(self.patterns, probe.n_layer, probe.moe)
         self._data: dict[str, list[np.ndarray]] = {}
 
     def _store(self, name: str, arr: np.ndarray) -> None:
@@ -231,6 +242,7 @@ class Probe:
     def __init__(self, model):
         self.model = model
         self.n_layer = model.args.n_layer
+        self.moe = model.args.n_expert > 0  # a mixture of experts: router points instead of ffn_act
         self.hooks: list[_Hook] = []
         self.traces: list[Trace] = []
         self.timer: Timer | None = None
@@ -395,5 +407,5 @@ def first_nonfinite(model, run: Callable[[], object]) -> tuple[int | None, str, 
     return found[0] if found else None
 
 
-__all__ = ["BLOCK_POINTS", "OPS", "Hooks", "HookHandle", "Trace", "Timer", "Probe", "probe_of", "point_names",
+__all__ = ["BLOCK_POINTS", "MOE_POINTS", "MOE_BLOCK_POINTS", "OPS", "Hooks", "HookHandle", "Trace", "Timer", "Probe", "probe_of", "point_names",
            "attention_numpy", "attention_points", "first_nonfinite"]

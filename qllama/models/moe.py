@@ -1,0 +1,272 @@
+"""Mixture of experts: the router and the expert FFNs every MoE family shares.
+
+llama.cpp's `build_moe_ffn` (src/llama-graph.cpp), for the gating every family here uses (softmax):
+
+    logits  = ffn_gate_inp h                      (T, n_expert)         point ffn_moe_logits
+    probs   = softmax(logits)                     over all experts
+    experts = top-k(probs)                        (T, k), best first     point ffn_moe_experts
+    w       = probs[experts]                      (T, k)
+    w       = w / max(sum(w), 2^-14)              if the family renormalises (norm_w)
+    w       = w * expert_weights_scale            if that scale is neither 0 nor 1
+                                                                         point ffn_moe_weights
+    y_j     = down_e(act(gate_e h) * up_e h)      for each chosen expert e (slot j)
+    out     = w_0 y_0 + w_1 y_1 + ...             summed in slot order, as llama.cpp's adds
+    (+ a shared expert: qwen2moe behind a sigmoid gate, granitemoe plain)
+
+The expert tensors are 3-D, expert-major: `ffn_{gate,up}_exps` [n_embd, n_ff_exp, n_expert] and
+`ffn_down_exps` [n_ff_exp, n_embd, n_expert], so expert e's rows are one contiguous slice of the
+mmap. `ExpertTensor` makes a 2-D QTensor view of that slice on first use (no copy, nothing
+dequantized): a decoded token reads only its k experts' rows. A prompt batch groups its tokens by
+expert and runs each chosen expert once over all of its tokens (llama.cpp's mul_mat_id) with the
+ordinary mat-vec / mat-mat path, so every row gets the value a one-token step gives it, bit for
+bit, on the int8 path (the router's mat-mat is the same kernel for one token and many).
+
+Hyper-parameters are read here (`read_moe_args`) with llama.cpp's checks (llama-model.cpp's
+load_hparams: expert_count <= LLAMA_MAX_EXPERTS, 0 < expert_used_count <= expert_count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import QllamaError, UnsupportedError
+from ..gguf.types import type_name
+from ..qtensor import SUPPORTED_TYPES, QTensor, quantize_activation
+from .args import Keys, ModelArgs
+from .base import LayerWeights, WeightReader, Weights
+
+MAX_EXPERTS = 512  # llama.cpp's LLAMA_MAX_EXPERTS
+WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # llama.cpp clamps the renormalising sum to the smallest normal fp16
+
+
+# -- hyper-parameters ---------------------------------------------------------------------------
+
+
+def read_moe_args(md: Mapping[str, Any], a: ModelArgs, *, required: bool, n_ff_exp: str = "n_ff",
+                  shared: str = "none") -> ModelArgs:
+    """a with the expert fields filled, as llama.cpp reads them for the family.
+
+    required: the family has experts in every layer (qwen3moe, qwen2moe, olmoe); else 0 experts
+      means a dense model (llama, granite).
+    n_ff_exp: "n_ff" (Mixtral, OLMoE, Granite: feed_forward_length) or "key" (Qwen:
+      expert_feed_forward_length, else feed_forward_length / expert_used_count).
+    shared: "none"; "key" (granitemoe: expert_shared_feed_forward_length, 0 = no shared expert);
+      "always" (qwen2moe: that key, else feed_forward_length).
+    """
+    key = Keys(md, a.arch)
+    n_expert = key.int("expert_count", 0)
+    n_used = key.int("expert_used_count", 0)
+    if n_expert < 0 or n_used < 0:
+        raise QllamaError(f"{a.arch}.expert_count {n_expert} and expert_used_count {n_used} must be >= 0")
+    if n_expert > MAX_EXPERTS:
+        raise QllamaError(f"{a.arch}.expert_count {n_expert} is more than {MAX_EXPERTS} (llama.cpp's limit)")
+    if n_used > n_expert:
+        raise QllamaError(f"{a.arch}.expert_used_count {n_used} is more than expert_count {n_expert}")
+    if n_expert > 0 and n_used == 0:
+        raise QllamaError(f"{a.arch}.expert_used_count must be > 0 when expert_count is {n_expert}")
+    if required and n_expert == 0:
+        raise QllamaError(f"{a.arch}.expert_count must be > 0 for {a.arch}")
+    if n_expert == 0:
+        return a
+    ff_exp = a.n_ff
+    if n_ff_exp == "key":
+        ff_exp = key.int("expert_feed_forward_length", 0) or a.n_ff // n_used
+    ff_sh = 0
+    if shared != "none":
+        ff_sh = key.int("expert_shared_feed_forward_length", 0)
+        if shared == "always" and ff_sh == 0:
+            ff_sh = a.n_ff
+    if ff_exp <= 0 or ff_sh < 0:
+        raise QllamaError(f"{a.arch}: expert feed-forward lengths must be positive (got {ff_exp}, shared {ff_sh})")
+    return replace(a, n_expert=n_expert, n_expert_used=n_used, n_ff_exp=ff_exp, n_ff_shexp=ff_sh)
+
+
+# -- weights --------------------------------------------------------------------------------------
+
+
+class ExpertTensor:
+    """A 3-D expert tensor [ne0, ne1, n_expert] as n_expert 2-D QTensor views [ne0, ne1] of its
+    contiguous per-expert slices of the mmap, each made on first use (`self[e]`)."""
+
+    __slots__ = ("name", "type_id", "shape", "raw", "_views")
+
+    def __init__(self, gf, name: str, ne0: int, ne1: int, n_expert: int):
+        info = gf.tensors.get(name)
+        if info is None:
+            raise QllamaError(f"missing tensor {name!r}")
+        if tuple(info.shape) != (ne0, ne1, n_expert):
+            raise QllamaError(f"tensor {name!r} has shape {list(info.shape)}, expected {[ne0, ne1, n_expert]}")
+        if info.type_id not in SUPPORTED_TYPES:
+            raise UnsupportedError(f"tensor {name} has type {type_name(info.type_id)}, which qllama cannot run yet")
+        raw = gf.tensor_bytes(name)  # uint8, read-only view of the mmap
+        if raw.size % n_expert:
+            raise QllamaError(f"tensor {name!r}: {raw.size} bytes do not split into {n_expert} experts")
+        self.name, self.type_id, self.shape = name, info.type_id, (ne0, ne1)
+        self.raw = raw.reshape(n_expert, raw.size // n_expert)  # (n_expert, bytes per expert), no copy
+        self._views: list[QTensor | None] = [None] * n_expert
+        QTensor.from_bytes(self.type_id, self.raw[0], self.shape, name=f"{name}[0]")  # checks block sizes once
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, e: int) -> QTensor:
+        q = self._views[e]
+        if q is None:
+            q = self._views[e] = QTensor.from_bytes(self.type_id, self.raw[e], self.shape, name=f"{self.name}[{e}]")
+        return q
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+
+class MoeFFN:
+    """One layer's router, experts and optional shared expert; `forward` is its FFN."""
+
+    def __init__(self, router: QTensor, gate: ExpertTensor | None, up: ExpertTensor, down: ExpertTensor,
+                 n_used: int, norm_w: bool, w_scale: float = 0.0, shared: tuple | None = None,
+                 shared_gate: np.ndarray | None = None):
+        self.router = router  # [n_embd, n_expert] (ffn_gate_inp; llama.cpp never quantizes it)
+        self.gate = gate  # [n_embd, n_ff_exp] x n_expert; None: act(up) alone (llama's optional gate_exps)
+        self.up = up  # [n_embd, n_ff_exp] x n_expert
+        self.down = down  # [n_ff_exp, n_embd] x n_expert
+        self.n_used = n_used
+        self.norm_w = norm_w
+        self.w_scale = np.float32(w_scale) if w_scale not in (0.0, 1.0) else None
+        self.shared = shared  # (gate, up, down) QTensors of the shared expert, or None
+        self.shared_gate = shared_gate  # (n_embd,) qwen2moe's sigmoid gate of the shared expert, or None
+
+    @classmethod
+    def load(cls, r: WeightReader, a: ModelArgs, i: int, *, norm_w: bool, gate_optional: bool = False,
+             shared_gate: bool = False, w_scale: float = 0.0) -> "MoeFFN":
+        p = f"blk.{i}."
+        d, ff, n = a.n_embd, a.n_ff_exp, a.n_expert
+        gf = r.gf
+        router = r.matrix(p + "ffn_gate_inp.weight", d, n)
+        gate = None
+        if not gate_optional or r.has(p + "ffn_gate_exps.weight"):
+            gate = ExpertTensor(gf, p + "ffn_gate_exps.weight", d, ff, n)
+        up = ExpertTensor(gf, p + "ffn_up_exps.weight", d, ff, n)
+        down = ExpertTensor(gf, p + "ffn_down_exps.weight", ff, d, n)
+        shared = sgate = None
+        if a.n_ff_shexp > 0:
+            fs = a.n_ff_shexp
+            shared = (r.matrix(p + "ffn_gate_shexp.weight", d, fs), r.matrix(p + "ffn_up_shexp.weight", d, fs),
+                      r.matrix(p + "ffn_down_shexp.weight", fs, d))
+            if shared_gate:
+                sgate = r.vector(p + "ffn_gate_inp_shexp.weight", d)
+        return cls(router, gate, up, down, a.n_expert_used, norm_w, w_scale, shared, sgate)
+
+    # -- the forward pass --
+
+    def route(self, model, h: np.ndarray, hq) -> tuple[np.ndarray, np.ndarray]:
+        """Router: (experts (T, k) int64 best first, weights (T, k) float32), with the points fired."""
+        probe, il, clock = model._probe, model._il, model._clock
+        k = self.n_used
+        # the mat-mat kernel for every batch size: a token's logits do not depend on its batch
+        if clock is None:
+            logits = self.router.matmul(hq)  # (T, n_expert)
+        else:
+            logits = clock.run("ffn_gate_inp (router)", il, self.router.matmul, hq)
+        if probe:
+            logits = probe.fire("ffn_moe_logits", il, logits)
+        # softmax as ggml's: exp(x - max) in float32, summed in double, scaled by 1/sum
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))  # (T, n_expert)
+        probs = e * (1.0 / e.sum(axis=1, dtype=np.float64)).astype(np.float32)[:, None]
+        experts = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # (T, k): ties to the lower id
+        if probe:
+            forced = probe.fire("ffn_moe_experts", il, experts.astype(np.float32))
+            experts = self._checked_experts(forced, probs.shape[1])
+        w = np.take_along_axis(probs, experts, axis=1)  # (T, k)
+        if self.norm_w:
+            s = np.maximum(w.sum(axis=1, dtype=np.float64).astype(np.float32), WEIGHT_SUM_MIN)  # (T,)
+            w = w / s[:, None]
+        if self.w_scale is not None:
+            w = w * self.w_scale
+        if probe:
+            w = probe.fire("ffn_moe_weights", il, w)
+        return experts, w
+
+    @staticmethod
+    def _checked_experts(ids: np.ndarray, n_expert: int) -> np.ndarray:
+        out = np.asarray(ids)
+        if not np.all(np.isfinite(out)) or np.any(out != np.round(out)) or out.min() < 0 or out.max() >= n_expert:
+            raise QllamaError(f"a hook on ffn_moe_experts returned ids outside 0..{n_expert - 1} or not integers")
+        return out.astype(np.int64)
+
+    def forward(self, model, h: np.ndarray, act: int) -> np.ndarray:
+        """h (T, n_embd) normed FFN input -> (T, n_embd): the weighted sum of each token's experts."""
+        from ..kernels.layer_ops import glu
+
+        probe, il, clock = model._probe, model._il, model._clock
+        n_tok, n_embd = h.shape
+        hq = quantize_activation(h)  # quantized once for the router, the shared expert and one-token steps
+        experts, w = self.route(model, h, hq)
+        k = experts.shape[1]
+        ys = np.empty((n_tok, k, n_embd), np.float32)  # (T, k, n_embd): each slot's weighted expert output
+        flat = experts.reshape(-1)  # (T k,) slot s of token t at t * k + s
+        order = np.argsort(flat, kind="stable")
+        ids, starts = np.unique(flat[order], return_index=True)
+        bounds = list(starts) + [flat.size]
+        for j, e in enumerate(ids.tolist()):
+            pos = order[bounds[j] : bounds[j + 1]]  # (n_e,) flat positions routed to expert e
+            tok, slot = pos // k, pos % k
+            # one token: its activation is the shared one (quantized once for all k experts)
+            xa = hq if n_tok == 1 else quantize_activation(np.ascontiguousarray(h[tok]))  # (n_e, n_embd)
+            up = model._project("ffn_moe_up", self.up[e], xa)  # (n_e, n_ff_exp)
+            if self.gate is not None:
+                g = model._project("ffn_moe_gate", self.gate[e], xa)  # (n_e, n_ff_exp)
+            else:  # act(up) alone
+                g, up = up, np.ones_like(up)
+            if clock is None:
+                glu(g, up, g, act)
+            else:
+                clock.run("glu", il, glu, g, up, g, act)
+            y = model._project("ffn_moe_down", self.down[e], quantize_activation(g))  # (n_e, n_embd)
+            y *= w[tok, slot][:, None]
+            ys[tok, slot] = y
+        out = ys[:, 0].copy()  # (T, n_embd)
+        for s in range(1, k):
+            out += ys[:, s]
+        if self.shared is not None:
+            out += self._shared(model, h, hq, act, glu)
+        if probe:
+            out = probe.fire("ffn_out", il, out)
+        return out
+
+    def _shared(self, model, h, hq, act, glu) -> np.ndarray:
+        """The shared expert (T, n_embd), times sigmoid(h . ffn_gate_inp_shexp) when it has that gate."""
+        sg, su, sd = self.shared
+        g = model._project("ffn_gate_shexp", sg, hq)  # (T, n_ff_shexp)
+        u = model._project("ffn_up_shexp", su, hq)
+        glu(g, u, g, act)
+        y = model._project("ffn_down_shexp", sd, quantize_activation(g))  # (T, n_embd)
+        if self.shared_gate is not None:
+            z = (h * self.shared_gate).sum(axis=1)  # (T,) row by row (the same value at any batch size)
+            y *= (np.float32(1.0) / (np.float32(1.0) + np.exp(-z)))[:, None]
+        return y
+
+
+def load_moe_weights(cls, gf, args: ModelArgs, **moe) -> Weights:
+    """Every block with an MoE FFN (`MoeFFN.load` options in moe), embedding, norm, output."""
+    r = WeightReader(gf)
+    layers: list[LayerWeights] = []
+    for i in range(args.n_layer):
+        lw = r.layer(i, args, dense_ffn=False, **cls.layer_tensors)
+        lw.moe = MoeFFN.load(r, args, i, **moe)
+        layers.append(lw)
+    return r.model(args, layers, own_output=cls.own_output)
+
+
+def expert_bytes(gf, args: ModelArgs) -> tuple[int, int]:
+    """(bytes of every ffn_*_exps tensor, bytes of the rest) of an open GGUFFile: a decoded token
+    reads the rest plus n_expert_used / n_expert of the experts."""
+    exp = sum(t.n_bytes or 0 for name, t in gf.tensors.items() if name.endswith("_exps.weight"))
+    total = sum(t.n_bytes or 0 for t in gf.tensors.values())
+    return exp, total - exp
+
+
+__all__ = ["MAX_EXPERTS", "ExpertTensor", "MoeFFN", "read_moe_args", "load_moe_weights", "expert_bytes"]
