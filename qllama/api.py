@@ -206,6 +206,9 @@ class Model:
         add_bos: bool = True,
         parse_special: bool = False,
         lookup: int = 0,
+        response_format: dict | None = None,
+        grammar: str | None = None,
+        json_schema: dict | str | None = None,
         **sampling_fields,
     ) -> Iterator[Chunk]:
         """Generate the continuation of `prompt` (text, or token ids as given) as `Chunk`s (text,
@@ -221,6 +224,12 @@ class Model:
         (prompt-lookup decoding, `qllama.generation.lookup`): greedy output is unchanged, sampling
         keeps its distribution; faster when the output copies from the prompt. Timings are in
         `last_timings` afterwards.
+
+        Constrained decoding (`pip install 'qllama[structured]'`, llguidance): `response_format`
+        as OpenAI's ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+        ...}}), `json_schema` (a dict or JSON text) or `grammar` (llama.cpp's GBNF, or Lark): only
+        tokens the grammar allows are sampled (`qllama.generation.constrained`); lookup drafts
+        are checked against it. A grammar that cannot be compiled raises `GrammarError`.
         """
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_bos=add_bos, parse_special=parse_special)
@@ -232,7 +241,15 @@ class Model:
             raise QllamaError(f"lookup must be >= 0 draft tokens, got {lookup}")
         if isinstance(stop, str):
             stop = [stop]
-        sampler = Sampler(sampling_params(sampling, **sampling_fields))
+        params = sampling_params(sampling, **sampling_fields)
+        if response_format is None and grammar is None and json_schema is None:
+            sampler = Sampler(params)
+        else:
+            from .generation.constrained import constrained_sampler, constraint_for
+
+            constraint = constraint_for(self.tokenizer, response_format=response_format, grammar=grammar,
+                                        json_schema=json_schema)
+            sampler = constrained_sampler(params, constraint)
         timings = Timings(load_s=self.load_s, compile_s=self.compile_s)
         self.last_timings = timings
         set_threads(self.n_threads)

@@ -112,6 +112,8 @@ def create_app(state: ServerState) -> Starlette:
 
     async def run_job(request: Request, ids: list[int], params: GenParams, rb: ResponseBuilder) -> Response:
         n_ctx = state.llm.n_ctx
+        if params.grammar is not None and params.constraint is None:
+            params.constraint = await run_in_threadpool(build_constraint, state.llm.tokenizer, params)
         if not ids:
             raise bad_request("the prompt is empty (no tokens)", "prompt")
         if len(ids) >= n_ctx:
@@ -174,6 +176,20 @@ def create_app(state: ServerState) -> Starlette:
     ]
     handlers = {ApiError: api_error, HTTPException: not_found, Exception: server_error}
     return Starlette(routes=routes, exception_handlers=handlers)
+
+
+def build_constraint(tokenizer, params: GenParams):
+    """The request's grammar compiled against the vocabulary (a matcher of its own), or a 400
+    naming the field: a schema or grammar llguidance cannot compile, or one matching nothing."""
+    from ..generation.constrained import Constraint, GrammarError
+
+    kind, spec = params.grammar
+    try:
+        c = Constraint.from_spec(tokenizer, kind, spec)
+        c.check_start()
+        return c
+    except GrammarError as e:
+        raise bad_request(str(e), params.grammar_param) from None
 
 
 async def off_loop(size: int, fn, *args, **kwargs):

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..generation.sampling import Sampler
+from ..generation.constrained import constrained_sampler
 from .schemas import GenParams
 from ..generation.text import TextOutput
 from .logprobs import TokenLogprob, token_logprob
@@ -94,7 +94,7 @@ class _Run:
         self.seq = seq  # admission order: older prompts are evaluated first
         self.pos = cached  # next prompt index to evaluate
         self.cached = cached
-        self.sampler = Sampler(job.params.sampling)
+        self.sampler = constrained_sampler(job.params.sampling, job.params.constraint)  # a plain Sampler without one
         for t in job.prompt:
             self.sampler.accept(t)
         self.output = TextOutput(tokenizer, job.params.stop)

@@ -57,6 +57,9 @@ class GenParams:
     logprobs: int | None = None  # None: off; else the number of top alternatives per token (0..20)
     stream: bool = False
     include_usage: bool = False
+    grammar: tuple[str, Any] | None = None  # (kind, spec) for qllama.generation.constrained.compile_grammar
+    grammar_param: str | None = None  # the request field it came from (errors name it)
+    constraint: Any = None  # the compiled Constraint (set by the app); each request gets its own matcher
 
 
 @dataclass
@@ -147,8 +150,36 @@ def _common(body: dict) -> GenParams:
     if opts is not None and not isinstance(opts, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = _bool(opts or {}, "include_usage", False)
-    return GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), stream=stream,
-                     include_usage=include_usage)
+    params = GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), stream=stream,
+                       include_usage=include_usage)
+    params.grammar, params.grammar_param = _grammar(body)
+    return params
+
+
+def _grammar(body: dict) -> tuple[tuple[str, Any] | None, str | None]:
+    """At most one of `response_format` (OpenAI), `json_schema` and `grammar` (llama.cpp's
+    server: a JSON schema, a GBNF text) as (kind, spec), and the field it came from."""
+    given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) not in (None, "")]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad_request(f"give one of {', '.join(given)}, not several", given[1])
+    key = given[0]
+    v = body[key]
+    if key == "grammar":
+        if not isinstance(v, str):
+            raise bad_request("'grammar' must be a string (GBNF or Lark)", key)
+        return ("gbnf", v), key
+    if key == "json_schema":
+        if not isinstance(v, dict):
+            raise bad_request("'json_schema' must be an object", key)
+        return ("json_schema", v), key
+    from ..generation.constrained import GrammarError, response_format_grammar
+
+    try:
+        return response_format_grammar(v), key
+    except GrammarError as e:
+        raise bad_request(str(e), key) from None
 
 
 def parse_completion(body: Any) -> CompletionRequest:
