@@ -64,6 +64,8 @@ def command(model, input_path, output_path, parallel, ctx_size, threads, batch_s
     except ImportError:
         raise QllamaError(f"qllama batch needs the server extra: {SERVER_HINT}") from None
     if ray_address:
+        from ..integrations import ray as ray_integration  # (before Ray itself: it sets Ray's loopback switch)
+
         try:
             import ray  # noqa: F401
             import ray.data  # noqa: F401
@@ -81,10 +83,8 @@ def command(model, input_path, output_path, parallel, ctx_size, threads, batch_s
     show = not no_progress and sys.stderr.isatty()
 
     if ray_address:
-        from ..integrations.ray import run_on_ray
-
         def engine_run(todo, on_result):
-            run_on_ray(todo, on_result, address=ray_address, model=model, model_name=name, replicas=replicas,
+            ray_integration.run_on_ray(todo, on_result, address=ray_address, model=model, model_name=name, replicas=replicas,
                        cpus_per_replica=cpus_per_replica, n_threads=threads, parallel=parallel, n_ctx=ctx_size or None,
                        chunk=batch_size, chat_template=chat_template, type_k=type_k, type_v=type_v,
                        rows_per_call=rows_per_call, echo=err)

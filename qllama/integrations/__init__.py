@@ -1,0 +1,1 @@
+"""Bridges to other systems, each behind its optional extra (`ray`: qllama[ray])."""
