@@ -64,6 +64,7 @@ class MoeSpec:
     # expert-count overrides for hostile files (written as given)
     expert_count_key: int | None = None
     expert_used_key: int | None = None
+    expert_tensor_count: int | None = None  # experts in the 3-D tensors only (router keeps n_expert rows)
 
 
 def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
@@ -135,7 +136,7 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
     def add_experts(name: str, rows: int, cols: int, std: float, kind: str) -> None:
         """n_expert matrices (rows, cols) stacked expert-major: GGUF shape [cols, rows, n_expert]."""
         t = tname(kind, cols)
-        parts = [random_tensor(rng, t, rows, cols, std) for _ in range(ne)]
+        parts = [random_tensor(rng, t, rows, cols, std) for _ in range(spec.expert_tensor_count or ne)]
         if isinstance(parts[0][0], tuple):
             packed = np.stack([p[0][0] for p in parts])  # (n_expert, rows, row bytes)
             w.add_tensor(name, packed, raw_dtype=parts[0][0][1])

@@ -1,0 +1,130 @@
+"""A plain float64 NumPy forward pass for the mixture-of-experts families, written from llama.cpp.
+
+The independent side of tests/test_moe.py, beside reference_forward.py (whose GGUF reader,
+gguf-py dequantization, RMSNorm, RoPE and attention it reuses; nothing from qllama). Graphs:
+llama.cpp's src/models/{qwen3moe,llama,olmoe,qwen2moe,granite}.cpp and build_moe_ffn in
+src/llama-graph.cpp:
+
+- router: logits = h @ ffn_gate_inp^T; probs = softmax over all experts; the k largest probs
+  (ties to the lower id); their weights renormalised to sum 1 (qwen3moe, llama/Mixtral,
+  granitemoe: norm_w true; olmoe, qwen2moe: as they are); no expert_weights_scale is read by
+  these families;
+- each chosen expert: down_e @ (silu(gate_e @ h) * (up_e @ h)); the output is the weighted sum;
+- qwen2moe adds a shared expert times sigmoid(h . ffn_gate_inp_shexp); granitemoe adds its
+  optional shared expert as it is;
+- qwen3moe: per-head Q/K RMSNorm before NeoX RoPE; olmoe: Q/K RMSNorm over the whole projection
+  before NeoX RoPE; qwen2moe: Q/K/V biases, NeoX RoPE; llama, granite: interleaved RoPE;
+- granite(moe): embeddings x embedding_scale, each branch x residual_scale, query scale
+  attention.scale (if set), logits / logit_scale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from reference_forward import attention, hparams, read_gguf, rmsnorm, rope, silu, tensor_f64
+
+NEOX = {"qwen3moe", "olmoe", "qwen2moe"}
+NORM_W = {"qwen3moe": True, "llama": True, "granitemoe": True, "granite": True, "olmoe": False, "qwen2moe": False}
+
+
+class MoeReference:
+    def __init__(self, path: str | Path):
+        g = read_gguf(path)
+        self.md = md = g.metadata
+        self.h = hparams(md)
+        self.arch = arch = md["general.architecture"]
+        self.w = {name: tensor_f64(g, name) for name in g.tensors}
+        if "output.weight" not in self.w:
+            self.w["output.weight"] = self.w["token_embd.weight"]
+        key = lambda k, d=0.0: float(md.get(f"{arch}.{k}", d))  # noqa: E731
+        self.n_used = int(md.get(f"{arch}.expert_used_count", 0))
+        self.granite = arch in ("granite", "granitemoe")
+        if self.granite:
+            self.embd_scale, self.res_scale = key("embedding_scale"), key("residual_scale")
+            self.logit_scale = key("logit_scale")
+            if key("attention.scale"):
+                self.h.kq_scale = key("attention.scale")
+        self.min_gap = np.inf  # smallest gap between the k-th and (k+1)-th router probability seen
+
+    def moe(self, p: str, cur: np.ndarray, tap) -> np.ndarray:
+        w, k = self.w, self.n_used
+        logits = tap("ffn_moe_logits", cur @ w[p + "ffn_gate_inp.weight"].T)  # (T, n_expert)
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs = e / e.sum(axis=1, keepdims=True)
+        order = np.argsort(-probs, axis=1, kind="stable")
+        if probs.shape[1] > k:
+            srt = np.take_along_axis(probs, order, axis=1)
+            self.min_gap = min(self.min_gap, float((srt[:, k - 1] - srt[:, k]).min()))
+        sel = np.asarray(tap("ffn_moe_experts", order[:, :k].astype(np.float64)), dtype=np.int64)  # (T, k)
+        wt = np.take_along_axis(probs, sel, axis=1)
+        if NORM_W[self.arch]:
+            wt = wt / np.maximum(wt.sum(axis=1, keepdims=True), 6.103515625e-5)
+        wt = tap("ffn_moe_weights", wt)
+        gate, up, down = w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"]
+        out = np.zeros_like(cur)
+        for t in range(cur.shape[0]):
+            for j in range(k):
+                ex = sel[t, j]
+                a = silu(gate[ex] @ cur[t]) * (up[ex] @ cur[t])
+                out[t] += wt[t, j] * (down[ex] @ a)
+        if p + "ffn_up_shexp.weight" in w:
+            sh = (silu(cur @ w[p + "ffn_gate_shexp.weight"].T) * (cur @ w[p + "ffn_up_shexp.weight"].T)) \
+                @ w[p + "ffn_down_shexp.weight"].T
+            if p + "ffn_gate_inp_shexp.weight" in w:
+                z = cur @ w[p + "ffn_gate_inp_shexp.weight"].reshape(-1)
+                sh = sh * (1.0 / (1.0 + np.exp(-z)))[:, None]
+            out = out + sh
+        return out
+
+    def logits(self, ids, hook=None) -> np.ndarray:
+        """float64 (T, n_vocab); hook(name, array, layer) at qllama's named points may replace arrays."""
+        h, w = self.h, self.w
+        ids = np.asarray(ids, dtype=np.int64)
+        T, d = len(ids), h.head_dim
+        pos = np.arange(T, dtype=np.float64)
+
+        def tap(name, a, il=None):
+            if hook is None:
+                return a
+            r = hook(name if il is None else f"blk.{il}.{name}", a, il)
+            return a if r is None else np.asarray(r, dtype=np.float64)
+
+        x = w["token_embd.weight"][ids]
+        if self.granite and self.embd_scale:
+            x = x * self.embd_scale
+        x = tap("embed", x)
+        neox = self.arch in NEOX
+        rs = self.res_scale if self.granite and self.res_scale else 1.0
+        for il in range(h.n_layer):
+            p = f"blk.{il}."
+            cur = tap("attn_norm", rmsnorm(x, w[p + "attn_norm.weight"], h.rms_eps), il)
+            q, k, v = (cur @ w[p + f"attn_{n}.weight"].T for n in "qkv")
+            if p + "attn_q.bias" in w:
+                q, k, v = q + w[p + "attn_q.bias"], k + w[p + "attn_k.bias"], v + w[p + "attn_v.bias"]
+            if self.arch == "olmoe":  # over the whole projection
+                q = rmsnorm(q, w[p + "attn_q_norm.weight"], h.rms_eps)
+                k = rmsnorm(k, w[p + "attn_k_norm.weight"], h.rms_eps)
+            q, k, v = q.reshape(T, h.n_head, d), k.reshape(T, h.n_head_kv, d), v.reshape(T, h.n_head_kv, d)
+            if self.arch == "qwen3moe":  # per head
+                q = rmsnorm(q, w[p + "attn_q_norm.weight"], h.rms_eps)
+                k = rmsnorm(k, w[p + "attn_k_norm.weight"], h.rms_eps)
+            q = rope(q, pos, h.n_rot, h.rope_base, h.freq_scale, None, h.attn_factor, neox)
+            k = rope(k, pos, h.n_rot, h.rope_base, h.freq_scale, None, h.attn_factor, neox)
+            q, k, v = tap("attn_q", q, il), tap("attn_k", k, il), tap("attn_v", v, il)
+            att = attention(q, k, v, pos, h, False, lambda name, a: tap(name, a, il)) @ w[p + "attn_output.weight"].T
+            x = x + tap("attn_out", att, il) * rs
+            cur = tap("ffn_in", rmsnorm(x, w[p + "ffn_norm.weight"], h.rms_eps), il)
+            if p + "ffn_gate_inp.weight" in w:
+                ffn = self.moe(p, cur, lambda name, a: tap(name, a, il))
+            else:  # dense granite
+                act = tap("ffn_act", silu(cur @ w[p + "ffn_gate.weight"].T) * (cur @ w[p + "ffn_up.weight"].T), il)
+                ffn = act @ w[p + "ffn_down.weight"].T
+            x = tap("resid", x + tap("ffn_out", ffn, il) * rs, il)
+        x = tap("result_norm", rmsnorm(x, w["output_norm.weight"], h.rms_eps))
+        out = x @ w["output.weight"].T
+        if self.granite:
+            out = out / self.logit_scale
+        return tap("logits", out)
