@@ -390,3 +390,118 @@ def test_ctrl_c_swallowed_during_the_warm_up_still_stops(models):
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 130, r.stderr
     assert r.stdout == "" and "Traceback" not in r.stderr and r.stderr.rstrip().endswith("interrupted")
+
+
+# -- issue 28: llama.cpp's spellings, round two ---------------------------------------------------
+
+
+def run_json(capsys, *args, stdin=None, monkeypatch=None):
+    code, out, err = cli_main(capsys, "run", *args, "--json", "-t", "1", stdin=stdin, monkeypatch=monkeypatch)
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def test_without_n_the_run_stops_quietly_at_a_full_context(models, capsys):
+    m = models["plain"]  # n_ctx 128: the default 256 tokens do not fit
+    doc, err = run_json(capsys, m, "the cat", "--temp", "0", "--ignore-eos")
+    assert "context is full" not in err and doc["finish_reason"] == "context"
+    n_prompt = doc["prompt_tokens"]
+    # the prompt's positions, then one token per free position, and the last one sampled but not evaluated
+    assert len(doc["tokens"]) == 128 - n_prompt + 1
+    minus_one, err = run_json(capsys, m, "the cat", "--temp", "0", "--ignore-eos", "-n", "-1")
+    assert minus_one["tokens"] == doc["tokens"] and "context is full" not in err
+    # an explicit -n beyond the context still says so, as before
+    asked, err = run_json(capsys, m, "the cat", "--temp", "0", "--ignore-eos", "-n", "500")
+    assert asked["tokens"] == doc["tokens"] and "stopped: the context is full (128 tokens; raise -c/--ctx-size)" in err
+
+
+def test_the_demo_ends_cleanly(capsys):
+    code, out, err = cli_main(capsys, "run", "demo", "ROMEO:", "-t", "1", "--seed", "1")
+    assert code == 0 and out.strip(), err
+    assert "context is full" not in err and "stopped" not in err
+
+
+def test_multi_letter_single_dash_options_are_never_clusters(models, capsys):
+    code, _, err = cli_main(capsys, "perplexity", models["plain"], "-cnv")
+    assert code == 2 and one_error_line(err) == ("error: no such option: -cnv (single-dash options of several letters "
+                                                 "are never read as clusters of one-letter ones)")
+    code, _, err = cli_main(capsys, "run", models["plain"], "x", "-nx")
+    assert code == 2 and "no such option: -nx" in err
+    # values are values: -n -1, a prompt that starts with a dash
+    doc, _ = run_json(capsys, models["plain"], "-p", "-the cat", "-n", "-1", "--temp", "0", "-c", "16")
+    assert doc["finish_reason"] in ("context", "eog")
+
+
+def test_flash_attn_is_accepted_with_a_note_and_changes_nothing(models, capsys):
+    m = models["plain"]
+    ref, _ = run_json(capsys, m, "the cat", "-n", "5", "--temp", "0")
+    for flag in (["-fa"], ["-fa", "on"], ["--flash-attn", "auto"], ["--flash-attn=off"], ["-fa", "1"]):
+        doc, err = run_json(capsys, m, "the cat", *flag, "-n", "5", "--temp", "0")
+        assert doc["tokens"] == ref["tokens"], flag
+        assert f"note: {flag[0].partition('=')[0]} is accepted and ignored" in err
+    code, _, err = cli_main(capsys, "run", m, "x", "--flash-attn=maybe")
+    assert code == 2 and one_error_line(err).startswith("error: --flash-attn takes one of")
+
+
+def test_conversation_flags_and_sys(models, capsys, monkeypatch):
+    m = models["chat"]
+    raw, _ = run_json(capsys, m, "the cat", "-n", "5", "--temp", "0", "--raw")
+    no_cnv, _ = run_json(capsys, m, "the cat", "-n", "5", "--temp", "0", "-no-cnv")
+    templated, _ = run_json(capsys, m, "the cat", "-n", "5", "--temp", "0")
+    assert no_cnv["tokens"] == raw["tokens"] and no_cnv["prompt_tokens"] == raw["prompt_tokens"]
+    assert templated["prompt_tokens"] > raw["prompt_tokens"]  # the template's markers
+    system, _ = run_json(capsys, m, "the cat", "-n", "5", "--temp", "0", "--system", "be brief")
+    sys_, _ = run_json(capsys, m, "the cat", "-n", "5", "--temp", "0", "-sys", "be brief")
+    assert sys_ == {**system, "timings": sys_["timings"]}
+    # -cnv: the chat, with PROMPT as the first message, then the lines of stdin
+    code, out, err = cli_main(capsys, "run", m, "the cat", "-cnv", "-n", "3", "--temp", "0", "-t", "1",
+                              stdin="the dog\n", monkeypatch=monkeypatch)
+    assert code == 0, err
+    code2, out2, _ = cli_main(capsys, "chat", m, "-n", "3", "--temp", "0", "-t", "1",
+                              stdin="the cat\nthe dog\n", monkeypatch=monkeypatch)
+    assert code2 == 0 and out == out2 and len(out.splitlines()) == 2
+
+
+def test_logit_bias_presence_penalty_and_ignore_eos_reach_the_sampler(models, capsys):
+    m = models["plain"]
+    ref, _ = run_json(capsys, m, "the cat", "-n", "6", "--temp", "0")
+    first = ref["tokens"][0]
+    banned, _ = run_json(capsys, m, "the cat", "-n", "6", "--temp", "0", "--logit-bias", f"{first}-inf")
+    assert first not in banned["tokens"]
+    forced, _ = run_json(capsys, m, "the cat", "-n", "6", "--temp", "0", "--logit-bias", "100+50",
+                         "--logit-bias", "100+50")  # biases add up, as in llama.cpp: +100
+    assert forced["tokens"] == [100] * 6
+    # a presence penalty of 1000 over the whole context: no token appears twice, nor repeats the prompt
+    import qllama
+
+    prompt_ids = qllama.load(m).tokenize("the cat")
+    doc, _ = run_json(capsys, m, "the cat", "-n", "30", "--temp", "0", "--presence-penalty", "1000",
+                      "--repeat-last-n", "-1", "--ignore-eos")
+    assert len(doc["tokens"]) == 30 and len(set(doc["tokens"])) == 30 and not set(doc["tokens"]) & set(prompt_ids)
+
+
+def test_reverse_prompt_is_a_stop_string_in_run(models, capsys):
+    m = models["plain"]
+    ref, _ = run_json(capsys, m, "the cat", "-n", "12", "--temp", "0", "--ignore-eos")
+    text = ref["text"]
+    cut = text[len(text) // 2:][:3]
+    doc, _ = run_json(capsys, m, "the cat", "-n", "12", "--temp", "0", "--ignore-eos", "-r", cut)
+    assert doc["text"] == text[: text.index(cut)] and doc["finish_reason"] == "stop"
+
+
+def test_interactive_completion_continues_the_text_with_the_lines_typed(models, capsys, monkeypatch):
+    m = models["plain"]
+    code, plain, _ = cli_main(capsys, "run", m, "the cat", "-n", "6", "--temp", "0", "-t", "1", "--ignore-eos")
+    code, out, err = cli_main(capsys, "run", m, "the cat", "-i", "-n", "6", "--temp", "0", "-t", "1", "--ignore-eos",
+                              "-v", stdin="", monkeypatch=monkeypatch)
+    assert code == 0 and out == plain, err  # no input: the same 6 tokens, then the end
+    code, out2, err = cli_main(capsys, "run", m, "the cat", "-i", "-n", "6", "--temp", "0", "-t", "1", "--ignore-eos",
+                               "-v", stdin="a dog\n\n", monkeypatch=monkeypatch)
+    assert code == 0, err
+    assert out2.startswith(plain.rstrip("\n")) and len(out2) > len(plain)  # two more turns of text
+    assert err.count("[stopped: length]") == 3 and "reused" in err  # the KV cache kept the text
+    # a reverse prompt ends a turn where it appears (shown), and control returns to the input
+    cut = plain.strip()[-2:]
+    code, out3, err = cli_main(capsys, "run", m, "the cat", "-i", "-r", cut, "-n", "6", "--temp", "0", "-t", "1",
+                               "--ignore-eos", "-v", stdin="", monkeypatch=monkeypatch)
+    assert out3.rstrip("\n").endswith(cut) and "[stopped: reverse prompt]" in err

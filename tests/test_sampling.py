@@ -106,3 +106,64 @@ def test_sample_does_not_modify_its_input():
 def test_bad_parameters_are_errors(kw):
     with pytest.raises(QllamaError):
         Sampler(SamplingParams(**kw))
+
+
+# -- llama.cpp's penalties sampler (repeat, frequency, presence), logit bias, ignore_eos ------------
+
+def test_penalties_as_llama_cpp_applies_them_by_hand():
+    from qllama.generation.sampling import apply_penalties
+
+    logits = np.array([2.0, -2.0, 1.0, 4.0, 0.5], dtype=np.float32)
+    # token 0 seen once, 1 twice, 3 three times: repeat 2, then c * 0.5 + 0.25 subtracted
+    apply_penalties(logits, np.array([0, 1, 1, 3, 3, 3]), 2.0, 0.5, 0.25)
+    # 0: 2/2 - (0.5 + 0.25); 1: -2*2 - (1.0 + 0.25); 3: 4/2 - (1.5 + 0.25); 2 and 4 untouched
+    assert logits.tolist() == [0.25, -5.25, 1.0, 0.25, 0.5]
+
+
+def test_presence_penalty_changes_the_greedy_choice():
+    logits = np.array([3.0, 2.9, 0.0], dtype=np.float32)
+    plain = Sampler(SamplingParams(temperature=0.0))
+    plain.accept(0)
+    assert plain.sample(logits) == 0
+    s = Sampler(SamplingParams(temperature=0.0, presence_penalty=0.2))  # 3.0 - 0.2 = 2.8 < 2.9
+    s.accept(0)
+    assert s.sample(logits) == 1
+
+
+def test_frequency_penalty_counts_only_the_window():
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_last_n=2,
+                               frequency_penalty=math.log(2)))
+    for t in (0, 0, 0, 1):  # the window holds [0, 1]: each seen once
+        s.accept(t)
+    ids, probs = s.distribution(np.zeros(3, dtype=np.float32))
+    # logits -ln2, -ln2, 0 -> weights 1/2, 1/2, 1 -> 0.25, 0.25, 0.5
+    got = dict(zip(ids.tolist(), probs.tolist()))
+    assert got == pytest.approx({0: 0.25, 1: 0.25, 2: 0.5}, abs=1e-7)
+
+
+def test_logit_bias_comes_first_and_minus_inf_bans():
+    logits = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    assert Sampler(SamplingParams(temperature=0.0, logit_bias={0: 5.0})).sample(logits) == 0  # 6 > 3
+    assert Sampler(SamplingParams(temperature=0.0, logit_bias={2: -math.inf})).sample(logits) == 1
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, logit_bias=[(1, math.log(3))]))
+    ids, probs = s.distribution(np.zeros(2, dtype=np.float32))
+    assert dict(zip(ids.tolist(), probs.tolist())) == pytest.approx({0: 0.25, 1: 0.75}, abs=1e-7)
+
+
+def test_logit_bias_is_normalised_and_checked():
+    assert SamplingParams(logit_bias={"7": 1, 3: -2.5}).logit_bias == ((3, -2.5), (7, 1.0))
+    with pytest.raises(QllamaError, match="not a token id"):
+        Sampler(SamplingParams(logit_bias={-1: 1.0}))
+    with pytest.raises(QllamaError, match="must be a number or -inf"):
+        Sampler(SamplingParams(logit_bias={1: math.inf}))
+    with pytest.raises(QllamaError, match="out of range"):
+        Sampler(SamplingParams(logit_bias={5: 1.0})).sample(np.zeros(3, dtype=np.float32))
+
+
+def test_suppressed_tokens_are_never_sampled():
+    s = Sampler(SamplingParams(temperature=0.0, ignore_eos=True))
+    s.suppress([2])
+    assert s.sample(np.array([0.0, 1.0, 5.0], dtype=np.float32)) == 1
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    s.suppress([0])
+    assert all(s.sample(np.array([9.0, 0.0, 0.0], dtype=np.float32)) != 0 for _ in range(50))

@@ -41,8 +41,13 @@ COMMANDS = {
     "batch": "batch_cmd",
 }
 
-# llama.cpp flags with no meaning on a CPU-only runtime: flag -> (takes a value, why it is ignored)
+FLASH_ATTN_VALUES = {"on", "off", "auto", "1", "0", "true", "false", "enabled", "disabled"}
+FLASH_ATTN_NOTE = "qllama's attention is always one fused pass that never stores the score matrix, as flash attention"
+# llama.cpp flags with no meaning on a CPU-only runtime: flag -> (takes a value, why it is ignored);
+# a set of values: an optional value (taken when the next argument is one of them)
 IGNORED_FLAGS = {
+    "-fa": (FLASH_ATTN_VALUES, FLASH_ATTN_NOTE),
+    "--flash-attn": (FLASH_ATTN_VALUES, FLASH_ATTN_NOTE),
     "-ngl": (True, "qllama runs on the CPU; there are no GPU layers"),
     "--n-gpu-layers": (True, "qllama runs on the CPU; there are no GPU layers"),
     "--gpu-layers": (True, "qllama runs on the CPU; there are no GPU layers"),
@@ -77,9 +82,17 @@ def rewrite_argv(args: list[str]) -> tuple[list[str], list[str]]:
         name, eq, _ = a.partition("=")
         if name in IGNORED_FLAGS:
             takes_value, why = IGNORED_FLAGS[name]
-            if takes_value and not eq:
+            if isinstance(takes_value, set):  # an optional value (llama.cpp's -fa [on|off|auto])
+                value = a.partition("=")[2] if eq else (args[i + 1] if i + 1 < len(args) else "")
+                if value.lower() not in takes_value:
+                    if eq:
+                        raise click.UsageError(f"{name} takes one of {', '.join(sorted(takes_value))}, got {value!r}")
+                elif not eq:
+                    i += 1
+            elif takes_value and not eq:
                 i += 1  # its value
-            notices.append(f"note: {name} is ignored ({why})")
+            notices.append(f"note: {name} is accepted and ignored: {why}" if name in ("-fa", "--flash-attn")
+                           else f"note: {name} is ignored ({why})")
             i += 1
             continue
         if command is None and not a.startswith("-"):
@@ -101,6 +114,38 @@ def rewrite_argv(args: list[str]) -> tuple[list[str], list[str]]:
     if model is not None:
         out.insert(command_at + 1, model)
     return out, notices
+
+
+def check_single_dash(args: list[str], command: click.Command | None) -> None:
+    """llama.cpp spells many options with one dash and several letters (-cnv, -sys, -ctk, -np):
+    click would read an undeclared one as a cluster of short options (-cnv as -c nv). Every
+    single-dash word of more than one letter must be an option the command declares (or a number,
+    or an option's value); else a usage error names it."""
+    if command is None:
+        return
+    takes_value: dict[str, bool] = {}
+    for p in command.params:
+        if isinstance(p, click.Option):
+            for name in p.opts:
+                takes_value[name] = not p.is_flag and not p.count
+            for name in p.secondary_opts:
+                takes_value[name] = False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            return
+        name = a.partition("=")[0]
+        if name in takes_value:
+            if takes_value[name] and "=" not in a:
+                i += 1  # its value, whatever it looks like (-n -1, -p "-x")
+        elif a.startswith("-") and not a.startswith("--") and len(name) > 2:
+            try:
+                float(a)
+            except ValueError:
+                raise click.NoSuchOption(name, message=f"no such option: {name} (single-dash options of several "
+                                         f"letters are never read as clusters of one-letter ones)") from None
+        i += 1
 
 
 class LazyGroup(click.Group):
@@ -221,7 +266,11 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in args
-    args, notices = rewrite_argv(args)
+    try:
+        args, notices = rewrite_argv(args)
+    except click.UsageError as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
     for note in notices:
         click.echo(note, err=True)
     old_hook, old_show, old_sigint = sys.unraisablehook, warnings.showwarning, signal.getsignal(signal.SIGINT)
@@ -235,6 +284,10 @@ def main(argv: list[str] | None = None) -> None:
             with click.Context(cli, info_name="qllama") as ctx:
                 click.echo(cli.get_help(ctx))
             return
+        name = next((a for a in args if not a.startswith("-")), None)
+        if name in COMMANDS:
+            with click.Context(cli, info_name="qllama") as ctx:
+                check_single_dash(args[args.index(name) + 1:], cli.get_command(ctx, name))
         rv = cli.main(args=args, prog_name="qllama", standalone_mode=False)
         if isinstance(rv, int) and rv:
             sys.exit(rv)

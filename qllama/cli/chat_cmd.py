@@ -27,9 +27,10 @@ import click
 
 from ..chat import Conversation, ConversationTooLongError, NoChatTemplateError, PromptFormat, fit
 from ..errors import QllamaError
-from .options import kv_cache_options, sampling_options
+from .options import THREADS_HELP, kv_cache_options, sampling_options
 from .model_ref import ModelRef
 from .prompt_format import chat_template_option, describe, no_template_error
+from .terminal import PromptProgress, quiet_input
 
 HELP = """commands:
   /reset          forget the conversation (the system prompt is kept)
@@ -194,12 +195,13 @@ class ChatSession:
                 return None
             max_tokens = self.llm.n_ctx if self.max_tokens < 0 else self.max_tokens
             chunks = self.llm.stream(ids, max_tokens=max_tokens, **self.sampling)
-            for chunk in chunks:
-                if chunk.text:
-                    parts.append(chunk.text)
-                    self.out.write(chunk.text)
-                    self.out.flush()
-                reason = chunk.finish_reason or reason
+            with quiet_input():  # keys typed while the answer streams are not echoed into it
+                for chunk in chunks:
+                    if chunk.text:
+                        parts.append(chunk.text)
+                        self.out.write(chunk.text)
+                        self.out.flush()
+                    reason = chunk.finish_reason or reason
         except KeyboardInterrupt:  # Ctrl-C: stop this answer, keep the session
             reason = "interrupted"
         except QllamaError as e:  # e.g. the template rejects the conversation
@@ -288,18 +290,24 @@ def stream_lines(stream: TextIO) -> Iterator[str]:
 
 @click.command("chat")
 @click.argument("model", type=ModelRef(dir_okay=False))
+@click.option("-p", "--prompt", "first_message", metavar="TEXT",
+              help="The first message, answered before any input is read (llama-cli -cnv -p).")
 @click.option("-n", "--max-tokens", default=-1, show_default=True, type=click.IntRange(min=-1),
               help="Tokens per answer at most (-1: until the end of the turn or a full context).")
 @sampling_options
 @click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0, help="Context size (0 = min(model's, 4096)).")
-@click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
+@click.option("-t", "--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 @click.option("-b", "--batch-size", type=click.IntRange(min=1), default=512, show_default=True, help="Prompt tokens per prefill batch.")
 @kv_cache_options
-@click.option("--system", "system_prompt", help="System prompt (also settable in the session with /system).")
+@click.option("-sys", "--system", "--system-prompt", "system_prompt",
+              help="System prompt (also settable in the session with /system).")
+@click.option("-r", "--reverse-prompt", multiple=True, metavar="TEXT",
+              help="End an answer where this text appears (repeatable; not shown) and return control to you.")
 @chat_template_option
 @click.option("-v", "--verbose", is_flag=True, help="Print load details and, after each answer, tokens evaluated/reused and speed (stderr).")
-def command(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
-            ctx_size, threads, batch_size, type_k, type_v, system_prompt, chat_template, verbose):
+def command(model, first_message, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+            presence_penalty, frequency_penalty, logit_bias, ignore_eos, seed, ctx_size, threads, batch_size, type_k,
+            type_v, system_prompt, reverse_prompt, chat_template, verbose):
     """Chat with MODEL: type a message, read the streamed answer; the conversation is kept.
 
     Commands: /reset, /system [TEXT], /save FILE, /load FILE (JSON list of {role, content}),
@@ -311,8 +319,13 @@ def command(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat
 
     llm = load(model, n_ctx=ctx_size or None, n_threads=threads, batch_size=batch_size, type_k=type_k, type_v=type_v,
                warmup_next=True)
+    bad = [t for t in logit_bias if t >= llm.n_vocab]
+    if bad:
+        raise click.BadParameter(f"token id {bad[0]} is out of range [0, {llm.n_vocab})", param_hint="'--logit-bias'")
     sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                    repeat_last_n=repeat_last_n, seed=seed)
+                    repeat_last_n=repeat_last_n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                    logit_bias=logit_bias, ignore_eos=ignore_eos, seed=seed, stop=list(reverse_prompt))
+    llm.session.progress = PromptProgress()  # a long conversation or pasted text shows its progress on a terminal
     chat = ChatSession(llm, system=system_prompt, chat_template=chat_template, max_tokens=max_tokens,
                        sampling=sampling, verbose=verbose)
     from .warm import warm_up
@@ -325,6 +338,8 @@ def command(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat
     if interactive:
         chat.notice(f"chatting with {llm.path} ({chat.template_name}); /help for commands, "
                     "Ctrl-C stops an answer, Ctrl-D exits")
+    if first_message is not None and not chat.handle(first_message):
+        return
     lines = terminal_lines() if interactive else stream_lines(sys.stdin)
     for line in lines:
         if not chat.handle(line):

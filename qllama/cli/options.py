@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import click
 
 from ..errors import QllamaError
 
+THREADS_HELP = ("Threads (default: every physical core for prompts; one-token decoding adapts its count to the "
+                "machine, fewer when other processes hold cores). An explicit -t N is kept.")
 RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF, i.e. -1): draw a random seed
 
 
@@ -20,8 +23,30 @@ def _seed(ctx, param, value: int | None) -> int | None:
     return value
 
 
+_BIAS = re.compile(r"^\s*(\d+)\s*([+-])\s*(inf|infinity|\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+(?:e[+-]?\d+)?)\s*$", re.I)
+
+
+def parse_logit_bias(values) -> dict[int, float]:
+    """llama.cpp's --logit-bias TOKEN_ID(+|-)BIAS (e.g. 15043+1, 15043-0.5, 2-inf), repeatable;
+    biases given twice for one token add up, as llama.cpp's logit-bias sampler adds each entry."""
+    out: dict[int, float] = {}
+    for v in values or ():
+        m = _BIAS.match(v)
+        if not m:
+            raise click.BadParameter(f"{v!r} is not TOKEN_ID(+|-)BIAS (e.g. 15043+1 or 15043-inf)",
+                                     param_hint="'--logit-bias'")
+        bias = float(m.group(3)) * (-1.0 if m.group(2) == "-" else 1.0)
+        if bias == float("inf"):
+            raise click.BadParameter(f"{v!r}: a bias of +inf is not allowed (use -inf to ban a token)",
+                                     param_hint="'--logit-bias'")
+        tok = int(m.group(1))
+        out[tok] = out.get(tok, 0.0) + bias
+    return out
+
+
 def sampling_options(f):
-    """--temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, -s/--seed (llama.cpp's defaults)."""
+    """--temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty,
+    --frequency-penalty, --logit-bias, --ignore-eos, -s/--seed (llama.cpp's defaults)."""
     opts = [
         click.option("--temp", default=0.8, show_default=True, type=float, help="Temperature; 0 = greedy."),
         click.option("--top-k", default=40, show_default=True, type=int, help="Top-k (<= 0: off)."),
@@ -31,6 +56,13 @@ def sampling_options(f):
                      help="Penalty for recently seen tokens (1.0: off)."),
         click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(min=-1),
                      help="Window of the repeat penalty (0: off, -1: whole context)."),
+        click.option("--presence-penalty", default=0.0, show_default=True, type=float,
+                     help="Subtracted from every token seen in the repeat window (0.0: off)."),
+        click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
+                     help="Subtracted per occurrence in the repeat window (0.0: off)."),
+        click.option("--logit-bias", multiple=True, metavar="TOKEN_ID(+|-)BIAS", callback=lambda c, p, v: parse_logit_bias(v),
+                     help="Add BIAS to a token's logit, e.g. 15043+1 or 2-inf (bans it); repeatable."),
+        click.option("--ignore-eos", is_flag=True, help="Never end at an end-of-generation token (it is never sampled)."),
         click.option("-s", "--seed", type=int, default=None, callback=_seed,
                      help="Random seed (default or -1: a random one)."),
     ]

@@ -1,7 +1,8 @@
 """Token sampling with llama.cpp's chain and defaults.
 
-Order (llama.cpp's default sampler chain): repeat penalty -> top-k -> top-p -> min-p ->
-temperature -> draw. A temperature <= 0 is greedy (argmax), as in llama.cpp.
+Order (llama.cpp's default sampler chain): logit bias -> penalties (repeat, frequency,
+presence: llama.cpp's penalties sampler) -> top-k -> top-p -> min-p -> temperature -> draw.
+A temperature <= 0 is greedy (argmax), as in llama.cpp.
 Each step works on a candidate set (ids, logits) that only shrinks; the Sampler owns its RNG.
 """
 
@@ -27,10 +28,38 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1.0: off
     repeat_last_n: int = 64  # window of recent tokens the penalty looks at (0: off, -1: whole context)
     seed: int | None = None  # None: a fresh random seed
+    # llama.cpp's penalties sampler, over the same window as the repeat penalty: a token seen c
+    # times there loses c * frequency_penalty + presence_penalty from its logit (0.0: off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # added to the logits before anything else (llama.cpp's logit-bias sampler); -inf bans a token.
+    # A dict {token id: bias} or pairs; stored as sorted (id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # end-of-generation tokens are never sampled (their logits are -inf, as llama.cpp's
+    # --ignore-eos); the generation loop (session.stream_generate, the server) applies it
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            pairs = tuple(sorted((int(t), float(b)) for t, b in bias))
+        except (TypeError, ValueError):
+            raise QllamaError("logit_bias must map token ids to numbers") from None
+        object.__setattr__(self, "logit_bias", pairs)
 
     def validate(self) -> None:
         if not np.isfinite(self.temperature):
             raise QllamaError("temperature must be a finite number")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not np.isfinite(getattr(self, name)):
+                raise QllamaError(f"{name.replace('_', ' ')} must be a finite number")
+        for t, b in self.logit_bias:
+            if t < 0:
+                raise QllamaError(f"logit bias: {t} is not a token id")
+            if b != b or b == float("inf"):
+                raise QllamaError(f"logit bias of token {t} must be a number or -inf, got {b}")
         if not 0.0 <= self.top_p <= 1.0:
             raise QllamaError(f"top-p must be in [0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -65,6 +94,21 @@ def apply_repeat_penalty(logits: np.ndarray, recent: np.ndarray, penalty: float)
     ids = np.unique(recent)
     vals = logits[ids]
     logits[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+
+
+def apply_penalties(logits: np.ndarray, recent: np.ndarray, repeat: float, frequency: float, presence: float) -> None:
+    """llama.cpp's penalties sampler (llama_sampler_penalties), in place, in float32: for each
+    distinct token of `recent` seen c times, a logit <= 0 is multiplied by `repeat` and a positive
+    one divided by it, then c * frequency + presence is subtracted."""
+    if recent.size == 0 or (repeat == 1.0 and frequency == 0.0 and presence == 0.0):
+        return
+    ids, counts = np.unique(recent, return_counts=True)
+    vals = logits[ids]
+    if repeat != 1.0:
+        vals = np.where(vals <= 0, vals * np.float32(repeat), vals / np.float32(repeat)).astype(np.float32)
+    if frequency != 0.0 or presence != 0.0:
+        vals = vals - (counts.astype(np.float32) * np.float32(frequency) + np.float32(presence))
+    logits[ids] = vals
 
 
 def top_k_filter(ids: np.ndarray, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,6 +156,14 @@ class Sampler:
         self.rng = np.random.default_rng(self.params.seed)
         n = self.params.repeat_last_n
         self.recent: deque[int] = deque(maxlen=None if n < 0 else n)
+        self.suppressed = np.zeros(0, dtype=np.int64)  # ids never sampled (see `suppress`)
+        self._bias = (np.array([t for t, _ in self.params.logit_bias], dtype=np.int64),
+                      np.array([b for _, b in self.params.logit_bias], dtype=np.float32))
+
+    def suppress(self, ids) -> None:
+        """Never sample these ids (their logits become -inf): the end-of-generation tokens, for
+        `ignore_eos`."""
+        self.suppressed = np.array(sorted(set(int(i) for i in ids)), dtype=np.int64)
 
     def accept(self, token: int) -> None:
         """Record a token (prompt or generated) for the repeat penalty window."""
@@ -133,9 +185,17 @@ class Sampler:
         probabilities (K,) float64 summing to 1); tokens outside `ids` have probability 0.
         Greedy (temperature <= 0) is the argmax with probability 1."""
         prm = self.params
-        logits = np.array(logits, dtype=np.float32)  # copy: penalties write into it
-        if prm.repeat_penalty != 1.0 and self.recent:
-            apply_repeat_penalty(logits, np.fromiter(self.recent, dtype=np.int64), prm.repeat_penalty)
+        logits = np.array(logits, dtype=np.float32)  # copy: bias and penalties write into it
+        bias_ids, bias = self._bias
+        if bias_ids.size:
+            if bias_ids[-1] >= logits.shape[0]:
+                raise QllamaError(f"logit bias: token id {bias_ids[-1]} is out of range [0, {logits.shape[0]})")
+            logits[bias_ids] += bias
+        if self.suppressed.size:
+            logits[self.suppressed[self.suppressed < logits.shape[0]]] = -np.inf
+        if self.recent and (prm.repeat_penalty != 1.0 or prm.frequency_penalty != 0.0 or prm.presence_penalty != 0.0):
+            apply_penalties(logits, np.fromiter(self.recent, dtype=np.int64), prm.repeat_penalty,
+                            prm.frequency_penalty, prm.presence_penalty)
         if prm.temperature <= 0.0:
             return np.array([np.argmax(logits)]), np.ones(1)
         ids = np.arange(logits.shape[0])

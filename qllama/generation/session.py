@@ -106,6 +106,9 @@ class Session:
         self.threads: ThreadAdapter | None = adapter_for(get_threads()) if adapt_threads else None
         self.cache: KVCache = model.new_cache()
         self.tokens: list[int] = []  # what positions [0, cache.n_past) hold
+        # progress(done, total) of a prompt's evaluation: (0, total) first, then after each batch
+        # (the CLI draws it on a terminal: qllama.cli.terminal.PromptProgress); None: not called
+        self.progress = None
 
     @property
     def n_ctx(self) -> int:
@@ -132,6 +135,9 @@ class Session:
         common = self.cache.rewind(common)  # 0 when a sliding-window layer no longer holds what it needs
         self.tokens = list(ids[:common])
         logits = None
+        progress = self.progress
+        if progress is not None:
+            progress(0, len(ids) - common)
         for start in range(common, len(ids), self.batch_size):
             batch = ids[start : start + self.batch_size]
             if self.threads is None:
@@ -139,6 +145,8 @@ class Session:
             else:  # a short batch's regions are as short as a decode step's: it runs at decode's count
                 logits = self.threads.run_batch(len(batch), lambda: self.model.forward(batch, self.cache), set_threads)
             self.tokens.extend(batch)
+            if progress is not None:
+                progress(start + len(batch) - common, len(ids) - common)
         assert logits is not None
         return logits[-1], len(ids) - common
 
@@ -195,6 +203,9 @@ def stream_generate(
     """
     timings = timings if timings is not None else Timings()
     eog = tokenizer.eog_ids
+    if getattr(getattr(sampler, "params", None), "ignore_eos", False):  # as llama.cpp's --ignore-eos: never the end
+        sampler.suppress(eog)
+        eog = frozenset()
     clock = time.perf_counter
 
     t0 = clock()

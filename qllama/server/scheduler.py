@@ -95,6 +95,8 @@ class _Run:
         self.pos = cached  # next prompt index to evaluate
         self.cached = cached
         self.sampler = constrained_sampler(job.params.sampling, job.params.constraint)  # a plain Sampler without one
+        if job.params.sampling.ignore_eos:  # end-of-generation tokens are never sampled
+            self.sampler.suppress(tokenizer.eog_ids)
         for t in job.prompt:
             self.sampler.accept(t)
         self.output = TextOutput(tokenizer, job.params.stop)
