@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import numpy as np
 
 from .errors import QllamaError, UnsupportedError
-from .gguf.types import BF16, F16, F32, GGML_TYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name
+from .gguf.types import BF16, F16, F32, GGML_TYPES, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name
 
 if TYPE_CHECKING:
     from .gguf.reader import GGUFFile
@@ -199,6 +199,52 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, ge
     return ops
 
 
+def _iquant_ops(type_id: int) -> TypeOps:
+    """An i-quant or ternary type. Rows decode in NumPy for the embedding lookup
+    (`dequantize_iq_np`); iq4_nl / iq4_xs have Numba decoders for the float path's tiles and an
+    int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid types run the float
+    path on NumPy-decoded tiles."""
+    from . import dequantize_iq_np as numpy_rows
+    from .kernels import floats
+    from .kernels._x86 import HAVE_AVX2
+
+    tab = _fp16_table()
+    kernels = None
+    if TYPES[type_id].int8_form is not None:
+        from .kernels import iquants as kernels
+
+    def matmul(q, x, out, nt):  # decode a tile of rows (bit-exact), multiply it with every token
+        n_tok, n_rows, n_cols = x.shape[0], q.n_rows, q.n_cols
+        tile = max(1, min(n_rows, FLOAT_MATMUL_TILE_BYTES // (4 * n_cols)))
+        for r0 in range(0, n_rows, tile):
+            ids = np.arange(r0, min(n_rows, r0 + tile), dtype=np.int64)
+            if kernels is not None:
+                w = np.empty((ids.size, n_cols), np.float32)  # (tile, ne0) decoded rows
+                kernels.dequantize_rows(type_id, q.raw, ids, tab, w)
+            else:
+                w = numpy_rows.dequantize_rows(type_id, q.raw, ids)
+            w.flags.writeable = False  # the same kernel signature as f32 weights
+            y = np.empty((n_tok, ids.size), np.float32)  # (n_tok, tile)
+            floats.matmul_f32(w, x, y, nt)
+            out[:, r0 : r0 + ids.size] = y
+
+    ops = TypeOps(
+        matvec=lambda q, x, out: matmul(q, x.reshape(1, -1), out.reshape(1, -1), get_threads()),
+        matmul=matmul,
+        dequantize=lambda q, ids: numpy_rows.dequantize_rows(type_id, q.raw, ids),
+        int8=None,
+    )
+    if kernels is not None and HAVE_AVX2:
+        form = TYPES[type_id].int8_form
+
+        def int8_matmul(q, act, out, nt):
+            xq, xd, xs = act.quantized(form)
+            kernels.matmul_int8(type_id, q.raw, xq, xd, xs, tab, out, nt)
+
+        ops = ops._replace(int8=int8_matmul)
+    return ops
+
+
 _register(F32, np.float32, None, _f32_ops)
 _register(F16, np.uint16, None, partial(_half_ops, False))
 _register(BF16, np.uint16, None, partial(_half_ops, True))
@@ -219,6 +265,10 @@ for _tid, _family, _form, _kernel, _shared, _gemm in (
 ):
     _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm))
 del _tid, _family, _form, _kernel, _shared, _gemm
+# i-quants (kernels/iquants.py, dequantize_iq_np.py): int8 activation form, or None (float path only)
+for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K")):
+    _register(_tid, None, _form, partial(_iquant_ops, _tid))
+del _tid, _form
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(TYPES)
 # types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)

@@ -27,14 +27,14 @@ from qllama.kernels import _x86  # noqa: E402
 from qllama.qtensor import QTensor, int8_activations, quantize_activation, set_threads  # noqa: E402
 
 # byte offsets of the fp16 scale fields of one K-quant block (as test_kernels.FP16_FIELDS)
-K_SCALES = {gt.Q2_K: (80, 82), gt.Q3_K: (108,), gt.Q4_K: (0, 2), gt.Q5_K: (0, 2), gt.Q6_K: (208,)}
+K_SCALES = {gt.Q2_K: (80, 82), gt.Q3_K: (108,), gt.Q4_K: (0, 2), gt.Q5_K: (0, 2), gt.Q6_K: (208,), gt.IQ4_NL: (0,), gt.IQ4_XS: (0,)}
 NE0, N_ROWS = 512, 48  # (48: 3 gemm passes of 16 rows on a 512-bit ISA, 6 of 8 on AVX2)
 
 
 def matrix(tid: int, rng: np.random.Generator) -> np.ndarray:
     """(N_ROWS, row bytes): random blocks, with the extremes that bound the int16 pair sums."""
     t = gt.GGML_TYPES[tid]
-    if tid in K_SCALES:  # random bytes are valid K-quant blocks (quants 0..max included)
+    if tid in K_SCALES:  # random bytes are valid K-quant (and iq4) blocks (quants 0..max included)
         raw = rng.integers(0, 256, (N_ROWS, NE0 // t.block_size, t.type_size), dtype=np.uint8)
         for f in K_SCALES[tid]:
             raw[:, :, f:f + 2] = rng.uniform(-0.02, 0.02, (N_ROWS, raw.shape[1], 1)).astype(np.float16).view(np.uint8)

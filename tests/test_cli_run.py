@@ -180,7 +180,7 @@ def test_ctrl_c_stops_generation_and_still_prints_timings(tmp_path):
 
 
 def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
-    """A tensor of a type we cannot execute (iq4_nl here) fails at load, naming tensor and type;
+    """A tensor of a type we cannot execute (q4_0_4_4, repacked q4_0, here) fails at load, naming tensor and type;
     `inspect` still reads the file."""
     import struct
 
@@ -191,11 +191,11 @@ def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
     at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
     n_dims = struct.unpack_from("<I", data, at)[0]
     type_at = at + 4 + 8 * n_dims
-    assert struct.unpack_from("<I", data, type_at)[0] == 2  # q4_0: 18-byte blocks of 32, like iq4_nl
-    struct.pack_into("<I", data, type_at, 20)  # iq4_nl
+    assert struct.unpack_from("<I", data, type_at)[0] == 2  # q4_0: 18-byte blocks of 32, like q4_0_4_4
+    struct.pack_into("<I", data, type_at, 31)  # q4_0_4_4
     path.write_bytes(bytes(data))
     r = cli("run", str(path), "hi")
     assert r.returncode == 1 and r.stderr.startswith("error:")
-    assert "blk.0.ffn_up.weight" in r.stderr and "iq4_nl" in r.stderr and "cannot run" in r.stderr
+    assert "blk.0.ffn_up.weight" in r.stderr and "q4_0_4_4" in r.stderr and "cannot run" in r.stderr
     r = cli("inspect", str(path))
-    assert r.returncode == 0 and "iq4_nl" in r.stdout
+    assert r.returncode == 0 and "q4_0_4_4" in r.stdout

@@ -41,11 +41,13 @@ INT8_SCALED_TOL = 2e-3  # measured <= 7e-4
 K_TYPES = [gt.Q2_K, gt.Q3_K, gt.Q4_K, gt.Q5_K, gt.Q6_K]
 LEGACY_TYPES = [gt.Q4_0, gt.Q4_1, gt.Q5_0, gt.Q5_1, gt.Q8_0]
 FLOAT_TYPES = [gt.F32, gt.F16, gt.BF16]
-ALL_TYPES = K_TYPES + LEGACY_TYPES + FLOAT_TYPES
+IQ4_TYPES = [gt.IQ4_NL, gt.IQ4_XS]  # every bit pattern a valid block (more in test_iquants.py)
+ALL_TYPES = K_TYPES + LEGACY_TYPES + FLOAT_TYPES + IQ4_TYPES
 # byte offsets of the fp16 fields (d, dmin / m) inside one block
 FP16_FIELDS = {
     gt.Q2_K: (80, 82), gt.Q3_K: (108,), gt.Q4_K: (0, 2), gt.Q5_K: (0, 2), gt.Q6_K: (208,),
     gt.Q4_0: (0,), gt.Q4_1: (0, 2), gt.Q5_0: (0,), gt.Q5_1: (0, 2), gt.Q8_0: (0,),
+    gt.IQ4_NL: (0,), gt.IQ4_XS: (0,),
 }
 
 
@@ -56,7 +58,7 @@ def tname(t: int) -> str:
 def random_matrix(tid: int, ne0: int, ne1: int, rng: np.random.Generator) -> np.ndarray:
     """Packed bytes (ne1, row_bytes) of a random matrix of type tid."""
     t = gt.GGML_TYPES[tid]
-    if tid in K_TYPES:  # random bytes are valid blocks; give them small finite scales
+    if tid in K_TYPES or tid in IQ4_TYPES:  # random bytes are valid blocks; give them small finite scales
         nb = ne0 // t.block_size
         raw = rng.integers(0, 256, (ne1, nb, t.type_size), dtype=np.uint8)
         for f in FP16_FIELDS[tid]:
@@ -188,7 +190,7 @@ def test_f16_conversion_in_products_all_bit_patterns():
 # -- mat-vec / mat-mat against float64 ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("tid", ALL_TYPES, ids=tname)
+@pytest.mark.parametrize("tid", K_TYPES + LEGACY_TYPES + FLOAT_TYPES, ids=tname)  # (iq4: test_iquants.py)
 def test_float_paths_match_float64(tid, float_path):
     rng = np.random.default_rng(200 + tid)
     ne0 = 512 if tid in K_TYPES else 96
@@ -205,7 +207,7 @@ def test_float_paths_match_float64(tid, float_path):
             assert rel_err(y, xs.astype(np.float64) @ w64.T) <= FLOAT_TOL
 
 
-@pytest.mark.parametrize("tid", sorted(INT8_TYPES), ids=tname)
+@pytest.mark.parametrize("tid", sorted(INT8_TYPES - set(IQ4_TYPES)), ids=tname)  # (iq4: test_iquants.py, == ggml)
 def test_int8_paths_match_float64(tid):
     if tid not in int8_activations():
         pytest.skip("no AVX2: the int8-activation kernels are not used on this host")
@@ -237,7 +239,7 @@ def _int8_reference(tid: int, w64: np.ndarray, x: np.ndarray, raw: np.ndarray) -
     q8_0 / q8_1 (32-element types): d = amax/127 kept as fp16, q = round-half-even(x * 127/amax);
     q4_1 and q5_1 take their min term from q8_1's s = fp16(d * sum q), not from fp16(d) * sum q.
     """
-    bs = 256 if tid in K_TYPES else 32  # q8_K or q8_0/q8_1 activations
+    bs = 256 if tid in K_TYPES or tid == gt.IQ4_XS else 32  # q8_K or q8_0/q8_1 activations
     xb = x.astype(np.float64).reshape(-1, bs)
     if bs == 32:
         x32 = x.reshape(-1, 32).astype(np.float32)
@@ -283,7 +285,7 @@ def test_int8_batches_of_1_to_9_tokens(tid):
     if tid not in int8_activations():
         pytest.skip("no AVX2")
     rng = np.random.default_rng(700 + tid)
-    ne0 = 512 if tid in K_TYPES else 160
+    ne0 = 512 if tid in K_TYPES or tid == gt.IQ4_XS else 160
     raw = random_matrix(tid, ne0, 21, rng)
     q = QTensor.from_bytes(tid, raw, (ne0, 21))
     w64 = oracle(tid, raw, ne0).astype(np.float64)
@@ -477,13 +479,14 @@ def test_set_threads_validates():
 
 def test_supported_types():
     assert {tname(t) for t in SUPPORTED_TYPES} == {
-        "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K"}
+        "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K",
+        "iq4_nl", "iq4_xs"}
 
 
 def test_from_bytes_validates():
     raw = np.zeros(144 * 2, np.uint8)
-    with pytest.raises(UnsupportedError, match="iq4_nl, which qllama cannot run yet"):
-        QTensor.from_bytes(20, raw, (256, 2))
+    with pytest.raises(UnsupportedError, match="q4_0_4_4, which qllama cannot run yet"):
+        QTensor.from_bytes(31, raw, (256, 2))  # (repacked q4_0: never in files since 2024)
     with pytest.raises(QllamaError, match="needs 288"):
         QTensor.from_bytes(gt.Q4_K, raw[:-1], (256, 2))
     with pytest.raises(QllamaError, match="multiple of the q4_K block size"):
@@ -522,7 +525,7 @@ def test_from_gguf_rejects_unsupported_type(tmp_path):
     path = tmp_path / "t.gguf"
     w = GGUFWriter(str(path), "llama")
     w.add_tensor("ok.weight", np.zeros((2, 34), np.uint8), raw_shape=(2, 34), raw_dtype=GQ.Q8_0)
-    w.add_tensor("iq.weight", np.zeros((2, 18), np.uint8), raw_shape=(2, 18), raw_dtype=GQ.IQ4_NL)
+    w.add_tensor("iq.weight", np.zeros((2, 17), np.uint8), raw_shape=(2, 17), raw_dtype=GQ.MXFP4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -530,7 +533,7 @@ def test_from_gguf_rejects_unsupported_type(tmp_path):
     gf = GGUFFile(path)
     q = QTensor.from_gguf(gf, "ok.weight")
     assert q.shape == (32, 2) and q.type_id == gt.Q8_0
-    with pytest.raises(UnsupportedError, match="tensor iq.weight has type iq4_nl, which qllama cannot run yet"):
+    with pytest.raises(UnsupportedError, match="tensor iq.weight has type mxfp4, which qllama cannot run yet"):
         QTensor.from_gguf(gf, "iq.weight")
 
 

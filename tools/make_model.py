@@ -42,6 +42,7 @@ from qllama.gguf.reader import GGUFFile, ValueType  # noqa: E402
 _SCALE_FIELDS = {
     "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
     "q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,),
+    "iq4_nl": (0,), "iq4_xs": (0,),
 }
 
 

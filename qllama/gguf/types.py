@@ -46,26 +46,26 @@ _TYPES = [
     GGMLType(13, "q5_K", QK_K, _H + _H + 12 + 32 + 128, (0, 2)),  # d, dmin, scales[12], qh[32], qs[128]
     GGMLType(14, "q6_K", QK_K, 128 + 64 + 16 + _H, (208,)),  # ql[128], qh[64], scales[16], d
     GGMLType(15, "q8_K", QK_K, 4 + 256 + 32),  # float d, qs[256], bsums[16] (int16)
-    GGMLType(16, "iq2_xxs", QK_K, _H + 64),
-    GGMLType(17, "iq2_xs", QK_K, _H + 64 + 8),
-    GGMLType(18, "iq3_xxs", QK_K, _H + 96),
-    GGMLType(19, "iq1_s", QK_K, _H + 32 + 16),
-    GGMLType(20, "iq4_nl", 32, _H + 16),
-    GGMLType(21, "iq3_s", QK_K, _H + 64 + 8 + 32 + 4),
-    GGMLType(22, "iq2_s", QK_K, _H + 64 + 8 + 8),
-    GGMLType(23, "iq4_xs", QK_K, _H + 2 + 4 + 128),
+    GGMLType(16, "iq2_xxs", QK_K, _H + 64, (0,)),  # d, qs[32] (u16)
+    GGMLType(17, "iq2_xs", QK_K, _H + 64 + 8, (0,)),  # d, qs[32] (u16), scales[8]
+    GGMLType(18, "iq3_xxs", QK_K, _H + 96, (0,)),  # d, qs[96]
+    GGMLType(19, "iq1_s", QK_K, _H + 32 + 16, (0,)),  # d, qs[32], qh[8] (u16)
+    GGMLType(20, "iq4_nl", 32, _H + 16, (0,)),  # d, qs[16]
+    GGMLType(21, "iq3_s", QK_K, _H + 64 + 8 + 32 + 4, (0,)),  # d, qs[64], qh[8], signs[32], scales[4]
+    GGMLType(22, "iq2_s", QK_K, _H + 64 + 8 + 8, (0,)),  # d, qs[64], qh[8], scales[8]
+    GGMLType(23, "iq4_xs", QK_K, _H + 2 + 4 + 128, (0,)),  # d, scales_h, scales_l[4], qs[128]
     GGMLType(24, "i8", 1, 1),
     GGMLType(25, "i16", 1, 2),
     GGMLType(26, "i32", 1, 4),
     GGMLType(27, "i64", 1, 8),
     GGMLType(28, "f64", 1, 8),
-    GGMLType(29, "iq1_m", QK_K, 32 + 16 + 8),
+    GGMLType(29, "iq1_m", QK_K, 32 + 16 + 8),  # qs[32], qh[16], scales[8] (its fp16 d spread over the scales' top nibbles)
     GGMLType(30, "bf16", 1, 2),
     GGMLType(31, "q4_0_4_4", 32, _H + 16),  # repacked q4_0, removed from files in 2024
     GGMLType(32, "q4_0_4_8", 32, _H + 16),
     GGMLType(33, "q4_0_8_8", 32, _H + 16),
-    GGMLType(34, "tq1_0", QK_K, 48 + 4 + _H),  # qs[48] (base-3), qh[4], d
-    GGMLType(35, "tq2_0", QK_K, 64 + _H),
+    GGMLType(34, "tq1_0", QK_K, 48 + 4 + _H, (52,)),  # qs[48] (base-3), qh[4], d
+    GGMLType(35, "tq2_0", QK_K, 64 + _H, (64,)),  # qs[64], d
     GGMLType(36, "iq4_nl_4_4", 32, _H + 16),  # repacked, removed from files
     GGMLType(37, "iq4_nl_4_8", 32, _H + 16),
     GGMLType(38, "iq4_nl_8_8", 32, _H + 16),
@@ -81,6 +81,7 @@ GGML_TYPES_BY_NAME: dict[str, GGMLType] = {t.name: t for t in _TYPES}
 F32, F16, BF16 = 0, 1, 30
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35
 
 
 def type_name(type_id: int) -> str:

@@ -1,0 +1,191 @@
+"""x86 intrinsics of the i-quants' int8 dot products (iq4_nl, iq4_xs), as ggml's AVX2 vec_dot.
+
+Both types hold 4-bit indices into the 16 values `kvalues_iq4nl` (`qllama.iq_tables`), looked up
+32 at a time with `vpshufb` (the table in both 128-bit lanes). As ggml (`mul_add_epi8`): the
+products of the signed values q and activations x are `pmaddubsw(|q|, sign(x, q))` (pair sums at
+most 2 * 127 * 127: no saturation), lanes of 4 products each summed exactly in int32:
+
+- iq4_nl x q8_0 (`ggml_vec_dot_iq4_nl_q8_0`): block b's 8 int32 lane sums, times d_b * dx_b in
+  one fma into accumulator b % 2 (two of them, 8 floats each); the row's value is the horizontal
+  sum of their sum. ggml's scalar tail for an odd block count is the caller's (`iquants.py`).
+- iq4_xs x q8_K (`ggml_vec_dot_iq4_xs_q8_K`): per super-block, sum over its 8 sub-blocks of
+  (6-bit scale - 32) * the pair sums (`pmaddwd`, or `vpdpwssd` on a VNNI ISA: the same int32
+  lanes), then one fma of d * dx into one accumulator; the horizontal sum at the end.
+
+Every ISA runs these 256-bit shapes (integer lanes exact, float steps the same instructions), so
+every ISA gives the same bits. Signatures follow `_x86._row_sig`: one token (1-D activations) ->
+float32, or 2-D activations and a first token -> `N_TILE` float32s (weights unpacked once).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ..iq_tables import KVALUES_IQ4NL
+from ._x86 import _I8, _I16, _I32, _I64, _call, _dot4, _gep8, _lanes, _madd_add, _maddubs, _pack, _psign, _ptr, _row_loop, _row_ptrs, _row_sig, _splat, _vec, _hsum, _loop
+
+_V8F = ir.VectorType(ir.FloatType(), 8)
+
+
+def _fma8(builder, a, b, c):
+    """a * b + c on <8 x float>, rounded once (`vfmadd`, as ggml's `_mm256_fmadd_ps`)."""
+    fn = builder.module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(_V8F, [_V8F] * 3))
+    return builder.call(fn, [a, b, c])
+
+
+def _splat8(builder, v):
+    """<8 x float> with the float v in every lane."""
+    z = ir.Constant(_V8F, None)
+    return builder.shuffle_vector(builder.insert_element(z, v, ir.Constant(_I32, 0)), z, ir.Constant(_vec(_I32, 8), [0] * 8))
+
+
+def _load_f16(builder, p):
+    h = builder.load(builder.bitcast(p, ir.PointerType(ir.HalfType())), align=1)
+    return builder.fpext(h, ir.FloatType())
+
+
+def _iq4_values(builder, p):
+    """<32 x i8> signed values of the 32 elements of the 16 packed bytes at i8* p: the low
+    nibbles (elements 0-15), then the high ones (16-31), each looked up in kvalues_iq4nl."""
+    v = builder.load(builder.bitcast(p, ir.PointerType(_vec(_I8, 16))), align=1)
+    lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
+    idx = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+    table = ir.Constant(_vec(_I8, 32), [int(k) for k in KVALUES_IQ4NL] * 2)
+    return _call(builder, "llvm.x86.avx2.pshuf.b", _vec(_I8, 32), [table, idx])
+
+
+def _hsum8(builder, v):
+    """hsum_float_8: (lanes 0-3 + 4-7), then (0-1 + 2-3), then 0 + 1."""
+    for n in (4, 2, 1):
+        v = builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _row_iq4_nl(context, builder, signature, args):
+    """iq4_nl row(s) of nb blocks (nb even: the caller adds ggml's tail block) times q8_0 activation(s)."""
+    rowp, toks = _row_ptrs(context, builder, signature, args)
+    n = len(toks)
+    v32 = ir.PointerType(_vec(_I8, 32))
+    pairs = builder.ashr(args[1], ir.Constant(_I64, 1))
+
+    def body(i, accs):  # accs: per token accumulator 1 (even blocks), then per token accumulator 2 (odd)
+        out = list(accs)
+        for h in range(2):
+            b = builder.add(builder.shl(i, ir.Constant(_I64, 1)), ir.Constant(_I64, h))
+            blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 18)))
+            d = _load_f16(builder, blk)
+            q = _iq4_values(builder, _gep8(builder, blk, 2))
+            aq = _psign(builder, q, q)  # |q|
+            for t, (xq, xd, _) in enumerate(toks):
+                x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), v32), align=1)
+                isum = _dot4(builder, aq, _psign(builder, x, q))  # (8,) i32: 4 products per lane
+                db = builder.fmul(builder.load(builder.gep(xd, [b]), align=4), d)  # dx * d, as ggml
+                out[h * n + t] = _fma8(builder, _splat8(builder, db), builder.sitofp(isum, _V8F), accs[h * n + t])
+        return out
+
+    zero = ir.Constant(_V8F, [0.0] * 8)
+    accs = _loop(builder, ir.Constant(_I64, 0), pairs, body, [zero] * (2 * n))
+    sums = [_hsum8(builder, builder.fadd(accs[t], accs[n + t])) for t in range(n)]
+    return _pack(context, builder, signature, sums)
+
+
+def _xs_scales(builder, blk):
+    """<8 x i16> the 8 sub-block scales (6 bits - 32) of the iq4_xs block at i8* blk."""
+    sh = builder.zext(builder.load(builder.bitcast(_gep8(builder, blk, 2), ir.PointerType(_I16)), align=1), _I32)
+    sl = builder.load(builder.bitcast(_gep8(builder, blk, 4), ir.PointerType(_vec(_I8, 4))), align=1)
+    lo = builder.zext(_lanes(builder, sl, [j // 2 for j in range(8)]), _vec(_I32, 8))
+    lo = builder.and_(builder.lshr(lo, ir.Constant(_vec(_I32, 8), [4 * (j & 1) for j in range(8)])), _splat(_I32, 8, 15))
+    shv = _lanes(builder, builder.insert_element(ir.Constant(_vec(_I32, 1), None), sh, ir.Constant(_I32, 0)), [0] * 8)
+    hi = builder.and_(builder.lshr(shv, ir.Constant(_vec(_I32, 8), [2 * j for j in range(8)])), _splat(_I32, 8, 3))
+    ls = builder.sub(builder.or_(lo, builder.shl(hi, _splat(_I32, 8, 4))), _splat(_I32, 8, 32))
+    return builder.trunc(ls, _vec(_I16, 8))
+
+
+def _row_iq4_xs(context, builder, signature, args):
+    """iq4_xs row(s) of nb super-blocks times q8_K activation(s)."""
+    rowp, toks = _row_ptrs(context, builder, signature, args)
+    v32 = ir.PointerType(_vec(_I8, 32))
+
+    def body(b, accs):
+        blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 136)))
+        d = _load_f16(builder, blk)
+        ls = _xs_scales(builder, blk)
+        xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), v32) for xq, _, _ in toks]
+        isums = [ir.Constant(_vec(_I32, 8), [0] * 8)] * len(toks)
+        for j in range(8):
+            q = _iq4_values(builder, _gep8(builder, blk, 8 + 16 * j))
+            aq = _psign(builder, q, q)
+            s = _lanes(builder, ls, [j] * 16)
+            for t, xp in enumerate(xps):
+                x = builder.load(builder.gep(xp, [ir.Constant(_I32, j)]), align=1)
+                isums[t] = _madd_add(builder, isums[t], _maddubs(builder, aq, _psign(builder, x, q)), s)
+        out = []
+        for acc, isum, (_, xd, _) in zip(accs, isums, toks):
+            db = builder.fmul(d, builder.load(builder.gep(xd, [b]), align=4))  # d * dx, as ggml
+            out.append(_fma8(builder, _splat8(builder, db), builder.sitofp(isum, _V8F), acc))
+        return out
+
+    zero = ir.Constant(_V8F, [0.0] * 8)
+    accs = _loop(builder, ir.Constant(_I64, 0), args[1], body, [zero] * len(toks))
+    return _pack(context, builder, signature, [_hsum8(builder, a) for a in accs])
+
+
+@intrinsic
+def row_dot_iq4_nl(typingctx, row, nb, xq, xd, xs):
+    """The first nb (even) blocks of an iq4_nl row times one q8_0 activation -> float32 (ggml's
+    two accumulators, summed)."""
+    sig = _row_sig(row, nb, xq, xd, xs)
+    return (sig, _row_iq4_nl) if sig else None
+
+
+@intrinsic
+def row_dot4_iq4_nl(typingctx, row, nb, xq, xd, xs, t0):
+    """row_dot_iq4_nl for tokens t0..t0+3 of 2-D activations -> 4 float32 (bit for bit the same)."""
+    sig = _row_sig(row, nb, xq, xd, xs, t0)
+    return (sig, _row_iq4_nl) if sig else None
+
+
+@intrinsic
+def row_dot_iq4_xs(typingctx, row, nb, xq, xd, xs):
+    """An iq4_xs row (nb super-blocks) times one q8_K activation -> float32."""
+    sig = _row_sig(row, nb, xq, xd, xs)
+    return (sig, _row_iq4_xs) if sig else None
+
+
+@intrinsic
+def row_dot4_iq4_xs(typingctx, row, nb, xq, xd, xs, t0):
+    """row_dot_iq4_xs for tokens t0..t0+3 of 2-D activations -> 4 float32 (bit for bit the same)."""
+    sig = _row_sig(row, nb, xq, xd, xs, t0)
+    return (sig, _row_iq4_xs) if sig else None
+
+
+@intrinsic
+def dot_iq4_nl_block(typingctx, row, bo, xq, xo):
+    """Exact int sum of the 32 products of the iq4_nl block at row[bo:] with xq[xo:xo+32] -> int64."""
+    if not (isinstance(row, types.Array) and row.dtype == types.uint8 and isinstance(xq, types.Array) and xq.dtype == types.int8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        blk = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+        xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
+        q = _iq4_values(builder, _gep8(builder, blk, 2))
+        x = builder.load(xp, align=1)
+        return _hsum(builder, _dot4(builder, _psign(builder, q, q), _psign(builder, x, q)))
+
+    return types.int64(row, bo, xq, xo), codegen
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a * b + c for float32 scalars, rounded once (as C's `s += d * x` compiled with FMA)."""
+    if not all(t == types.float32 for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(f, [f] * 3))
+        return builder.call(fn, list(args))
+
+    return types.float32(a, b, c), codegen

@@ -1,0 +1,167 @@
+"""The i-quants' kernels: iq4_nl and iq4_xs block decoders (bit-exact, equal to gguf-py and ggml's
+dequantize_row_*) and their int8 mat-muls (the row intrinsics of `_x86_iq.py`, equal to ggml's
+vec_dot bit for bit). The grid types (iq2/iq3/iq1, tq1_0/tq2_0) decode in NumPy
+(`qllama.dequantize_iq_np`) and run the float path.
+
+Families of kernels, one per type (`jit.Variants`; type ids: iq4_nl 20, iq4_xs 23):
+
+- `ROWS[t]` / `ROWS_SERIAL[t]`: rows -> float32 (the float mat-mat's tiles; the embedding lookup
+  uses NumPy instead).
+- `ROWS_INT8[t]`: rows r0..r1 times int8 activations (q8_0 for iq4_nl, q8_K for iq4_xs), over
+  tokens in tiles of TOKEN_TILE, 4 tokens per intrinsic call (weights unpacked once), each token
+  exactly the one-token value (so a prompt's rows equal decode's bit for bit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ..iq_tables import KVALUES_IQ4NL
+from ._fp16 import f16_at
+from ._x86_iq import dot_iq4_nl_block, fma32, row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq4_nl, row_dot_iq4_xs
+from .jit import Variants, kernel
+
+IQ4_NL, IQ4_XS = 20, 23
+BLOCK = {IQ4_NL: (32, 18), IQ4_XS: (256, 136)}  # type -> (elements, bytes) per block
+TOKEN_TILE = 64
+_NOPY = dict(boundscheck=False)
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_KV = KVALUES_IQ4NL  # (16,) int8, a constant of the compiled code
+
+
+@kernel(**_NOPY)
+def decode_iq4_nl(row, bo, tab, out, oo):
+    """The iq4_nl block at row[bo:] (d, qs[16]) -> out[oo:oo + 32]: d * kvalue."""
+    d = f16_at(row, bo, tab)
+    for l in range(16):
+        b = row[bo + 2 + l]
+        out[oo + l] = d * np.float32(_KV[b & 15])
+        out[oo + 16 + l] = d * np.float32(_KV[b >> 4])
+
+
+@kernel(**_NOPY)
+def decode_iq4_xs(row, bo, tab, out, oo):
+    """The iq4_xs block at row[bo:] (d, scales_h, scales_l[4], qs[128]) -> out[oo:oo + 256]:
+    (d * (ls_j - 32)) * kvalue per 32-element sub-block j."""
+    d = f16_at(row, bo, tab)
+    sh = np.int32(row[bo + 2]) | (np.int32(row[bo + 3]) << 8)
+    for j in range(8):
+        ls = ((np.int32(row[bo + 4 + j // 2]) >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+        dl = d * np.float32(ls - 32)
+        q = bo + 8 + 16 * j
+        o = oo + 32 * j
+        for l in range(16):
+            b = row[q + l]
+            out[o + l] = dl * np.float32(_KV[b & 15])
+            out[o + 16 + l] = dl * np.float32(_KV[b >> 4])
+
+
+def _rows_of(type_id: int):
+    """Rows -> float32 of one type, over the threads (type_id a constant of the closure)."""
+    nl = type_id == IQ4_NL
+    block, bb = BLOCK[type_id]
+
+    def rows_of(raw, rows, tab, out):
+        nb = out.shape[1] // block
+        for i in prange(rows.shape[0]):
+            row = raw[rows[i]]
+            o = out[i]
+            for b in range(nb):
+                if nl:
+                    decode_iq4_nl(row, b * bb, tab, o, b * block)
+                else:
+                    decode_iq4_xs(row, b * bb, tab, o, b * block)
+
+    return rows_of
+
+
+def _rows_serial_of(type_id: int):
+    """`_rows_of` on the calling thread (its own function: Numba's cache keys on the code, not the options)."""
+    nl = type_id == IQ4_NL
+    block, bb = BLOCK[type_id]
+
+    def rows_serial(raw, rows, tab, out):
+        nb = out.shape[1] // block
+        for i in range(rows.shape[0]):
+            row = raw[rows[i]]
+            o = out[i]
+            for b in range(nb):
+                if nl:
+                    decode_iq4_nl(row, b * bb, tab, o, b * block)
+                else:
+                    decode_iq4_xs(row, b * bb, tab, o, b * block)
+
+    return rows_serial
+
+
+ROWS = Variants(_rows_of, "ROWS", parallel=True, **_NOPY)
+ROWS_SERIAL = Variants(_rows_serial_of, "ROWS_SERIAL", **_NOPY)
+
+
+def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) -> None:
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, row bytes); rows: int64 (n,);
+    tab: `_fp16.FP16_TO_F32`; out: float32 (n, ne0)."""
+    (ROWS if parallel else ROWS_SERIAL)[int(type_id)](raw, rows, tab, out)
+
+
+@kernel(**_NOPY)
+def _nl_tail(row, nb, xqt, xdt, tab, y):
+    """ggml's scalar tail of an iq4_nl row with an odd number of blocks: y + d * sumi (one fma)."""
+    b = nb - 1
+    d = xdt[b] * f16_at(row, b * 18, tab)
+    return fma32(d, np.float32(dot_iq4_nl_block(row, b * 18, xqt, b * 32)), y)
+
+
+def _int8_rows_of(type_id: int):
+    """The int8 row kernel of one type: out[t, r] = row r . x[t] for rows r0..r1-1, every token.
+
+    iq4_nl: x in q8_0 form (xq (n_tok, ne0) int8, xd (n_tok, ne0/32) float32, xs unused);
+    iq4_xs: q8_K (xd (n_tok, ne0/256); xs unused)."""
+    nl = type_id == IQ4_NL
+    bb = BLOCK[type_id][1]
+
+    def rows(raw, xq, xd, xs, tab, out, r0, r1):
+        n_tok, nb = xq.shape[0], raw.shape[1] // bb
+        odd = nl and nb % 2 == 1
+        nbe = nb - 1 if odd else nb  # blocks the intrinsic takes (iq4_nl: pairs)
+        for t0 in range(0, n_tok, TOKEN_TILE):
+            t1 = min(n_tok, t0 + TOKEN_TILE)
+            for r in range(r0, r1):
+                row = raw[r]
+                t = t0
+                while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                    if nl:
+                        y = row_dot4_iq4_nl(row, nbe, xq, xd, xs, t)
+                    else:
+                        y = row_dot4_iq4_xs(row, nbe, xq, xd, xs, t)
+                    if odd:
+                        out[t, r] = _nl_tail(row, nb, xq[t], xd[t], tab, y[0])
+                        out[t + 1, r] = _nl_tail(row, nb, xq[t + 1], xd[t + 1], tab, y[1])
+                        out[t + 2, r] = _nl_tail(row, nb, xq[t + 2], xd[t + 2], tab, y[2])
+                        out[t + 3, r] = _nl_tail(row, nb, xq[t + 3], xd[t + 3], tab, y[3])
+                    else:
+                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
+                    t += 4
+                while t < t1:
+                    if nl:
+                        v = row_dot_iq4_nl(row, nbe, xq[t], xd[t], xs[t])
+                    else:
+                        v = row_dot_iq4_xs(row, nbe, xq[t], xd[t], xs[t])
+                    if odd:
+                        v = _nl_tail(row, nb, xq[t], xd[t], tab, v)
+                    out[t, r] = v
+                    t += 1
+
+    return rows
+
+
+ROWS_INT8 = Variants(_int8_rows_of, "ROWS_INT8", fastmath=FASTMATH, **_NOPY)
+
+
+def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
+    """The int8 mat-mul of iq4_nl / iq4_xs rows (decode and prompts): rows over the threads,
+    each chunk by ROWS_INT8[type_id] (`int8._over_threads`)."""
+    from .int8 import _over_threads
+
+    _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)

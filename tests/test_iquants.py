@@ -1,0 +1,281 @@
+"""The i-quants (issue 30): iq4_nl and iq4_xs end to end; the grid and ternary types' decoders.
+
+- dequantisation (NumPy rows and the Numba decoders) == gguf-py's `gguf.quants.dequantize`, bit
+  for bit, on random blocks (every bit pattern of an iq4 block is valid; the grid types' indices
+  are drawn within their grids);
+- the int8 kernels == a NumPy transcription of ggml's AVX2 `ggml_vec_dot_iq4_nl_q8_0` /
+  `ggml_vec_dot_iq4_xs_q8_K` (`_ggml_*` below), bit for bit, and == the live ggml (`oracle`:
+  libggml-cpu of llama-cpp-python called through ctypes);
+- prompts (2..9 tokens: 4-token tiles and tails) == decode bit for bit;
+- a tiny model in iq4_xs / iq4_nl runs and matches a float64 forward of its stored weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qllama.gguf.types import GGML_TYPES, IQ4_NL, IQ4_XS
+from qllama.qtensor import QTensor, int8_activations, quantize_activation
+
+gq = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType as GQ  # noqa: E402
+
+IQ4 = (IQ4_NL, IQ4_XS)
+FORM = {IQ4_NL: "q8_0", IQ4_XS: "q8_K"}
+
+
+def random_blocks(tid: int, n_rows: int, ne0: int, rng, scale: float = 0.05) -> np.ndarray:
+    """uint8 (n_rows, row bytes) of random blocks with finite fp16 scales d."""
+    t = GGML_TYPES[tid]
+    raw = rng.integers(0, 256, (n_rows, ne0 // t.block_size, t.type_size), dtype=np.uint8)
+    for off in t.scale_fields:
+        raw[..., off:off + 2] = rng.uniform(-scale, scale, (n_rows, raw.shape[1], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n_rows, -1)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+# -- dequantisation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tid", IQ4)
+def test_dequantize_equals_gguf_bit_for_bit(tid):
+    from qllama import dequantize_iq_np
+    from qllama.kernels import iquants
+    from qllama.kernels._fp16 import FP16_TO_F32
+
+    rng = np.random.default_rng(tid)
+    raw = random_blocks(tid, 7, 1024, rng, scale=60000.0)  # (the full fp16 range)
+    raw[0, :2] = np.array([0x7C00], np.uint16).view(np.uint8)  # an Inf scale: Inf/NaN as gguf-py
+    ref = gq.dequantize(raw, GQ(tid))  # (7, 1024)
+    rows = np.arange(7, dtype=np.int64)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(bits(dequantize_iq_np.dequantize_rows(tid, raw, rows)), bits(ref))
+    for parallel in (True, False):
+        out = np.empty((7, 1024), np.float32)
+        iquants.dequantize_rows(tid, raw, rows, FP16_TO_F32, out, parallel=parallel)
+        np.testing.assert_array_equal(bits(out), bits(ref))
+    q = QTensor.from_bytes(tid, raw, (1024, 7))
+    np.testing.assert_array_equal(bits(q.dequantize([3, 1])), bits(ref[[3, 1]]))
+
+
+@pytest.mark.parametrize("tid", IQ4)
+def test_float_path_matches_float64(tid, float_path):
+    rng = np.random.default_rng(1)
+    raw = random_blocks(tid, 40, 512, rng)
+    w = gq.dequantize(raw, GQ(tid)).astype(np.float64)  # (40, 512)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    q = QTensor.from_bytes(tid, raw, (512, 40))
+    ref = x.astype(np.float64) @ w.T
+    for got in (q.matmul(x), np.stack([q.matvec(xi) for xi in x])):
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
+
+
+# -- int8 products: ggml's vec_dot in NumPy ---------------------------------------------------
+
+
+def _fma(a, b, c):
+    """float32 a * b + c rounded once (the exact product and sum in float64, then one rounding:
+    exact but for double-rounding ties, which these tests' values do not hit)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _hsum8(v: np.ndarray) -> np.float32:
+    """ggml's hsum_float_8, float32 throughout."""
+    v = v.astype(np.float32)
+    v = v[:4] + v[4:]
+    v = v[:2] + v[2:]
+    return np.float32(v[0] + v[1])
+
+
+def _lanes(p: np.ndarray) -> np.ndarray:
+    """(..., 32) int products -> (..., 8) int lane sums of 4 (pmaddubsw pairs, pmaddwd by 1)."""
+    return p.reshape(*p.shape[:-1], 8, 4).sum(-1)
+
+
+def _ggml_iq4_nl(raw_row, xq, xd) -> np.float32:
+    """ggml_vec_dot_iq4_nl_q8_0 (AVX2): blocks in pairs into two 8-lane accumulators, then the
+    scalar tail block with `sumf += d * sumi` (an fma)."""
+    from qllama import dequantize_iq_np as dn
+
+    nb = raw_row.size // 18
+    blocks = raw_row.reshape(nb, 18)
+    d = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float32)
+    q = dn._nibble_values(blocks[:, 2:]).astype(np.int64)  # (nb, 32)
+    p = _lanes(q * xq.reshape(nb, 32).astype(np.int64))  # (nb, 8)
+    acc = [np.zeros(8, np.float32), np.zeros(8, np.float32)]
+    ib = 0
+    while ib + 1 < nb:
+        for h in range(2):
+            db = np.float32(xd[ib + h] * d[ib + h])
+            acc[h] = np.array([_fma(db, np.float32(p[ib + h, l]), acc[h][l]) for l in range(8)], np.float32)
+        ib += 2
+    s = _hsum8(acc[0] + acc[1])
+    if ib < nb:
+        s = _fma(np.float32(xd[ib] * d[ib]), np.float32(p[ib].sum()), s)
+    return s
+
+
+def _ggml_iq4_xs(raw_row, xq, xd) -> np.float32:
+    """ggml_vec_dot_iq4_xs_q8_K (AVX2): per super-block the int32 lanes of sum_j ls_j * pairs,
+    one fma of d * dx into 8 lanes; hsum_float_8 at the end."""
+    from qllama import dequantize_iq_np as dn
+
+    nb = raw_row.size // 136
+    blocks = raw_row.reshape(nb, 136)
+    acc = np.zeros(8, np.float32)
+    for b in range(nb):
+        blk = blocks[b]
+        d = blk[:2].copy().view(np.float16)[0].astype(np.float32)
+        sh = int(blk[2]) | (int(blk[3]) << 8)
+        isum = np.zeros(8, np.int64)
+        for j in range(8):
+            ls = ((int(blk[4 + j // 2]) >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+            q = dn._nibble_values(blk[8 + 16 * j: 24 + 16 * j]).astype(np.int64)
+            isum += (ls - 32) * _lanes(q * xq[256 * b + 32 * j: 256 * b + 32 * j + 32].astype(np.int64))
+        db = np.float32(d * xd[b])
+        acc = np.array([_fma(db, np.float32(isum[l]), acc[l]) for l in range(8)], np.float32)
+    return _hsum8(acc)
+
+
+def _needs_int8():
+    if not int8_activations():
+        pytest.skip("no int8-activation kernels on this host (needs AVX2)")
+
+
+@pytest.mark.parametrize("tid,ne0", [(IQ4_NL, 256), (IQ4_NL, 288), (IQ4_NL, 32), (IQ4_XS, 512), (IQ4_XS, 256)])
+def test_int8_equals_ggml_vec_dot_transcription(tid, ne0):
+    """Decode (one token) and prompts (1..9 tokens) equal the NumPy transcription of ggml's
+    vec_dot bit for bit, on the same q8 activations. (288: nine blocks, ggml's odd tail.)"""
+    _needs_int8()
+    rng = np.random.default_rng(ne0 + tid)
+    raw = random_blocks(tid, 11, ne0, rng)
+    q = QTensor.from_bytes(tid, raw, (ne0, 11))
+    ggml = _ggml_iq4_nl if tid == IQ4_NL else _ggml_iq4_xs
+    x = rng.standard_normal((9, ne0)).astype(np.float32)
+    x[0, :32] = -3.0  # a constant block: every activation -127
+    act = quantize_activation(x)
+    xq, xd, _ = act.quantized(FORM[tid])
+    ref = np.array([[ggml(raw[r], xq[t], xd[t]) for r in range(11)] for t in range(9)], np.float32)  # (9, 11)
+    np.testing.assert_array_equal(bits(q.matmul(act)), bits(ref))
+    for t in (0, 5):
+        np.testing.assert_array_equal(bits(q.matvec(x[t])), bits(ref[t]))
+
+
+@pytest.mark.parametrize("tid", IQ4)
+def test_prompt_rows_equal_decode_bit_for_bit(tid):
+    _needs_int8()
+    rng = np.random.default_rng(5)
+    ne0 = 32 * 27 if tid == IQ4_NL else 768  # (iq4_nl: an odd block count)
+    raw = random_blocks(tid, 20, ne0, rng)
+    q = QTensor.from_bytes(tid, raw, (ne0, 20))
+    x = rng.standard_normal((9, ne0)).astype(np.float32)
+    one = np.stack([q.matvec(xi) for xi in x])
+    for n in range(1, 10):
+        np.testing.assert_array_equal(bits(q.matmul(x[:n])), bits(one[:n]))
+
+
+@pytest.mark.parametrize("tid", IQ4)
+def test_int8_matches_float64_within_activation_rounding(tid):
+    _needs_int8()
+    rng = np.random.default_rng(9)
+    raw = random_blocks(tid, 64, 1024, rng)
+    w = gq.dequantize(raw, GQ(tid)).astype(np.float64)
+    x = rng.standard_normal(1024).astype(np.float32)
+    got = QTensor.from_bytes(tid, raw, (1024, 64)).matvec(x)
+    ref = w @ x.astype(np.float64)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert 1e-7 < err < 3e-2
+
+
+# -- the live ggml ----------------------------------------------------------------------------
+
+
+def _ggml_cpu():
+    """(libggml-cpu of llama-cpp-python, its type-traits accessor) or skip."""
+    import ctypes
+    import os
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
+    lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    ctypes.CDLL(os.path.join(lib, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(os.path.join(lib, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    if not cpu.ggml_cpu_has_avx2():
+        pytest.skip("this ggml build has no AVX2 vec_dot")
+
+    class Traits(ctypes.Structure):
+        _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                    ("nrows", ctypes.c_int64)]
+
+    cpu.ggml_cpu_init()
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(Traits)
+    return ctypes, cpu
+
+
+def ggml_matvec(tid: int, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Row by row with ggml's own from_float (the activation form) and vec_dot -> float32 (n_rows,)."""
+    ctypes, cpu = _ggml_cpu()
+    tr = cpu.ggml_get_type_traits_cpu(tid).contents
+    vt = cpu.ggml_get_type_traits_cpu(tr.vec_dot_type).contents
+    n = x.size
+    yq = np.zeros(n // 256 * 292 + n // 32 * 34, np.uint8)  # room for q8_K or q8_0
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(vt.from_float)(x.ctypes.data, yq.ctypes.data, n)
+    vec_dot = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(tr.vec_dot)
+    out, s = np.zeros(raw.shape[0], np.float32), np.zeros(1, np.float32)
+    for r in range(raw.shape[0]):
+        row = np.ascontiguousarray(raw[r])
+        vec_dot(n, s.ctypes.data, 0, row.ctypes.data, 0, yq.ctypes.data, 0, 1)
+        out[r] = s[0]
+    return out
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("tid,ne0", [(IQ4_NL, 2048), (IQ4_NL, 32 * 45), (IQ4_XS, 2048)])
+def test_int8_equals_live_ggml_vec_dot(tid, ne0):
+    _needs_int8()
+    rng = np.random.default_rng(ne0)
+    raw = random_blocks(tid, 16, ne0, rng)
+    q = QTensor.from_bytes(tid, raw, (ne0, 16))
+    x = rng.standard_normal((6, ne0)).astype(np.float32)
+    ref = np.stack([ggml_matvec(tid, raw, xi) for xi in x])
+    np.testing.assert_array_equal(bits(q.matmul(x)), bits(ref))
+    np.testing.assert_array_equal(bits(q.matvec(x[2])), bits(ref[2]))
+
+
+# -- a tiny model -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wtype", ["iq4_xs", "iq4_nl"])
+def test_tiny_model_matches_float64_reference(tmp_path, wtype, int8_mode):
+    from qllama.gguf.reader import GGUFFile
+    from qllama.models import build_model, read_args
+    from test_model import reference_logits, rel_err
+    from tools.make_model import ModelSpec, write_model
+
+    spec = ModelSpec(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2, weight_type=wtype, seed=3,
+                     types={"token_embd": wtype, "output": "q8_0"})
+    path = tmp_path / f"{wtype}.gguf"
+    stored = write_model(path, spec)
+    gf = GGUFFile(path)
+    model = build_model(gf, read_args(gf.metadata), n_ctx=64)
+    model.kv_types = ("f32", "f32")
+    assert {gf.tensors["blk.0.attn_q.weight"].type_id, gf.tensors["token_embd.weight"].type_id} == {GGML_TYPES_BY(wtype)}
+    tokens = np.random.default_rng(0).integers(0, model.args.n_vocab, size=9).tolist()
+    ref = reference_logits(stored, model.args, tokens)
+    for on, tol in ((False, 1e-4), (True, 3e-2)):
+        int8_mode(on)
+        full = model.forward(tokens, model.new_cache(), all_logits=True)
+        assert rel_err(full, ref) <= tol, (on, rel_err(full, ref))
+        cache = model.new_cache()
+        steps = np.concatenate([model.forward([t], cache, all_logits=True) for t in tokens])
+        np.testing.assert_allclose(steps, full, rtol=0, atol=1e-4 * np.abs(full).max())
+
+
+def GGML_TYPES_BY(name: str) -> int:
+    from qllama.gguf.types import type_by_name
+
+    return type_by_name(name).id
