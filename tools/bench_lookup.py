@@ -59,7 +59,61 @@ CODE = '''def parse_config(path):
     return result
 '''
 
-TASK = "Fix the typo in this function and print the whole corrected function back:\n\n" + CODE
+# Tasks the lookup policy was not tuned on (issue 32): a code edit that prints most of a file
+# back, a quotation from a document, a JSON reformatting.
+EDIT_CODE = '''class Inventory {
+  constructor() {
+    this.items = new Map();
+  }
+
+  add(name, count) {
+    const current = this.items.get(name) || 0;
+    this.items.set(name, current + count);
+    return this.items.get(name);
+  }
+
+  remove(name, count) {
+    const current = this.items.get(name) || 0;
+    if (count > current) {
+      throw new Error(`not enough ${name}: have ${current}, asked for ${count}`);
+    }
+    this.items.set(name, current - count);
+    return this.items.get(name);
+  }
+
+  total() {
+    let sum = 0;
+    for (const count of this.items.values()) {
+      sum += count;
+    }
+    return sum;
+  }
+}
+'''
+
+DOCUMENT = (
+    "The lighthouse at Point Arden was built in 1871 by the coastal survey, after two ships ran "
+    "aground on the reef in the same winter. Its lamp burned whale oil until 1889, then kerosene, "
+    "and was electrified in 1934. The keeper's log records that the light was dark for only three "
+    "nights in its first sixty years, each time because the supply boat could not land. In 1962 "
+    "the station was automated and the last keeper, Margaret Holm, moved to the village, where she "
+    "ran the post office for another twenty years. The tower was restored in 1998 with money raised "
+    "by the village, and it is now open to visitors on summer weekends."
+)
+
+JSON_DATA = ('{"orders":[{"id":1041,"customer":"Ada Park","items":[{"sku":"PEN-01","qty":3},'
+             '{"sku":"INK-BLK","qty":1}],"paid":true},{"id":1042,"customer":"Ben Ortiz","items":'
+             '[{"sku":"PAD-A5","qty":2}],"paid":false},{"id":1043,"customer":"Chen Wei","items":'
+             '[{"sku":"PEN-02","qty":5},{"sku":"PAD-A4","qty":1}],"paid":true}]}')
+
+TASKS = {
+    "fix": "Fix the typo in this function and print the whole corrected function back:\n\n" + CODE,
+    "edit": "Rename the method `total` to `count` in this class and print the whole class back:\n\n" + EDIT_CODE,
+    "quote": "Here is a document:\n\n" + DOCUMENT + "\n\nCopy the whole document out word for word, "
+             "then say in one sentence when the lighthouse was automated.",
+    "json": "Reformat this JSON with an indent of two spaces, keeping every key and value:\n\n" + JSON_DATA,
+}
+TASK = TASKS["fix"]
 
 
 def run(model: qllama.Model, ids: list[int], n: int, lookup: int, temp: float = 0.0,
@@ -85,6 +139,8 @@ def main() -> None:
     ap.add_argument("-n", "--max-tokens", type=int, default=400)
     ap.add_argument("-t", "--threads", type=int)
     ap.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
+    ap.add_argument("--task", choices=sorted(TASKS), default="fix",
+                    help="fix: the tuned-on task; edit, quote, json: copy-heavy tasks it was not tuned on")
     a = ap.parse_args()
     path = a.model
     if path is None:
@@ -93,8 +149,8 @@ def main() -> None:
         path = str(fetch())
     model = qllama.load(path, n_ctx=2048, n_threads=a.threads)
     model.warmup()
-    ids = model.prepare_prompt(TASK)[0]
-    print(f"model {os.path.basename(path)}, {model.n_threads} threads, prompt {len(ids)} tokens, "
+    ids = model.prepare_prompt(TASKS[a.task])[0]
+    print(f"task {a.task}, model {os.path.basename(path)}, {model.n_threads} threads, prompt {len(ids)} tokens, "
           f"max {a.max_tokens} tokens, lookup {a.lookup}, temperature {a.temp}")
     run(model, ids, 16, a.lookup)  # warm the batched shapes
     tps = {0: [], a.lookup: []}

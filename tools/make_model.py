@@ -87,6 +87,7 @@ class ModelSpec:
     embd_std: float | None = None  # std of token_embd (None: 1.0 as for llama)
     output_std: float | None = None  # std of output.weight (None: 1/sqrt(n_embd)); sets the logits' scale
     vocab_pad: int | None = None  # pad the vocabulary to this many tokens with [PAD{i}] (unused) tokens
+    direct_blocks: bool = False  # quantized weights as random packed blocks, no float copies (8B shapes)
 
 
 def tiny_vocab() -> dict:
@@ -131,8 +132,14 @@ def _gw_type(t: ValueType) -> gguf.GGUFValueType:
     return gguf.GGUFValueType(int(t))
 
 
-def random_tensor(rng: np.random.Generator, type_name: str, rows: int, cols: int, std: float):
-    """(data for GGUFWriter, stored values float32 (rows, cols)) for a weight of `type_name`."""
+def random_tensor(rng: np.random.Generator, type_name: str, rows: int, cols: int, std: float, direct: bool = False):
+    """(data for GGUFWriter, stored values float32 (rows, cols)) for a weight of `type_name`.
+
+    direct: a quantized weight is written as random packed blocks whose scales are calibrated on
+    a few rows, and no values are returned (None): the shapes of 8B models, which neither fit
+    float32 copies in memory nor need them (speed runs)."""
+    if direct and type_name in _SCALE_FIELDS:
+        return _direct_blocks(rng, type_name, rows, cols, std), None
     if type_name == "f32":
         w = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
         return w, w
@@ -166,6 +173,24 @@ def random_tensor(rng: np.random.Generator, type_name: str, rows: int, cols: int
     packed = blocks.reshape(rows, -1)
     values = gguf.quants.dequantize(packed, qtype).reshape(rows, cols).astype(np.float32)
     return (packed, qtype), values
+
+
+def _direct_blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int, std: float):
+    """Random packed blocks (rows, bytes per row) of a quantized type, scaled so that a sample
+    of rows dequantizes to about `std` (each type is linear in its fp16 scale fields)."""
+    gt = GGML_TYPES_BY_NAME[type_name]
+    qtype = gguf.GGMLQuantizationType(gt.id)
+    per_row = cols // gt.block_size
+    blocks = rng.integers(0, 256, size=(rows * per_row, gt.type_size), dtype=np.uint8)  # (blocks, bytes)
+    fields = _SCALE_FIELDS[type_name]
+    sample = min(rows, 8) * per_row
+    for off in fields:
+        blocks[:sample, off : off + 2].view(np.float16)[:] = np.float16(1.0)
+    values = gguf.quants.dequantize(blocks[:sample].reshape(min(rows, 8), -1), qtype)
+    scale = np.float16(std / max(float(values.std()), 1e-12))
+    for off in fields:
+        blocks[:, off : off + 2].view(np.float16)[:] = scale * rng.uniform(0.5, 1.5, size=(len(blocks), 1)).astype(np.float16)
+    return blocks.reshape(rows, -1), qtype
 
 
 def write_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> dict[str, np.ndarray]:
@@ -219,12 +244,13 @@ def write_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> di
             tname = GGML_TYPES[tid].name
         if tname != "f32" and cols % GGML_TYPES_BY_NAME[tname].block_size:
             tname = "f32"  # row length not a multiple of the block: keep this one float
-        data, values = random_tensor(rng, tname, rows, cols, std)
+        data, values = random_tensor(rng, tname, rows, cols, std, direct=spec.direct_blocks)
         if isinstance(data, tuple):
             w.add_tensor(name, data[0], raw_dtype=data[1])
         else:
             w.add_tensor(name, data)
-        stored[name] = values
+        if values is not None:
+            stored[name] = values
 
     def add_vector(name: str, values: np.ndarray) -> None:
         values = values.astype(np.float32)
@@ -532,6 +558,12 @@ def write_family(path: str | Path, spec: ModelSpec) -> dict[str, np.ndarray]:
 
 PRESETS = {
     # Real shapes with random weights (DESIGN.md section 7).
+    # Llama 3.1 8B config.json: hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
+    # vocab 128256, untied output, rope_theta 500000 with Llama 3.1 rope factors. Quantized weights
+    # go in as random blocks (`direct_blocks`): the file is ~4.9 GB in Q4_K_M.
+    "llama-3.1-8b": dict(n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, n_ff=14336, n_ctx=131072, rope_base=500000.0,
+                         rope_freqs=True, vocab="ggml-vocab-llama-bpe.gguf", name="llama-3.1-8b-random",
+                         direct_blocks=True),
     "llama-3.2-1b": dict(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192, n_ctx=131072, rope_base=500000.0,
                          tied=True, rope_freqs=True, vocab="ggml-vocab-llama-bpe.gguf", name="llama-3.2-1b-random"),
     "tinyllama-1.1b": dict(n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632, n_ctx=2048,
