@@ -281,3 +281,130 @@ def test_inspect_json_parses(files, name):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     json.loads(out.stdout)
+
+
+# -- against llama.cpp (llama-cpp-python 0.3.36, the [oracle] extra) -------------------------------
+#
+# On the same files: teacher-forced logits over 160 random token ids (f32 and f16 KV caches on both
+# sides, qllama's default int8 path), llama-perplexity's scoring of the second half, and greedy
+# continuations, with the dense families' bounds (tests/test_families_oracle.py). Token ids, not
+# text: the files carry the tiny test vocabulary.
+
+MARGIN = 0.1  # a position is clear when llama.cpp's top-2 margin and the exact one are >= this
+DLOGIT_MAX = {"f32": 0.02, "q4k": 0.8}  # as the dense families' bounds (measured values in the README)
+PPL_TOL = 3e-3
+N_ORACLE = 400  # teacher-forced positions (perplexity scores the last 199)
+# Router rows 4x the unit files' scale: a trained router is that decisive (top-k probability gaps
+# mostly far above the int8 rounding of its input); see test_oracle_routing_near_ties for the rest.
+ORACLE_ROUTER_STD = 4.0
+NEAR_TIE = 1e-3  # a top-k gap (k-th minus (k+1)-th router probability) this small can flip under int8 rounding
+
+
+def _lcpp(path, n_ctx: int, kv: str):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
+    t = {"f16": 1, "f32": 0}[kv]
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=2, logits_all=True,
+                           verbose=False, seed=0, type_k=t, type_v=t, flash_attn=False)
+
+
+def _lcpp_logits(llm, ids) -> np.ndarray:
+    llm.reset()
+    llm.eval(list(ids))
+    return np.array(llm.scores[: len(ids)], dtype=np.float64)
+
+
+def _margins(lg: np.ndarray) -> np.ndarray:
+    top2 = np.sort(lg, axis=1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def _nll(lg: np.ndarray, ids) -> float:
+    """Mean NLL of ids[i+1] under row i, over the second half (llama-perplexity's scoring)."""
+    n = len(ids)
+    lg = lg[n // 2 : n - 1]
+    lg = lg - lg.max(axis=1, keepdims=True)
+    logp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+    tgt = np.asarray(ids[n // 2 + 1 :])
+    return float(-logp[np.arange(tgt.size), tgt].mean())
+
+
+def _oracle_spec(name: str):
+    """The unit file with logits of std ~4 (as the dense oracle files: fewer near-ties)."""
+    from dataclasses import replace
+
+    return replace(CASES[name], n_ctx=512, seed=CASES[name].seed + 100, router_std=ORACLE_ROUTER_STD)
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_oracle_logits_argmax_perplexity(tmp_path, name, kv):
+    path = tmp_path / f"{name}.gguf"
+    write_moe(path, _oracle_spec(name))
+    llm = _lcpp(path, 512, kv)
+    model = qllama.load(path, n_ctx=512, type_k=kv, type_v=kv)
+    ids = _ids(model, N_ORACLE, seed=5)
+    want = _lcpp_logits(llm, ids)
+    if model.args.n_expert:
+        with model.trace(capture="blk.*.ffn_moe_*") as t:
+            got = model.logits(ids).astype(np.float64)
+    else:
+        got, t = model.logits(ids).astype(np.float64), None
+    exact_ref = MoeReference(path)
+    exact = exact_ref.logits(ids)
+    routing = ""
+    if t is not None:  # routing near-ties: how often int8 rounding picks other experts than exact arithmetic
+        seen = _experts(exact_ref, ids)
+        flips = ties = 0
+        for n, ex in seen.items():
+            flips += int((np.sort(t[n], axis=1) != np.sort(ex, axis=1)).any(axis=1).sum())
+            lg = t[n.replace("experts", "logits")].astype(np.float64)
+            pr = np.sort(np.exp(lg - lg.max(1, keepdims=True)) / np.exp(lg - lg.max(1, keepdims=True)).sum(1, keepdims=True), 1)
+            k = model.args.n_expert_used
+            ties += int((pr[:, -k] - pr[:, -k - 1] < NEAR_TIE).sum())
+        routing = (f"; routing: {ties} near-ties (gap < {NEAR_TIE}) and {flips} token-layers with other experts "
+                   f"than exact arithmetic, of {len(ids) * model.args.n_layer}")
+    sure = (_margins(want) >= MARGIN) & (_margins(exact) >= MARGIN)
+    agree = np.argmax(got, axis=1) == np.argmax(want, axis=1)
+    d = float(np.abs(got - want).max())
+    ppl_q, ppl_l = np.exp(_nll(got, ids)), np.exp(_nll(want, ids))
+    print(f"\nORACLE-MOE {name} {kv} cache: max|Δlogit| {d:.3e}, argmax agrees at {int((agree & sure).sum())}/"
+          f"{int(sure.sum())} clear positions ({int(agree.sum())}/{len(ids)} overall); perplexity qllama {ppl_q:.4f} "
+          f"llama.cpp {ppl_l:.4f} ({(ppl_q / ppl_l - 1) * 100:+.3f}%){routing}")
+    assert sure.sum() > len(ids) // 2
+    assert agree[sure].all(), f"argmax differs at {np.flatnonzero(sure & ~agree).tolist()}"
+    assert d <= DLOGIT_MAX["q4k" if name.endswith("q4k") else "f32"]
+    assert abs(ppl_q / ppl_l - 1) <= PPL_TOL
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_oracle_greedy_tokens(tmp_path, name):
+    """Greedy continuations (f16 caches, both defaults) agree until a departure at a near-tie."""
+    path = tmp_path / f"{name}.gguf"
+    write_moe(path, _oracle_spec(name))
+    llm = _lcpp(path, 256, "f16")
+    model = qllama.load(path, n_ctx=256)
+    tr = _transformer(model)
+    prompt = _ids(model, 12, seed=6)
+    llm.reset()
+    llm.eval(prompt)
+    theirs, margins = [], []
+    for _ in range(32):
+        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        top = np.sort(row)[-2:]
+        margins.append(float(top[1] - top[0]))
+        theirs.append(int(np.argmax(row)))
+        llm.eval([theirs[-1]])
+    cache = tr.new_cache()
+    row = tr.forward(prompt, cache)[0]
+    ours = []
+    for _ in range(32):
+        ours.append(int(np.argmax(row)))
+        row = tr.forward([ours[-1]], cache)[0]
+    j = next((i for i in range(32) if ours[i] != theirs[i]), None)
+    print(f"\nGREEDY-MOE {name}: " + ("all 32 tokens equal" if j is None else
+                                     f"departs at token {j}, llama.cpp margin {margins[j]:.3f}"))
+    assert j is None or margins[j] < MARGIN

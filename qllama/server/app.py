@@ -100,15 +100,19 @@ def create_app(state: ServerState) -> Starlette:
         body, size = await read_json(request, state.max_body)
         req = parse_chat(body)
         llm = state.llm
+        template = llm.chat_template(state.chat_template)
+        if template is None:
+            raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        post = chat_post(body, req, template, llm.tokenizer)  # tools and reasoning (qllama.server.tools)
         try:
-            has_template = llm.chat_template(state.chat_template) is not None
-            ids = await off_loop(size, llm.chat_tokens, req.messages, chat_template=state.chat_template) if has_template else None
+            ids = await off_loop(size, llm.chat_tokens, post.messages, chat_template=state.chat_template,
+                                 tools=post.template_tools)
         except QllamaError as e:  # the template refused the conversation (raise_exception...)
             raise bad_request(f"chat template: {e}", "messages") from None
-        if ids is None:
-            raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        if post.reasoning and llm.tokenizer.decode(ids[-4:], special=True).rstrip().endswith("<think>"):
+            post.open_thinking()  # the template opened the reasoning (DeepSeek-R1, Qwen3 forced thinking)
         return await run_job(request, ids, req.params, ResponseBuilder("chat", state.model_name,
-                                                                       req.params.logprobs is not None))
+                                                                       req.params.logprobs is not None, post=post))
 
     async def run_job(request: Request, ids: list[int], params: GenParams, rb: ResponseBuilder) -> Response:
         n_ctx = state.llm.n_ctx
@@ -176,6 +180,29 @@ def create_app(state: ServerState) -> Starlette:
     ]
     handlers = {ApiError: api_error, HTTPException: not_found, Exception: server_error}
     return Starlette(routes=routes, exception_handlers=handlers)
+
+
+def chat_post(body: dict, req, template, tokenizer):
+    """The request's tools (OpenAI's tools / tool_choice / parallel_tool_calls) and reasoning
+    option (llama-server's reasoning_format: "none" keeps <think> inline) as a ChatPost that also
+    carries the messages and tools to render; a forced call constrains decoding (unless the request
+    has its own response_format or grammar)."""
+    from .tools import ChatPost, call_grammar, detect_format, parse_tools, prepare_messages
+
+    rf = body.get("reasoning_format")
+    if rf is not None and rf not in ("none", "auto", "deepseek", "deepseek-legacy"):
+        raise bad_request("'reasoning_format' must be 'none', 'auto' or 'deepseek'", "reasoning_format")
+    treq = parse_tools(body)
+    if treq is not None and treq.choice == "none":
+        treq = None
+    fmt = detect_format(template.source) if treq is not None else None
+    post = ChatPost(reasoning=rf != "none", fmt=fmt)
+    post.messages = prepare_messages(req.messages, fmt or "", treq) if treq is not None else req.messages
+    post.template_tools = treq.tools if treq is not None and fmt != "generic" else None
+    if treq is not None and req.params.grammar is None:
+        req.params.grammar = call_grammar(fmt, treq, tokenizer)
+        req.params.grammar_param = "tools"
+    return post
 
 
 def build_constraint(tokenizer, params: GenParams):
@@ -337,8 +364,11 @@ class SSEResponse:
                 yield sse(ApiError(ev.status, ev.message, kind).body())
                 return
             if ev.text or ev.logprobs:
-                yield sse(rb.text_chunk(ev.text, ev.logprobs))
+                for chunk in rb.text_chunks(ev.text, ev.logprobs):
+                    yield sse(chunk)
             if ev.kind == "done":
+                for chunk in rb.closing_chunks():
+                    yield sse(chunk)
                 yield sse(rb.final_chunk(ev.finish_reason, ev.usage))
                 if self.include_usage:
                     yield sse(rb.usage_chunk(ev.usage))

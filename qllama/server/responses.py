@@ -87,10 +87,12 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
 class ResponseBuilder:
     """Builds the chunks and the final object of one request (chat or text completion)."""
 
-    def __init__(self, kind: str, model: str, want_logprobs: bool):
+    def __init__(self, kind: str, model: str, want_logprobs: bool, post=None):
         self.kind = kind  # "chat" | "completion"
         self.model = model
         self.want_logprobs = want_logprobs
+        self.post = post  # a tools.ChatPost: reasoning and tool calls apart from the content (chat only)
+        self.calls_made = False
         self.id = new_id(kind)
         self.created = int(time.time())
         self.text_len = 0  # characters sent so far (completion logprobs' text_offset)
@@ -120,7 +122,29 @@ class ResponseBuilder:
         self.text_len += len(text)
         return out
 
+    def text_chunks(self, text: str, lps: list[TokenLogprob]) -> list[dict]:
+        """The chunks for new text: one, or with a ChatPost, one per delta it lets out now
+        (reasoning_content / content; text that may open a tool call is held)."""
+        if self.post is None:
+            return [self.text_chunk(text, lps)]
+        deltas = self.post.feed(text)
+        return [self._chunk(d, None, self._logprobs(lps) if k == 0 else None) for k, d in enumerate(deltas)]
+
+    def closing_chunks(self) -> list[dict]:
+        """With a ChatPost: what it held back, then the tool calls (`delta.tool_calls`, one entry per call
+        with its id, name and whole arguments)."""
+        if self.post is None:
+            return []
+        deltas, calls = self.post.finish()
+        out = [self._chunk(d, None, None) for d in deltas]
+        if calls:
+            self.calls_made = True
+            out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, None, None))
+        return out
+
     def final_chunk(self, finish_reason: str, usage: Usage) -> dict:
+        if self.calls_made:
+            finish_reason = "tool_calls"
         out = self._chunk({} if self.kind == "chat" else "", finish_reason, None)
         out["timings"] = timings_json(usage)
         return out
@@ -146,7 +170,16 @@ class ResponseBuilder:
     def complete(self, text: str, lps: list[TokenLogprob], finish_reason: str, usage: Usage) -> dict:
         if self.kind == "chat":
             out = self._base("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message = {"role": "assistant", "content": text}
+            if self.post is not None:
+                reasoning, content, calls = self.post.message(text)
+                message["content"] = content if content or not calls else None
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning
+                if calls:
+                    message["tool_calls"] = calls
+                    finish_reason = "tool_calls"
+            choice = {"index": 0, "message": message,
                       "logprobs": self._logprobs(lps), "finish_reason": finish_reason}
         else:
             out = self._base("text_completion")

@@ -221,7 +221,13 @@ def parse_chat(body: Any) -> ChatRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        msg = {"role": m["role"], "content": _content(m.get("content"), i)}
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):  # tool turns, as the template wants them
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        if msg.get("tool_calls") is not None and not isinstance(msg["tool_calls"], list):
+            raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
+        out.append(msg)
     if _bool(body, "logprobs", False):
         params.logprobs = _number(body, "top_logprobs", 0, integer=True, lo=0, hi=MAX_TOP_LOGPROBS)
     elif body.get("top_logprobs") is not None:

@@ -1,0 +1,448 @@
+"""Tool calls in OpenAI's shape over each model family's own call syntax (llama.cpp's
+common/chat.cpp is the map), and reasoning kept apart from the answer.
+
+Formats, picked from the chat template's source as llama.cpp does:
+
+    hermes   Qwen 2.5/3, Hermes:   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
+    llama3   Llama 3.x:            {"name": ..., "parameters": {...}}  (or after <|python_tag|>)
+    mistral  Mistral Nemo/Small:   [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]
+    phi4     Phi-4-mini:           functools[{"name": ..., "arguments": {...}}]
+    generic  templates without tool support (llama-server's fallback): the tools are described in
+             the system message and the whole answer is JSON, {"tool_calls": [...]} or
+             {"response": "..."}, always constrained to that schema.
+
+With `tool_choice` "required" or a named function, decoding is constrained to a valid call
+(`call_grammar`: the family's syntax around each function's JSON schema, through llguidance);
+with "auto" a native format decodes freely and the output is parsed, the generic one stays
+constrained. `ChatPost` splits a reply (whole or streamed) into reasoning, content and calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from .schemas import bad_request
+
+FORMATS = ("hermes", "llama3", "mistral", "phi4", "generic")
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+@dataclass
+class ToolRequest:
+    tools: list[dict]  # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
+    choice: str = "auto"  # "auto" | "none" | "required" | "named"
+    name: str | None = None  # the function, when choice is "named"
+    parallel: bool = True
+
+    @property
+    def functions(self) -> list[dict]:
+        return [t["function"] for t in self.tools]
+
+    def chosen(self) -> list[dict]:
+        return [f for f in self.functions if self.choice != "named" or f["name"] == self.name]
+
+
+def parse_tools(body: dict) -> ToolRequest | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request (400s name the field)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", "tools")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        out.append({"type": "function", "function": {**fn, "parameters": params}})
+    names = [t["function"]["name"] for t in out]
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    req = ToolRequest(out, parallel=parallel)
+    if choice is None or choice in ("auto", "none", "required"):
+        req.choice = choice or "auto"
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
+                              f"({', '.join(names)})", "tool_choice")
+        req.choice, req.name = "named", name
+    else:
+        raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or "
+                          "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    return req
+
+
+# -- formats ---------------------------------------------------------------------------------------
+
+def detect_format(template_source: str | None) -> str:
+    """The family's call syntax from its chat template's source (generic when it has none)."""
+    src = template_source or ""
+    if "tools" not in src and "tool_calls" not in src:
+        return "generic"
+    if "<tool_call>" in src:
+        return "hermes"
+    if "[TOOL_CALLS]" in src:
+        return "mistral"
+    if "functools[" in src:
+        return "phi4"
+    if "<|python_tag|>" in src or ("ipython" in src and "parameters" in src):
+        return "llama3"
+    return "generic"
+
+
+GENERIC_PROMPT = (
+    "You can call these tools (JSON schemas of their arguments):\n{tools}\n\n"
+    "Respond in JSON only: {{\"tool_calls\": [{{\"name\": <tool name>, \"arguments\": <arguments object>}}]}} "
+    "to call tools, or {{\"response\": <your answer>}} to answer the user."
+)
+
+
+def prepare_messages(messages: list[dict], fmt: str, req: ToolRequest | None) -> list[dict]:
+    """Messages as the template wants them: assistant `tool_calls` with arguments as objects (HF
+    templates write them with `tojson`); for the generic format, the tools in the system message,
+    calls as the JSON the model writes and tool results as user messages."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for c in calls:
+                fn = dict(c.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        fn["arguments"] = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass
+                fixed.append({**c, "function": fn, "name": fn.get("name"), "arguments": fn.get("arguments")})
+            m["tool_calls"] = fixed
+            if fmt == "generic":
+                m = {"role": "assistant", "content": json.dumps(
+                    {"tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in fixed]}, ensure_ascii=False)}
+        if m.get("role") == "tool" and fmt == "generic":
+            m = {"role": "user", "content": json.dumps({"tool_response": {"tool": m.get("name") or m.get("tool_call_id"),
+                                                                         "response": m.get("content")}}, ensure_ascii=False)}
+        if m.get("content") is None:
+            m["content"] = ""
+        out.append(m)
+    if fmt == "generic" and req is not None:
+        desc = "\n".join(json.dumps({"name": f["name"], "description": f.get("description", ""),
+                                     "parameters": f["parameters"]}, ensure_ascii=False) for f in req.chosen())
+        text = GENERIC_PROMPT.format(tools=desc)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _call_schema(f: dict, args_key: str = "arguments", with_id: bool = False) -> dict:
+    props = {"name": {"const": f["name"]}, args_key: f["parameters"]}
+    required = ["name", args_key]
+    if with_id:
+        props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
+        required.append("id")
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def _one_of(schemas: list[dict]) -> dict:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def _lark_lit(text: str, tokenizer) -> str:
+    """A literal in llguidance's Lark: a control token by id (it has no spelling), else a string."""
+    if tokenizer is not None:
+        tid = tokenizer.token_id(text)
+        if tid is not None and tokenizer.is_control(tid):
+            return f"<[{tid}]>"
+    return json.dumps(text)
+
+
+def call_grammar(fmt: str, req: ToolRequest, tokenizer=None) -> tuple[str, Any] | None:
+    """(kind, spec) constraining the answer to valid calls, or None when decoding stays free:
+    "required" / a named function in every format; "auto" in the generic one (a call or a response)."""
+    if req.choice == "none":
+        return None
+    fns = req.chosen()
+    constrained = req.choice in ("required", "named")
+    if fmt == "generic":
+        calls = {"type": "array", "items": _one_of([_call_schema(f) for f in fns]), "minItems": 1}
+        if not req.parallel:
+            calls["maxItems"] = 1
+        call_obj = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                    "additionalProperties": False}
+        if constrained:
+            return "json_schema", call_obj
+        answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                  "additionalProperties": False}
+        return "json_schema", {"anyOf": [call_obj, answer]}
+    if not constrained:
+        return None
+    if fmt == "llama3":
+        return "json_schema", _one_of([_call_schema(f, "parameters") for f in fns])
+    from ..generation.constrained import JSON_DEFAULTS
+
+    # in Lark, %json takes the whitespace options in the schema (bounded, as for response_format)
+    one = json.dumps({**_one_of([_call_schema(f, with_id=(fmt == "mistral")) for f in fns]), "x-guidance": JSON_DEFAULTS})
+    many = "+" if req.parallel else ""
+    if fmt == "hermes":
+        lark = f'start: call{many}\ncall: "<tool_call>\\n" %json {one} "\\n</tool_call>" "\\n"?\n'
+        return "lark", lark
+    if fmt in ("mistral", "phi4"):
+        items = {"type": "array", "items": json.loads(one), "minItems": 1, "x-guidance": JSON_DEFAULTS}
+        if not req.parallel:
+            items["maxItems"] = 1
+        head = _lark_lit("[TOOL_CALLS]", tokenizer) if fmt == "mistral" else json.dumps("functools")
+        return "lark", f"start: {head} %json {json.dumps(items)}\n"
+    return None
+
+
+# -- replies ---------------------------------------------------------------------------------------
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _as_call(obj: Any, args_keys=("arguments", "parameters")) -> dict | None:
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("function"), dict):
+        obj = {**obj["function"], "id": obj.get("id")}
+    name = obj.get("name")
+    if not isinstance(name, str):
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return {"id": obj.get("id") if isinstance(obj.get("id"), str) and obj.get("id") else new_call_id(),
+            "type": "function",
+            "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """Every JSON value in text, one after another (separated by whitespace or ';'), or None."""
+    dec = json.JSONDecoder()
+    out, i, n = [], 0, len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n;":
+            i += 1
+        if i >= n:
+            return out
+        try:
+            v, i = dec.raw_decode(text, i)
+        except ValueError:
+            return None
+        out.append(v)
+
+
+def parse_calls(fmt: str, text: str) -> tuple[str, list[dict]]:
+    """(content, tool calls) of a whole reply in the family's syntax; text that does not parse as
+    calls stays content, as llama-server leaves it."""
+    if fmt == "hermes":
+        calls, rest, pos = [], [], 0
+        for m in re.finditer(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S):
+            vals = _json_values(m.group(1))
+            parsed = [c for c in (_as_call(v) for v in vals or []) if c]
+            if not parsed:
+                continue
+            rest.append(text[pos:m.start()])
+            pos = m.end()
+            calls += parsed
+        rest.append(text[pos:])
+        return "".join(rest).strip() if calls else text, calls
+    if fmt == "generic":
+        vals = _json_values(text.strip())
+        if vals and len(vals) == 1 and isinstance(vals[0], dict):
+            v = vals[0]
+            if "response" in v and isinstance(v["response"], str):
+                return v["response"], []
+            items = v.get("tool_calls") or ([v["tool_call"]] if "tool_call" in v else [])
+            calls = [c for c in (_as_call(x) for x in items if isinstance(items, list)) if c]
+            if calls:
+                return "", calls
+        return text, []
+    body = text.strip()
+    head = ""
+    for marker in ("<|python_tag|>", "[TOOL_CALLS]", "functools"):
+        i = body.find(marker)
+        if i >= 0 and (marker != "functools" or body[i + len(marker):].lstrip().startswith("[")):
+            head, body = body[:i].strip(), body[i + len(marker):].strip()
+            break
+    else:
+        if not body.startswith(("{", "[")):
+            return text, []
+    vals = _json_values(body)
+    if not vals:
+        return text, []
+    items: list = []
+    for v in vals:
+        items.extend(v if isinstance(v, list) else [v])
+    calls = [_as_call(x) for x in items]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return head, calls  # type: ignore[return-value]
+
+
+TRIGGERS = {"hermes": ["<tool_call>"], "mistral": ["[TOOL_CALLS]"], "phi4": ["functools["],
+            "llama3": ["<|python_tag|>"], "generic": []}
+START_TRIGGERS = {"llama3": ["{"], "mistral": ["[{"], "phi4": [], "hermes": [], "generic": []}
+
+
+def _held(text: str, stops) -> int:
+    from ..generation.text import held_back
+
+    return held_back(text, stops)
+
+
+@dataclass
+class ChatPost:
+    """Splits a chat reply into reasoning, content and tool calls, as the text comes.
+
+    reasoning: `<think>...</think>` becomes reasoning_content (thinking_open: the prompt already
+    opened it, as DeepSeek-R1's template does); tools: the format when the request has tools
+    (the text from a call's trigger on is held and parsed at the end; the generic format holds
+    the whole reply, which is JSON).
+    """
+
+    reasoning: bool = True
+    thinking_open: bool = False
+    fmt: str | None = None
+    _buf: str = ""  # text not yet sorted
+    _in_think: bool = False
+    _after_think: bool = False
+    _started: bool = False  # a non-space character was seen
+    _content: str = ""  # the content so far (for the tool parser)
+    _sent: int = 0  # content characters sent
+    _capture: int = -1  # where a call starts in _content (-1: none yet)
+    reasoning_text: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._in_think = self.reasoning and self.thinking_open
+
+    def open_thinking(self) -> None:
+        """The prompt ends inside <think>: the reply starts as reasoning."""
+        self.thinking_open = self._in_think = self._started = True
+
+    def feed(self, text: str) -> list[dict]:
+        """Deltas ({"reasoning_content": ...} / {"content": ...}) that can go out now."""
+        out: list[dict] = []
+        self._buf += text
+        while self._buf:
+            if self._in_think:
+                i = self._buf.find("</think>")
+                if i < 0:
+                    keep = _held(self._buf, ["</think>"])
+                    part, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                    if part:
+                        out.append({"reasoning_content": part})
+                        self.reasoning_text.append(part)
+                    break
+                if i:
+                    out.append({"reasoning_content": self._buf[:i]})
+                    self.reasoning_text.append(self._buf[:i])
+                self._buf = self._buf[i + len("</think>"):]
+                self._in_think = False
+                self._after_think = True
+                continue
+            if self.reasoning and not self._started:
+                s = self._buf.lstrip()
+                if not s:
+                    break
+                if "<think>".startswith(s) and len(s) < len("<think>"):
+                    break  # may still become <think>
+                if s.startswith("<think>"):
+                    self._buf = s[len("<think>"):]
+                    self._in_think = True
+                    self._started = True
+                    continue
+            self._started = True
+            part, self._buf = self._buf, ""
+            if self._after_think:  # the blank lines after </think> are neither
+                part = part.lstrip("\n")
+                self._after_think = not part
+            out += self._content_deltas(part)
+        return out
+
+    def _content_deltas(self, part: str) -> list[dict]:
+        self._content += part
+        if self.fmt is None:
+            self._sent = len(self._content)
+            return [{"content": part}] if part else []
+        if self._capture >= 0 or self.fmt == "generic":
+            return []
+        c = self._content
+        s = c.lstrip()
+        if not s:
+            return []
+        starts = START_TRIGGERS.get(self.fmt, [])
+        if self._sent == 0 and any(t.startswith(s) and len(s) < len(t) for t in starts):
+            return []  # could still open a call
+        if self._sent == 0 and any(s.startswith(t) for t in starts):
+            self._capture = len(c) - len(s)
+            return []
+        triggers = TRIGGERS.get(self.fmt, [])
+        hits = [i for i in (c.find(t, self._sent) for t in triggers) if i >= 0]
+        if hits:
+            self._capture = min(hits)
+            end = self._capture
+        else:
+            end = len(c) - _held(c, triggers)
+        delta = c[self._sent:end]
+        self._sent = max(self._sent, end)
+        return [{"content": delta}] if delta else []
+
+    def finish(self) -> tuple[list[dict], list[dict]]:
+        """(the last deltas, the tool calls) at the end of the reply."""
+        out: list[dict] = []
+        if self._buf:
+            if self._in_think:
+                out.append({"reasoning_content": self._buf})
+                self.reasoning_text.append(self._buf)
+            else:
+                self._started = True
+                self._content += self._buf
+            self._buf = ""
+        if self.fmt is None:
+            rest = self._content[self._sent:]
+            self._sent = len(self._content)
+            return out + ([{"content": rest}] if rest else []), []
+        start = self._capture if self._capture >= 0 else (0 if self.fmt == "generic" else len(self._content))
+        if self.fmt == "generic":
+            start = self._sent
+        tail = self._content[start:]
+        content, calls = parse_calls(self.fmt, tail) if tail.strip() else (tail, [])
+        if content:
+            out.append({"content": content})
+        return out, calls
+
+    def message(self, text: str) -> tuple[str | None, str | None, list[dict]]:
+        """A whole reply: (reasoning_content or None, content, tool calls)."""
+        deltas = self.feed(text)
+        last, calls = self.finish()
+        content = "".join(d.get("content", "") for d in deltas + last)
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas + last)
+        return (reasoning or None), content, calls

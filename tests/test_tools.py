@@ -1,0 +1,216 @@
+"""Tool calls and reasoning on `qllama serve`: each family's call syntax parsed into OpenAI's
+`tool_calls`, forced calls constrained to the functions' schemas (so even the tiny demo model
+makes valid calls), full round trips (call -> tool result -> answer) with the official openai
+client, streamed calls assembled by the client, and <think> kept apart as reasoning_content.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from qllama.server.tools import ChatPost, call_grammar, detect_format, parse_calls, parse_tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TEMPLATES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "templates")
+
+
+def args_of(call) -> dict:
+    fn = call["function"] if isinstance(call, dict) else call.function
+    return json.loads(fn["arguments"] if isinstance(fn, dict) else fn.arguments)
+
+
+def check_weather_args(args: dict) -> None:
+    assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and len(args["city"]) <= 20
+    assert args["unit"] in ("C", "F")
+
+
+# -- parsing each family's syntax --------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, text, content", [
+    ("hermes", 'Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>',
+     "Let me see."),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"}}', ""),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"}}', ""),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}, "id": "abcDEF123"}]', ""),
+    ("mistral", '[{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}, "id": "abcDEF123"}]', ""),
+    ("phi4", 'functools[{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}]', ""),
+    ("generic", '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}]}', ""),
+    ("generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}}', ""),
+])
+def test_native_formats_parse(fmt, text, content):
+    got, calls = parse_calls(fmt, text)
+    assert got == content and len(calls) == 1
+    c = calls[0]
+    assert c["type"] == "function" and c["id"] and c["function"]["name"] == "get_weather"
+    assert args_of(c) == {"city": "Rome", "unit": "C"}
+
+
+def test_text_that_is_no_call_stays_content():
+    for fmt in ("hermes", "llama3", "mistral", "phi4"):
+        assert parse_calls(fmt, "Hello {there}") == ("Hello {there}", [])
+    assert parse_calls("generic", '{"response": "Hi"}') == ("Hi", [])
+    assert parse_calls("hermes", "<tool_call>\n{broken\n</tool_call>")[1] == []
+
+
+def test_several_calls_and_streaming_holds_them_back():
+    text = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    post = ChatPost(fmt="hermes")
+    deltas = []
+    for ch in text:  # one character at a time: the trigger arrives in pieces
+        deltas += post.feed(ch)
+    last, calls = post.finish()
+    assert "".join(d.get("content", "") for d in deltas + last) == "Checking."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("source, fmt", [("qwen", "hermes"), ("llama31", "llama3"), ("llama32", "llama3"),
+                                         ("phi35", "generic"), ("none", "generic")])
+def test_format_from_the_template(source, fmt):
+    files = {"qwen": "Qwen-Qwen2.5-7B-Instruct.jinja", "llama31": "meta-llama-Llama-3.1-8B-Instruct.jinja",
+             "llama32": "meta-llama-Llama-3.2-3B-Instruct.jinja", "phi35": "microsoft-Phi-3.5-mini-instruct.jinja"}
+    if source == "none":
+        assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") == fmt
+        return
+    path = os.path.join(TEMPLATES, files[source])
+    if not os.path.exists(path):
+        pytest.skip("../shared/templates is not here")
+    assert detect_format(open(path, encoding="utf-8").read()) == fmt
+    assert detect_format("... [TOOL_CALLS] ... tools") == "mistral" and detect_format("functools[ tools") == "phi4"
+
+
+def test_tool_choice_validation():
+    from qllama.server.schemas import ApiError
+
+    assert parse_tools({"tools": [WEATHER]}).choice == "auto"
+    req = parse_tools({"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                       "parallel_tool_calls": False})
+    assert req.choice == "named" and [f["name"] for f in req.chosen()] == ["get_time"] and not req.parallel
+    for bad in [{"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tools": [WEATHER], "tool_choice": "sometimes"}, {"tools": [{"type": "code"}]},
+                {"tool_choice": "required"}]:
+        with pytest.raises(ApiError) as e:
+            parse_tools(bad)
+        assert e.value.status == 400
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "phi4", "generic"])
+def test_forced_call_grammars_compile(fmt):
+    pytest.importorskip("llguidance")
+    import qllama
+    from qllama.generation.constrained import Constraint
+
+    from qllama.hub.refs import resolve
+
+    tok = qllama.load_tokenizer(resolve("demo"))
+    req = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    kind, spec = call_grammar(fmt, req, tok)
+    Constraint.from_spec(tok, kind, spec).check_start()
+    assert call_grammar(fmt, parse_tools({"tools": [WEATHER], "tool_choice": "none"}), tok) is None
+
+
+def test_reasoning_is_kept_apart():
+    assert ChatPost().message("<think>\nLet me think.\n</think>\n\nParis.") == ("\nLet me think.\n", "Paris.", [])
+    post = ChatPost()
+    post.open_thinking()  # DeepSeek-R1's template opens <think> in the prompt
+    assert post.message("Hmm.</think>Paris.") == ("Hmm.", "Paris.", [])
+    assert ChatPost(reasoning=False).message("<think>x</think>y") == (None, "<think>x</think>y", [])
+    assert ChatPost().message("No thinking here.") == (None, "No thinking here.", [])
+
+
+# -- the server, through the openai client ------------------------------------------------------------
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+pytest.importorskip("starlette")
+sys.path.insert(0, os.path.dirname(__file__))
+from _serve_cli import ServedCLI  # noqa: E402
+
+QWEN = os.path.join(TEMPLATES, "Qwen-Qwen2.5-7B-Instruct.jinja")
+
+
+@pytest.fixture(scope="module", params=["chatml", "qwen"])
+def server(request):
+    """The demo model with chatml (no tool support: the generic format) or Qwen 2.5's own template
+    (Hermes <tool_call>, tools and tool results rendered by the template)."""
+    if request.param == "qwen" and not os.path.exists(QWEN):
+        pytest.skip("../shared/templates is not here")
+    s = ServedCLI("demo", "--chat-template", "chatml" if request.param == "chatml" else QWEN, "-np", "2", "-c", "2048")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_call_round_trip(server, choice):
+    c = server.client()
+    messages = [{"role": "user", "content": "What is the weather in Verona?"}]
+    r = c.chat.completions.create(model="demo", messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
+                                  parallel_tool_calls=False, max_tokens=100, temperature=0.7, seed=1)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.id and call.type == "function" and call.function.name in ("get_weather", "get_time")
+    if call.function.name == "get_weather" or isinstance(choice, dict):
+        assert call.function.name == "get_weather"
+        check_weather_args(json.loads(call.function.arguments))
+    messages += [ch.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": "sunny, 21 C"}]
+    r2 = c.chat.completions.create(model="demo", messages=messages, tools=[WEATHER, TIME],
+                                   parallel_tool_calls=False, max_tokens=60, temperature=0)
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result were rendered
+    ch2 = r2.choices[0]
+    if ch2.finish_reason == "tool_calls":  # the tiny model may call again: still a valid call
+        assert ch2.message.tool_calls[0].function.name in ("get_weather", "get_time")
+    else:
+        assert ch2.message.tool_calls is None and ch2.message.content is not None
+
+
+def test_streamed_tool_calls_are_assembled_by_the_client(server):
+    c = server.client()
+    with c.chat.completions.stream(model="demo", messages=[{"role": "user", "content": "Weather?"}],
+                                   tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                   max_tokens=100, temperature=0) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    ch = final.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather"
+    check_weather_args(json.loads(call.function.arguments))
+
+
+def test_auto_answers_or_calls(server):
+    r = server.client().chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello"}],
+                                                tools=[WEATHER], parallel_tool_calls=False, max_tokens=40, temperature=0)
+    ch = r.choices[0]
+    if ch.finish_reason == "tool_calls":
+        check_weather_args(json.loads(ch.message.tool_calls[0].function.arguments))
+    else:
+        assert ch.message.tool_calls is None and isinstance(ch.message.content, str)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "often"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_requests_are_400(server, extra, param):
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["code"] == 400
+    assert server.alive()
