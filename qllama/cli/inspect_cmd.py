@@ -172,6 +172,13 @@ def family_rows(s: ModelSummary) -> list[tuple[str, str]]:
     else:
         rows.append(("sliding window", "none"))
     rows.append(("final softcap", f"{s.final_softcap:g}" if s.final_softcap else "none"))
+    if s.expert_count:
+        moe = (f"{s.expert_count} experts, {s.expert_used_count} used per token (expert FFN {s.expert_ff_length}"
+               + (f", shared expert {s.shared_expert_ff_length}" if s.shared_expert_ff_length else "") + ")")
+        rows.append(("experts", moe))
+        share = f" ({100.0 * s.params_per_token / s.n_params:.1f}%)" if s.n_params else ""
+        rows.append(("read per token", f"{human_count(s.params_per_token)} of {human_count(s.n_params)} parameters{share}, "
+                                       f"{human_bytes(s.bytes_per_token)} of weights"))
     if s.rope_factors:
         rows.append(("RoPE factors", s.rope_factors))
     return rows

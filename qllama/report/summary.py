@@ -86,6 +86,13 @@ class ModelSummary:
     kv_cache_window_bytes: int | None = None  # fixed bytes of the windowed layers' rings (window + 512 positions)
     kv_cache_default_ctx: int | None = None  # the context `run` uses by default (min(context_length, 4096))
     kv_cache_bytes_default_ctx: int | None = None  # the whole cache at that context
+    # mixture of experts (models/moe.py): None for a dense model
+    expert_count: int | None = None
+    expert_used_count: int | None = None  # experts run per token
+    expert_ff_length: int | None = None  # rows of each expert's gate/up
+    shared_expert_ff_length: int | None = None  # the shared expert's (0: none)
+    params_per_token: int | None = None  # parameters a decoded token reads: the rest + used/count of the experts
+    bytes_per_token: int | None = None  # their bytes (what decode streams from memory per token)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -281,6 +288,14 @@ def _family_fields(f: GGUFFile, s: ModelSummary) -> None:
     s.qk_norm = "blk.0.attn_q_norm.weight" in t
     s.qkv_bias = "blk.0.attn_q.bias" in t or "blk.0.attn_qkv.bias" in t
     s.fused_qkv = "blk.0.attn_qkv.weight" in t
+    if a.n_expert:  # a decoded token reads its k experts' slices of the ffn_*_exps tensors and all the rest
+        s.expert_count, s.expert_used_count = a.n_expert, a.n_expert_used
+        s.expert_ff_length, s.shared_expert_ff_length = a.n_ff_exp, a.n_ff_shexp
+        exp = [x for name, x in t.items() if name.endswith("_exps.weight")]
+        rest = [x for name, x in t.items() if not name.endswith("_exps.weight")]
+        frac = a.n_expert_used / a.n_expert
+        s.params_per_token = round(sum(x.n_elements for x in rest) + frac * sum(x.n_elements for x in exp))
+        s.bytes_per_token = round(sum(x.n_bytes or 0 for x in rest) + frac * sum(x.n_bytes or 0 for x in exp))
     if "rope_freqs.weight" in t:
         s.rope_factors = "rope_freqs.weight"
     elif "rope_factors_long.weight" in t:
