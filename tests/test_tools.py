@@ -214,3 +214,23 @@ def test_bad_tool_requests_are_400(server, extra, param):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["code"] == 400
     assert server.alive()
+
+
+def test_cli_reasoning_view_dims_or_hides():
+    import io
+
+    from qllama.cli.reasoning_view import DIM, RESET, ReasoningView
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    text = "<think>Let me see.</think>\n\nParis."
+    for out, hide, want in [(io.StringIO(), False, text), (io.StringIO(), True, "Paris."),
+                            (Tty(), False, f"{DIM}Let me see.{RESET}Paris."), (Tty(), True, "Paris.")]:
+        view = ReasoningView(out, hide=hide)
+        for ch in text:
+            view.write(ch)
+        view.finish()
+        got = out.getvalue()
+        assert got.replace(RESET + DIM, "") == want

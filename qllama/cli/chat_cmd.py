@@ -179,6 +179,8 @@ class ChatSession:
                         f"dropped the {dropped} oldest messages{kept}")
         return ids
 
+    hide_reasoning = False  # --hide-reasoning: a thinking model's <think> text is not shown
+
     def ask(self, text: str) -> str | None:
         """Send one user message, stream the answer to `out`, record it. Returns the answer text.
 
@@ -195,13 +197,17 @@ class ChatSession:
                 return None
             max_tokens = self.llm.n_ctx if self.max_tokens < 0 else self.max_tokens
             chunks = self.llm.stream(ids, max_tokens=max_tokens, **self.sampling)
+            from .reasoning_view import ReasoningView, opens_thinking
+
+            view = ReasoningView(self.out, hide=self.hide_reasoning,
+                                 thinking_open=opens_thinking(self.llm.tokenizer, ids))  # <think> dimmed or hidden
             with quiet_input():  # keys typed while the answer streams are not echoed into it
                 for chunk in chunks:
                     if chunk.text:
                         parts.append(chunk.text)
-                        self.out.write(chunk.text)
-                        self.out.flush()
+                        view.write(chunk.text)
                     reason = chunk.finish_reason or reason
+            view.finish()
         except KeyboardInterrupt:  # Ctrl-C: stop this answer, keep the session
             reason = "interrupted"
         except QllamaError as e:  # e.g. the template rejects the conversation
@@ -304,10 +310,12 @@ def stream_lines(stream: TextIO) -> Iterator[str]:
 @click.option("-r", "--reverse-prompt", multiple=True, metavar="TEXT",
               help="End an answer where this text appears (repeatable; not shown) and return control to you.")
 @chat_template_option
+@click.option("--hide-reasoning", is_flag=True,
+              help="Do not show a thinking model's <think>...</think> reasoning (on a terminal it is shown dimmed).")
 @click.option("-v", "--verbose", is_flag=True, help="Print load details and, after each answer, tokens evaluated/reused and speed (stderr).")
 def command(model, first_message, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
             presence_penalty, frequency_penalty, logit_bias, ignore_eos, seed, ctx_size, threads, batch_size, type_k,
-            type_v, system_prompt, reverse_prompt, chat_template, verbose):
+            type_v, system_prompt, reverse_prompt, chat_template, hide_reasoning, verbose):
     """Chat with MODEL: type a message, read the streamed answer; the conversation is kept.
 
     Commands: /reset, /system [TEXT], /save FILE, /load FILE (JSON list of {role, content}),
@@ -328,6 +336,7 @@ def command(model, first_message, max_tokens, temp, top_k, top_p, min_p, repeat_
     llm.session.progress = PromptProgress()  # a long conversation or pasted text shows its progress on a terminal
     chat = ChatSession(llm, system=system_prompt, chat_template=chat_template, max_tokens=max_tokens,
                        sampling=sampling, verbose=verbose)
+    chat.hide_reasoning = hide_reasoning
     from .warm import warm_up
 
     warm_up(llm)  # a first-run compile says so here, instead of a long silent first answer

@@ -52,6 +52,8 @@ DEFAULT_N_PREDICT = 256  # tokens when -n is not given (capped by the room left 
               help="Constrain the output to this JSON schema (a file, or the schema inline); needs llguidance.")
 @click.option("--grammar", "grammar_file", type=click.Path(dir_okay=False), metavar="FILE",
               help="Constrain the output to this grammar (llama.cpp's GBNF, or Lark); needs llguidance.")
+@click.option("--hide-reasoning", is_flag=True,
+              help="Do not show a thinking model's <think>...</think> reasoning (on a terminal it is shown dimmed).")
 @click.option("--no-bos", is_flag=True, help="Do not add the BOS token.")
 @click.option("--raw", is_flag=True, help="Completion mode: never wrap the prompt in the chat template.")
 @click.option("-sys", "--system", "--system-prompt", "system_prompt", help="System message (chat-template mode; ignored with --raw).")
@@ -63,7 +65,7 @@ DEFAULT_N_PREDICT = 256  # tokens when -n is not given (capped by the room left 
 @click.option("-v", "--verbose", is_flag=True, help="Print load details and the chosen prompt format on stderr.")
 @click.pass_context
 def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-            repeat_last_n, presence_penalty, frequency_penalty, logit_bias, ignore_eos, seed, ctx_size, threads, batch_size, type_k, type_v, stop, reverse_prompt, conversation, interactive, lookup, json_schema, grammar_file, no_bos, raw, system_prompt, chat_template,
+            repeat_last_n, presence_penalty, frequency_penalty, logit_bias, ignore_eos, seed, ctx_size, threads, batch_size, type_k, type_v, stop, reverse_prompt, conversation, interactive, lookup, json_schema, grammar_file, hide_reasoning, no_bos, raw, system_prompt, chat_template,
             as_json, check_tensors, verbose):
     """Generate text from MODEL, streaming it to stdout.
 
@@ -148,6 +150,9 @@ def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k
         max_tokens = llm.n_ctx
     chunks = llm.stream(ids, max_tokens=max_tokens, stop=stop, lookup=lookup, **sampling, **constrain)
     out = sys.stdout
+    from .reasoning_view import ReasoningView, opens_thinking
+
+    view = ReasoningView(out, hide=hide_reasoning, thinking_open=opens_thinking(llm.tokenizer, ids))
     reason = None
     texts: list[str] = []
     tokens: list[int] = []
@@ -157,13 +162,13 @@ def command(ctx, model, prompt, prompt_opt, prompt_file, max_tokens, temp, top_k
                 texts.append(chunk.text)
                 tokens.extend(chunk.token_ids)
                 if chunk.text and not as_json:
-                    out.write(chunk.text)
-                    out.flush()
+                    view.write(chunk.text)  # reasoning dimmed on a terminal, or hidden
                 reason = chunk.finish_reason or reason
     except KeyboardInterrupt:
         reason = "interrupted"
     finally:
         if not as_json:
+            view.finish()
             out.write("\n")
             out.flush()
     if as_json:
