@@ -663,3 +663,63 @@ def test_a_prompt_sharing_little_goes_to_the_least_recently_used_slot():
     assert pick_slot([chat, idle], [1] + list(range(100, 110)) + [9, 9]) is chat  # 11 of 13 ids
     older = SimpleNamespace(tokens=[1, 2, 3], last_used=3)
     assert pick_slot([chat, older], [1, 8, 8, 8, 8]) is older  # neither is similar: the older one
+
+
+# -- issue 28: OpenAI's penalties, logit_bias, llama-server's ignore_eos; roles are checked ---------
+
+def test_unknown_roles_and_invalid_message_shapes_are_400(hi):
+    for messages, what in [([{"role": "wizard", "content": "hi"}], "role must be one of"),
+                           ([{"role": "user"}], "has no 'content'"),
+                           ([{"role": "system"}, {"role": "user", "content": "hi"}], "has no 'content'"),
+                           (["hi"], "must be an object"),
+                           ([{"content": "hi"}], "string 'role'"),
+                           ([{"role": "user", "content": 3}], "content must be")]:
+        r = hi.post("/v1/chat/completions", {"messages": messages})
+        err = error_of(r, 400)
+        assert err["type"] == "invalid_request_error" and err["param"] == "messages" and what in err["message"], err
+        assert set(r.json()) == {"error"} and err["code"] == 400
+    r = hi.post("/v1/chat/completions", {"messages": [{"role": "developer", "content": "be kind"}] + USER,
+                                         "temperature": 0})
+    assert r.status_code == 200  # OpenAI's newer name of the system role
+
+
+def test_logit_bias_on_the_server_as_openai_defines_it(hi):
+    dot = list(hi.llm.metadata["tokenizer.ggml.tokens"]).index(".")
+    # "." gets +100: above the chain's 10 at every step
+    r = hi.post("/v1/completions", {"prompt": "hello>", "max_tokens": 4, "temperature": 0, "logit_bias": {str(dot): 100}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "...."
+    r = hi.client().chat.completions.create(model="x", messages=USER, temperature=0, max_tokens=3,
+                                            logit_bias={str(dot): 100})
+    assert r.choices[0].message.content == "..."
+    # llama-server's list form, where false bans a token: the default "." banned, the chain still answers
+    r = hi.post("/v1/completions", {"prompt": "hello>", "temperature": 0, "logit_bias": [[dot, False]]})
+    assert r.json()["choices"][0]["text"] == ANSWER
+    for bias, what in [({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"), ({"5": "1"}, "a number"),
+                       ({str(10**6): 1}, "out of range"), ([1, 2], "an object")]:
+        err = error_of(hi.post("/v1/completions", {"prompt": "hi", "logit_bias": bias}), 400)
+        assert err["param"] == "logit_bias" and what in err["message"], (bias, err)
+
+
+def test_penalties_and_ignore_eos_on_the_server(hi):
+    from qllama.server.schemas import parse_completion
+
+    p = parse_completion({"prompt": "x", "presence_penalty": 1.5, "frequency_penalty": -0.5, "ignore_eos": True})
+    s = p.params.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.ignore_eos) == (1.5, -0.5, True)
+    for key, value in [("presence_penalty", 2.5), ("frequency_penalty", -3), ("presence_penalty", "1"),
+                       ("ignore_eos", 1)]:
+        assert error_of(hi.post("/v1/completions", {"prompt": "x", key: value}), 400)["param"] == key
+    # the chain ends with </s>; with ignore_eos it is never sampled and generation runs to max_tokens
+    r = hi.client().completions.create(model="x", prompt="hello>", temperature=0, max_tokens=9,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 9
+    assert r.choices[0].text.startswith(ANSWER) and r.choices[0].text.endswith(".")
+    # presence penalty reaches the sampler: "." after "hello" scores 10 x 8 (the final RMSNorm scales the one-hot
+    # embedding by sqrt(64)) = 80; repeat_penalty 100 leaves 0.8 (still the argmax against 0), and a presence
+    # penalty of 2 takes it to -1.2, below the other tokens' 0
+    def first(**extra):
+        r = hi.post("/v1/completions", {"prompt": "hello.", "temperature": 0, "max_tokens": 1, "repeat_penalty": 100,
+                                        **extra})
+        return r.json()["choices"][0]["text"]
+
+    assert first() == "." and first(presence_penalty=2.0) != "." and first(frequency_penalty=2.0) != "."

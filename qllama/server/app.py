@@ -31,7 +31,7 @@ from starlette.routing import Route
 from ..errors import QllamaError
 from .responses import SSE_DONE, ResponseBuilder, sse
 from .scheduler import Event, Job, QueueFull, ShuttingDown
-from .schemas import ApiError, GenParams, bad_request, parse_chat, parse_completion
+from .schemas import ApiError, GenParams, bad_request, check_token_ids, parse_chat, parse_completion
 
 MAX_BODY = 1 << 20  # bytes of a request body
 OFF_LOOP_BYTES = 16 << 10  # a body this large is tokenized in a worker thread, not on the event loop
@@ -115,7 +115,16 @@ def create_app(state: ServerState) -> Starlette:
                                                                        req.params.logprobs is not None, post=post))
 
     async def run_job(request: Request, ids: list[int], params: GenParams, rb: ResponseBuilder) -> Response:
+        stream = await start_job(ids, params)
+        if params.stream:
+            return SSEResponse(stream, rb, params.include_usage)
+        return await collect(request, stream, rb)
+
+    async def start_job(ids: list[int], params: GenParams) -> "JobStream":
+        """Check a job and queue it on the scheduler: its events come through the JobStream
+        (also used by the ollama routes, qllama.server.ollama); an ApiError when it cannot run."""
         n_ctx = state.llm.n_ctx
+        check_token_ids(params, state.llm.n_vocab)
         if params.grammar is not None and params.constraint is None:
             params.constraint = await run_in_threadpool(build_constraint, state.llm.tokenizer, params)
         if not ids:
@@ -134,9 +143,7 @@ def create_app(state: ServerState) -> Starlette:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ShuttingDown as e:
             raise ApiError(503, str(e), "unavailable_error") from None
-        if params.stream:
-            return SSEResponse(stream, rb, params.include_usage)
-        return await collect(request, stream, rb)
+        return stream
 
     async def collect(request: Request, stream: "JobStream", rb: ResponseBuilder) -> Response:
         """A whole (non-streamed) answer; a client that disconnects meanwhile cancels the job."""
@@ -168,7 +175,13 @@ def create_app(state: ServerState) -> Starlette:
     async def server_error(request: Request, exc: Exception) -> Response:
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
+    async def chat_page(request: Request) -> Response:
+        """The chat page (static/index.html: one file, no build step, nothing from the network)."""
+        return Response(_chat_page_html(), media_type="text/html; charset=utf-8",
+                        headers={"cache-control": "no-cache"})
+
     routes = [
+        Route("/", chat_page, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
@@ -178,8 +191,17 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/chat/completions", chat, methods=["POST"]),
     ]
+    from .ollama import extra_routes  # ollama's /api/*, llama-server's /tokenize, /detokenize, /metrics
+
+    routes += extra_routes(state, start_job=start_job, read_json=read_json, check_key=check_key)
     handlers = {ApiError: api_error, HTTPException: not_found, Exception: server_error}
     return Starlette(routes=routes, exception_handlers=handlers)
+
+
+def _chat_page_html() -> bytes:
+    from importlib.resources import files
+
+    return (files("qllama.server") / "static" / "index.html").read_bytes()
 
 
 def chat_post(body: dict, req, template, tokenizer):

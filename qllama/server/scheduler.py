@@ -179,6 +179,10 @@ class Scheduler:
         self._admitted = 0
         self.steps = 0  # forward passes done
         self.max_busy = 0  # most slots that shared one step
+        # totals over finished jobs (the /metrics endpoint): prompt tokens evaluated (cache excluded)
+        # and their seconds, tokens sampled and theirs, jobs finished, busy slots summed over steps
+        self.totals = {"prompt_tokens": 0, "prompt_seconds": 0.0, "predicted_tokens": 0, "predicted_seconds": 0.0,
+                       "requests": 0, "busy_slot_steps": 0}
 
     # -- the asyncio side ------------------------------------------------------------------------
 
@@ -318,6 +322,7 @@ class Scheduler:
                 rewind(slot.cache, 0)
             return True
         self.steps += 1
+        self.totals["busy_slot_steps"] += len(busy)
         for slot, (ids, _), row in zip(busy, segments, logits):
             run = slot.run
             slot.tokens.extend(ids)
@@ -364,6 +369,12 @@ class Scheduler:
         t_first = run.t_first or now
         usage = Usage(len(run.job.prompt), run.n_gen, run.cached,
                       prompt_ms=1000.0 * (t_first - run.t_start), predicted_ms=1000.0 * (now - t_first))
+        t = self.totals
+        t["prompt_tokens"] += usage.prompt_tokens - usage.cached_tokens
+        t["prompt_seconds"] += usage.prompt_ms / 1000.0
+        t["predicted_tokens"] += usage.completion_tokens
+        t["predicted_seconds"] += usage.predicted_ms / 1000.0
+        t["requests"] += 1
         _send(run.job, Event("done", text=text, logprobs=lps, finish_reason=reason, usage=usage))
         slot.run = None
 

@@ -17,6 +17,7 @@ from ..generation.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_STOP_STRINGS = 16
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles
 
 
 class ApiError(Exception):
@@ -120,6 +121,47 @@ def _stop(body: dict) -> list[str]:
     return [s for s in v if s]
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}; also llama-server's list form
+    [[id, bias], ...], where a bias of false bans the token (-inf). Ids are checked against the
+    vocabulary by the app (`check_token_ids`)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if isinstance(v, dict):
+        items = list(v.items())
+    elif isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
+        items = [(p[0], p[1]) for p in v]
+    else:
+        raise bad_request("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        tok = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.strip().isdigit():
+            tok = int(key)
+        if tok is None:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if bias is False:
+            out[tok] = float("-inf")
+            continue
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias:
+            raise bad_request(f"'logit_bias' of token {tok} must be a number, got {bias!r}", "logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"'logit_bias' of token {tok} must be in [-100, 100], got {bias}", "logit_bias")
+        out[tok] = float(bias)
+    return out
+
+
+def check_token_ids(params: "GenParams", n_vocab: int) -> None:
+    """A 400 when `logit_bias` names a token the vocabulary does not have."""
+    bad = [t for t, _ in params.sampling.logit_bias if not 0 <= t < n_vocab]
+    if bad:
+        raise bad_request(f"'logit_bias': token id {bad[0]} is out of range [0, {n_vocab})", "logit_bias")
+
+
 def _common(body: dict) -> GenParams:
     """Fields shared by /v1/completions and /v1/chat/completions."""
     n = _number(body, "n", 1, integer=True)
@@ -140,6 +182,10 @@ def _common(body: dict) -> GenParams:
         repeat_penalty=float(_number(body, "repeat_penalty", 1.0, lo=0.0, lo_open=True)),
         repeat_last_n=_number(body, "repeat_last_n", 64, integer=True, lo=-1),
         seed=None if seed is None else seed % (1 << 64),  # numpy wants a non-negative seed
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)),  # OpenAI's range
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)),
+        logit_bias=_logit_bias(body),
+        ignore_eos=_bool(body, "ignore_eos", False),  # llama-server's
     )
     try:
         sampling.validate()
@@ -221,6 +267,10 @@ def parse_chat(body: Any) -> ChatRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+        if m["role"] not in ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
+        if m["role"] in ("system", "developer", "user") and "content" not in m:
+            raise bad_request(f"messages[{i}] ({m['role']}) has no 'content'", "messages")
         msg = {"role": m["role"], "content": _content(m.get("content"), i)}
         for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):  # tool turns, as the template wants them
             if m.get(key) is not None:
