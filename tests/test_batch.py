@@ -1,6 +1,7 @@
 """`qllama batch`: OpenAI Batch files through the server's app and continuous batching (the
-shipped `demo` model). Format, error lines, resume after a crash or a Ctrl-C; no Ray here (the Ray
-tests are in tests/test_ray.py, slow suite)."""
+shipped `demo` model). Format, error lines, resume after a crash or a Ctrl-C. The Ray tests at the end
+are in the slow suite: a local Ray cluster on 127.0.0.1 (`ray start --head --block`, stopped by the
+test) for `--ray ADDRESS --replicas 2`, and Ray Serve with two replicas."""
 
 from __future__ import annotations
 
@@ -251,3 +252,140 @@ def test_ctrl_c_keeps_every_finished_result_then_the_rerun_completes(tmp_path):
     res = read_results(out)
     assert sorted(r["custom_id"] for r in res) == sorted(f"c{i}" for i in range(n))
     assert all(r["response"]["status_code"] == 200 for r in res)
+
+
+# -- Ray (slow suite): a local cluster on 127.0.0.1, bounded in time, stopped by the test ------------------
+
+
+def free_port(lo=6380, hi=6999):
+    """A free TCP port on 127.0.0.1 outside Ray's worker port range (10002-19999)."""
+    import socket
+
+    for port in range(lo, hi):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@pytest.fixture(scope="module")
+def ray_env(tmp_path_factory):
+    """Ray's settings for a test cluster: 127.0.0.1 kept as given, no usage stats, and token
+    authentication (Ray's default) with a token of the test's own instead of ~/.ray/auth_token."""
+    import secrets
+
+    token = tmp_path_factory.mktemp("ray-auth") / "token"
+    token.write_text(secrets.token_hex(32))
+    env = {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # this process too (Ray reads some of them when it is imported)
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory, ray_env):
+    """`ray start --head --block` on 127.0.0.1 with 3 logical CPUs (2 replicas and Ray Data's own
+    tasks); SIGTERM stops it and every process it started."""
+    import shutil
+    import socket
+
+    pytest.importorskip("ray.data")
+    ray_cli = shutil.which("ray")
+    if ray_cli is None:
+        pytest.skip("the ray command is not installed")
+    port = free_port()
+    env = {**os.environ, **ray_env}
+    log = tmp_path_factory.mktemp("ray") / "head.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([ray_cli, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+                                 "--port", str(port), "--num-cpus", "3", "--include-dashboard", "false",
+                                 "--disable-usage-stats"], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < end, "the Ray head did not start"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        time.sleep(2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def texts(path):
+    return {r["custom_id"]: (r["response"]["status_code"], r["response"]["body"].get("choices", [{}])[0].get("text"))
+            for r in read_results(path)}
+
+
+@pytest.mark.slow
+def test_ray_batch_over_two_replicas_equals_the_local_run_and_resumes(ray_head, ray_env, engine, tmp_path):
+    reqs = [completion(f"c{i}", PROMPTS[i % len(PROMPTS)] + " " * (i // 8), mt=16) for i in range(24)]
+    inp = write_lines(tmp_path / "in.jsonl", reqs + ["oops", completion("hot", "x", temperature="hot")])
+    local = tmp_path / "local.jsonl"
+    run(engine, inp, local)
+    out = tmp_path / "ray.jsonl"
+    args = ["batch", "demo", "-i", str(inp), "-o", str(out), "--alias", "demo", "--parallel", "4",
+            "--ray", ray_head, "--replicas", "2", "--rows-per-call", "4"]
+    p = cli(*args, env=ray_env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "26 requests in" in p.stderr and "24 ok, 2 errors" in p.stderr
+    assert texts(out) == texts(local)  # the greedy results (and the error lines) of the local run
+    # a crash: 5 whole results and half a line; the re-run on Ray completes it, each custom_id once
+    whole = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(whole[:5]) + whole[5][:40])
+    p = cli(*args, env=ray_env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "dropped a partial last line" in p.stderr and "5 of 26 requests are already in" in p.stderr
+    assert len(read_results(out)) == 26 and texts(out) == texts(local)
+
+
+@pytest.mark.slow
+def test_ray_serve_two_replicas_answer_as_local_serve(llm, ray_head):
+    pytest.importorskip("ray.serve")
+    openai = pytest.importorskip("openai")
+    import ray
+    from ray import serve
+
+    from qllama.integrations.ray import app
+
+    port = free_port(8100, 8999)
+    ray.init(address=ray_head, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app({"model": "demo", "num_replicas": "2", "parallel": "2", "alias": "demo"}), name="qllama",
+                  route_prefix="/")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        for prompt in PROMPTS[:4]:
+            want = llm.complete(prompt, max_tokens=12, temperature=0)
+            r = client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0)
+            assert r.choices[0].text == want and r.model == "demo"
+            streamed = client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.completions.create(model="demo", prompt="x", temperature=-1)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
