@@ -37,10 +37,16 @@ def command(model, file, file_opt, ctx_size, chunks, threads, type_k, type_v, as
                warmup_next=True)
     warm_up(llm)
     tty = sys.stderr.isatty()
+    import time
+
+    t0 = time.perf_counter()
 
     def progress(i: int, n: int, ppl: float) -> None:
         if tty:  # a line redrawn in place; a pipe or a log file gets only the result
-            click.echo(f"\r[{i}/{n}] perplexity {ppl:.4f}", err=True, nl=(i == n))
+            done = i * ctx_size
+            rate = done / (time.perf_counter() - t0)
+            click.echo(f"\r[{i}/{n}] perplexity {ppl:.4f} ({done}/{n * ctx_size} tokens, {rate:.1f} tokens/s)",
+                       err=True, nl=(i == n))
 
     res = perplexity(llm, text, n_ctx=ctx_size, chunks=chunks, progress=progress)
     if as_json:
