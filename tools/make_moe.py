@@ -65,6 +65,7 @@ class MoeSpec:
     expert_count_key: int | None = None
     expert_used_key: int | None = None
     expert_tensor_count: int | None = None  # experts in the 3-D tensors only (router keeps n_expert rows)
+    direct: bool = False  # quantized weights as random packed blocks, no float copies (real shapes, speed runs)
 
 
 def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
@@ -126,7 +127,7 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
         return t if t == "f32" or cols % GGML_TYPES_BY_NAME[t].block_size == 0 else "f32"
 
     def add(name: str, rows: int, cols: int, std: float, kind: str) -> None:
-        data, values = random_tensor(rng, tname(kind, cols), rows, cols, std)
+        data, values = random_tensor(rng, tname(kind, cols), rows, cols, std, direct=spec.direct)
         if isinstance(data, tuple):
             w.add_tensor(name, data[0], raw_dtype=data[1])
         else:
@@ -136,13 +137,13 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
     def add_experts(name: str, rows: int, cols: int, std: float, kind: str) -> None:
         """n_expert matrices (rows, cols) stacked expert-major: GGUF shape [cols, rows, n_expert]."""
         t = tname(kind, cols)
-        parts = [random_tensor(rng, t, rows, cols, std) for _ in range(spec.expert_tensor_count or ne)]
+        parts = [random_tensor(rng, t, rows, cols, std, direct=spec.direct) for _ in range(spec.expert_tensor_count or ne)]
         if isinstance(parts[0][0], tuple):
             packed = np.stack([p[0][0] for p in parts])  # (n_expert, rows, row bytes)
             w.add_tensor(name, packed, raw_dtype=parts[0][0][1])
         else:
             w.add_tensor(name, np.stack([p[0] for p in parts]))  # (n_expert, rows, cols)
-        stored[name] = np.stack([p[1] for p in parts])
+        stored[name] = None if parts[0][1] is None else np.stack([p[1] for p in parts])
 
     def vec(name: str, values) -> None:
         values = np.asarray(values, dtype=np.float32)
@@ -246,7 +247,7 @@ def main() -> None:
     if a.preset:
         kw = dict(PRESETS[a.preset])
         spec = moe_spec(kw.pop("arch"), n_layer=a.n_layer, weight_type=a.type, types=types, vocab=a.vocab,
-                        seed=a.seed, **kw)
+                        seed=a.seed, direct=True, **kw)
     else:
         kw = dict(n_embd=a.n_embd, n_layer=a.n_layer, n_expert=a.n_expert, n_used=a.n_used, weight_type=a.type,
                   types=types, vocab=a.vocab, seed=a.seed)
