@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import numpy as np
 
 from .errors import QllamaError, UnsupportedError
-from .gguf.types import BF16, F16, F32, GGML_TYPES, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name
+from .gguf.types import (BF16, F16, F32, GGML_TYPES, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS,
+                          TQ1_0, TQ2_0, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name)
 
 if TYPE_CHECKING:
     from .gguf.reader import GGUFFile
@@ -266,7 +267,8 @@ for _tid, _family, _form, _kernel, _shared, _gemm in (
     _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm))
 del _tid, _family, _form, _kernel, _shared, _gemm
 # i-quants (kernels/iquants.py, dequantize_iq_np.py): int8 activation form, or None (float path only)
-for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K")):
+for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K"), (IQ3_S, None), (IQ3_XXS, None), (IQ2_XXS, None),
+                    (IQ2_XS, None), (IQ2_S, None), (IQ1_S, None), (IQ1_M, None), (TQ1_0, None), (TQ2_0, None)):
     _register(_tid, None, _form, partial(_iquant_ops, _tid))
 del _tid, _form
 

@@ -480,7 +480,7 @@ def test_set_threads_validates():
 def test_supported_types():
     assert {tname(t) for t in SUPPORTED_TYPES} == {
         "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K",
-        "iq4_nl", "iq4_xs"}
+        "iq4_nl", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0"}
 
 
 def test_from_bytes_validates():
