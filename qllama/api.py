@@ -217,7 +217,8 @@ class Model:
 
         Sampling is one value, `sampling=SamplingParams(...)` (llama.cpp's defaults), or its fields
         as keywords (`temperature=0`, `top_k`, `top_p`, `min_p`, `repeat_penalty`, `repeat_last_n`,
-        `seed`), which override the value's. temperature 0 is greedy; seed None is random. `stop`
+        `presence_penalty`, `frequency_penalty`, `logit_bias`, `ignore_eos`, `seed`), which override
+        the value's. temperature 0 is greedy; seed None is random. `stop`
         strings end generation and are not included; BOS is added when `add_bos` and the model asks
         for it; `parse_special` reads control tokens written in the prompt text. `lookup` N > 0
         drafts up to N tokens per forward from n-gram matches in the prompt and output

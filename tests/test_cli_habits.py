@@ -505,3 +505,28 @@ def test_interactive_completion_continues_the_text_with_the_lines_typed(models, 
     code, out3, err = cli_main(capsys, "run", m, "the cat", "-i", "-r", cut, "-n", "6", "--temp", "0", "-t", "1",
                                "--ignore-eos", "-v", stdin="", monkeypatch=monkeypatch)
     assert out3.rstrip("\n").endswith(cut) and "[stopped: reverse prompt]" in err
+
+
+def test_help_and_readme_agree_on_threads_and_the_api_example_does_not_warn(capsys):
+    import re
+    import warnings
+
+    import qllama
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for cmd in ("run", "chat"):
+        code, out, _ = cli_main(capsys, cmd, "--help")
+        assert code == 0 and "physical cores)" not in out
+        assert "decoding adapts its count" in " ".join(out.split())
+    assert "an adaptive count for decoding" in " ".join(readme.split())
+    code, out, _ = cli_main(capsys, "run", "--help")
+    for flag in ("-cnv, --conversation", "-no-cnv, --no-conversation", "-sys, --system", "-r, --reverse-prompt",
+                 "-i, --interactive", "--ignore-eos", "--presence-penalty", "--frequency-penalty", "--logit-bias"):
+        assert flag in out and flag.split(",")[0] in readme, flag
+    # the README's Python API example loads the demo as written there, without a warning
+    m = re.search(r'model = qllama\.load\("demo"(.*?)\)', readme)
+    assert m and "n_ctx" not in m.group(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = qllama.load("demo", n_threads=2)
+    assert model.n_ctx == 256

@@ -174,8 +174,8 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog="llama.cpp spellings work too: -m MODEL for the MODEL argument; -ngl, --mlock and "
-                    "--no-mmap are accepted and ignored (CPU only).")
+             epilog="llama.cpp spellings work too: -m MODEL for the MODEL argument; -ngl, --mlock, --no-mmap and "
+                    "-fa/--flash-attn [on|off|auto] are accepted and ignored (CPU only).")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Print the versions of qllama, Numba and NumPy and the SIMD path, then exit.")
