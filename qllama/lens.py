@@ -52,7 +52,8 @@ def _ids(model, prompt: str | Sequence[int]) -> list[int]:
 
 def lens_logits(model, resid: np.ndarray) -> np.ndarray:
     """(R, n_embd) residual-stream rows -> (R, n_vocab) logits through the final norm and output."""
-    from .models.base import ops, project
+    from .models.base import ops
+    from .models.step import project
     from .qtensor import quantize_activation
 
     fm = model.forward_model

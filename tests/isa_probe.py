@@ -94,7 +94,10 @@ def main(out: str | None, workdir: str) -> None:
             res[f"{gt.type_name(tid)}/{n_tok}"] = q.matvec(x[0]) if n_tok == 1 else q.matmul(x)
         res[f"{gt.type_name(tid)}/act"] = q.matvec(quantize_activation(activations(1, rng)[0]))
     model = probe_model(workdir)
-    model._locating = out is None  # (compile-only runs leave garbage: no non-finite check)
+    if out is None:  # (compile-only runs leave garbage: no non-finite check)
+        from qllama.models.step import Plain
+
+        model.execution = Plain(checks=False)
     cache = model.new_cache()
     tokens = rng.integers(0, model.args.n_vocab, size=11).tolist()
     res["model/prompt"] = model.forward(tokens, cache, all_logits=True)  # batched: gemm and tiles

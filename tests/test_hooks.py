@@ -15,7 +15,7 @@ import pytest
 
 import qllama
 from qllama.errors import QllamaError
-from qllama.models.points import BLOCK_POINTS, first_nonfinite, point_names
+from qllama.models.points import BLOCK_POINTS, Probe, first_nonfinite, point_names
 from qllama.qtensor import int8_activations, set_int8_activations
 from conftest import synthetic_models
 from reference_forward import Reference
@@ -188,17 +188,21 @@ def test_greedy_generation_follows_a_hook(files, float_path):
 
 
 def test_no_probe_when_nothing_is_active(files):
+    """The plain execution runs while nothing is traced or hooked; a Probe only while something is."""
+    from qllama.models.points import Probe
+    from qllama.models.step import PLAIN
+
     model = qllama.load(files("llama"), n_ctx=64)
     fm = model.forward_model
-    assert fm._probe is None
+    assert fm.execution is PLAIN
     with model.trace(capture="blk.0.resid"):
-        assert fm._probe is not None
-    assert fm._probe is None
+        assert isinstance(fm.execution, Probe)
+    assert fm.execution is PLAIN
     h = model.hooks.add("logits", lambda *a: None)
-    assert fm._probe is not None
+    assert isinstance(fm.execution, Probe)
     h.remove()
     h.remove()
-    assert fm._probe is None
+    assert fm.execution is PLAIN
 
 
 def test_bad_patterns_and_shapes(files):
@@ -210,7 +214,7 @@ def test_bad_patterns_and_shapes(files):
     with model.hooks.add("blk.0.ffn_out", lambda n, a, il: a[:, :3]):
         with pytest.raises(QllamaError, match="shape"):
             model.logits([1, 2, 3])
-    assert model.forward_model._probe is None
+    assert not isinstance(model.forward_model.execution, Probe)
     assert set(BLOCK_POINTS) >= {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_scores", "attn_probs",
                                  "attn_out", "ffn_in", "ffn_act", "ffn_out", "resid"}
 

@@ -16,6 +16,7 @@ import pytest
 from qllama.errors import UnsupportedError
 from qllama.gguf.reader import GGUFFile
 from qllama.models import SUPPORTED_ARCHITECTURES, build_model, read_args
+from qllama.models.step import Plain
 from tools.make_model import ModelSpec, family_spec, write_model
 
 WINDOW = 8
@@ -241,7 +242,7 @@ def test_fused_decode_equals_unfused_bit_for_bit(quant_files, name, n_threads, i
         m = _model(quant_files[name], batch=16)
         ids = _ids(12, m.args.n_vocab, seed=5)
         fused = _decode_steps(m, ids, 5)
-        m.fused_decode = False
+        m.execution = Plain(fused=False)
         plain = _decode_steps(m, ids, 5)
     finally:
         set_threads(was)
@@ -262,7 +263,7 @@ def test_fused_decode_is_not_used_on_the_float_path(quant_files, float_path):
     ids = _ids(10, m.args.n_vocab, seed=6)
     a = _decode_steps(m, ids, 3)
     assert m._plan is None
-    m.fused_decode = False
+    m.execution = Plain(fused=False)
     b = _decode_steps(m, ids, 3)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)

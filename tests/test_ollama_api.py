@@ -139,3 +139,15 @@ def test_the_ollama_client_against_qllama_serve(paths, tmp_path):  # noqa: F811
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_format_json_constrains_the_answer(hi):
+    pytest.importorskip("llguidance")
+    c = client(hi)
+    r = c.generate(model="x", prompt="hello>", raw=True, format="json", options={**GREEDY, "num_predict": 4})
+    assert r.response.lstrip().startswith("{") and ANSWER not in r.response
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = c.chat(model="x", messages=USER, format=schema, options={**GREEDY, "num_predict": 40})
+    assert r.message.content.lstrip().startswith('{"a"') or r.message.content.lstrip().startswith('{ "a"')
+    r = httpx.post(hi.url + "/api/generate", json={"model": "x", "prompt": "hi", "format": 3}, timeout=TIMEOUT)
+    assert r.status_code == 400 and "format" in r.json()["error"]

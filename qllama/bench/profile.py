@@ -20,9 +20,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from ..models.base import ATTENTION  # noqa: F401  (the kind attention calls are timed as; a profile key)
 from .runner import BenchRunner, random_tokens
 
-ATTENTION = "rope + kv store + attention"
 SAMPLING = "sampling"
 OVERHEAD = "python overhead (wall - timed calls)"
 
@@ -60,6 +60,7 @@ def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128
     """Time every kernel call of `steps` decode steps (each followed by sampling) after `depth`
     cached tokens; see the module docstring."""
     from ..models.decode import KernelClock
+    from ..models.step import Plain, Timed
     from ..generation.sampling import Sampler, SamplingParams
 
     own = runner is None
@@ -71,33 +72,23 @@ def profile_decode(path: str | os.PathLike, *, steps: int = 32, depth: int = 128
     runner._ensure_prefix(depth)
     sampler = Sampler(SamplingParams(seed=1))  # llama.cpp's default chain: top-k 40, top-p, min-p, temp 0.8
     model = runner.model
-    was_fused = model.fused_decode
-    model.fused_decode = fused
     token = random_tokens(1, runner.n_vocab, seed=3)[0]
-    model.forward([token], runner.cache)  # one untimed step at this depth: nothing below is a first call
+    with model.executing(Plain(fused=fused)):
+        model.forward([token], runner.cache)  # one untimed step at this depth: nothing below is a first call
     runner.cache.n_past = depth
     clock = KernelClock()
-    attend = model.attend  # the bound method; timed through an instance attribute for these steps
-
-    def timed_attend(il, *args):
-        return clock.run(ATTENTION, il, attend, il, *args)
-
-    model.attend = timed_attend
-    model._clock = clock
     sample_s = 0.0
     now = time.perf_counter
     try:
-        t0 = now()
-        for _ in range(steps):
-            logits = model.forward([token], runner.cache)
-            ts = now()
-            token = sampler.sample(logits[-1])
-            sample_s += now() - ts
-        wall = now() - t0
+        with model.executing(Timed(clock, fused=fused)):  # every kernel call timed (models/step.py)
+            t0 = now()
+            for _ in range(steps):
+                logits = model.forward([token], runner.cache)
+                ts = now()
+                token = sampler.sample(logits[-1])
+                sample_s += now() - ts
+            wall = now() - t0
     finally:
-        model._clock = None
-        del model.attend
-        model.fused_decode = was_fused
         runner.cache.n_past = depth
     per = 1000.0 / steps
     ms = {kind: s * per for kind, s in sorted(clock.seconds.items(), key=lambda kv: -kv[1])}

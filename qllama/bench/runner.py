@@ -201,6 +201,7 @@ def run_bench(
         raise QllamaError("token counts and depths must be >= 0")
     if n_prompt == 0 and n_gen == 0:
         raise QllamaError("nothing to measure: both -p and -n are 0")
+    from ..models.step import Plain
     from ..qtensor import physical_cores
 
     threads = list(threads) or [physical_cores()]
@@ -210,7 +211,7 @@ def run_bench(
                          type_k=type_k, type_v=type_v)
     if max(depths or [0]) + n_gen > runner.model.n_ctx or n_prompt > runner.model.n_ctx:
         raise QllamaError("the tests do not fit in the context")
-    runner.model.fused_decode = fused
+    runner.model.execution = Plain(fused=fused)  # the fused one-token kernels, or the plain blocks
     say = progress or (lambda msg: None)
     compile_s = runner.warmup()
     say(f"warm-up (Numba compile / cache load): {compile_s:.2f} s")

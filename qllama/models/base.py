@@ -11,7 +11,7 @@ the one-segment case.
 
 from __future__ import annotations
 
-import os
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -19,15 +19,17 @@ import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
 from ..gguf.reader import GGUFFile
-from ..qtensor import INT8_TYPES, TYPES, QTensor, get_threads, int8_enabled, quantize_activation
+from ..qtensor import QTensor, get_threads, int8_enabled, quantize_activation
 from .args import ModelArgs, read_common_args
 from .kvcache import SWA_BATCH, KVCache
 from .nonfinite import locate as locate_nonfinite
-from .points import attention_numpy, attention_points
+from .points import attention_numpy
+from .step import PLAIN, Execution, Step
 
 if TYPE_CHECKING:
     from .moe import MoeFFN
 
+ATTENTION = "rope + kv store + attention"  # the kind a Timed step gives an attention call
 ACT_SILU = 0  # gated FFN activations, as kernels.layer_ops numbers them
 ACT_GELU = 1
 
@@ -204,32 +206,22 @@ class Segment:
     hi: int
 
 
-def project(w: QTensor, act) -> np.ndarray:
-    """(T, in) activations (an Activation, quantized once when shared) -> (T, out) float32.
-    One token takes the mat-vec (decode) kernel, a batch the mat-mat (prefill) kernel."""
-    if act.n_tok == 1:
-        return w.matvec(act).reshape(1, -1)
-    return w.matmul(act)
-
-
 class Transformer:
     """A decoder-only transformer over KV caches. Subclasses (one per architecture) define
     `read_args`, `load_weights` and `block`, and may override `embed` and `final_logits`."""
 
     arch = ""
-    _locating = False  # True during the checked re-run of a step that produced NaN/Inf (nonfinite.py)
 
     def __init__(self, args: ModelArgs, weights: Weights, n_ctx: int, batch: int = SWA_BATCH):
         self.args = args
         self.weights = weights
         self.n_ctx = n_ctx
         self.batch = batch  # ring slots of window layers beyond the window
-        self._probe = None  # a points.Probe while anything is traced, hooked or timed (see models/points.py)
-        self._il = 0  # the block being run (for the points fired by the building blocks)
-        self._threads = 1  # threads of the current forward pass (asked once per pass: the call is not free)
-        self._dec = None  # a decode.DecodeState during a fused one-token step, else None
-        self._plan = None  # decode.DecodePlan, built on the first one-token step (False: the model has none)
-        self._clock = None  # a decode.KernelClock while `qllama bench --profile` times kernel calls
+        # how forward rounds run (models/step.py): plain, timed, probed (hooks, traces), unchecked;
+        # set through `executing` or by the hooks' registry (points.Probe)
+        self.execution: Execution = PLAIN
+        self.step: Step | None = None  # the running round's Step (None between rounds)
+        self._plan = None  # decode.DecodePlan, built on the first fused step (False: the model has none)
         self._scale = np.float32(args.attn_scale)  # kernel arguments, converted once
         self._softcap = np.float32(args.attn_softcap)
         self._window = [args.n_swa if args.is_swa(il) else 0 for il in range(args.n_layer)]
@@ -248,9 +240,6 @@ class Transformer:
     rope_neox = False  # RoPE on NeoX halves (x[i], x[i + n_rot/2]) instead of interleaved pairs
     layer_tensors: dict = {}  # options of WeightReader.layer: qk_norm, post_norms, fused_ffn
     own_output = True  # False: the output is always the embedding, even if the file has output.weight
-    # one-token steps on the int8 path use the fused kernels (models/decode.py); QLLAMA_FUSED=0 turns
-    # them off (the unfused blocks, for before/after measurements)
-    fused_decode = os.environ.get("QLLAMA_FUSED", "1") != "0"
 
     @classmethod
     def read_args(cls, md) -> ModelArgs:
@@ -336,22 +325,35 @@ class Transformer:
         return [o[0] if len(o) == 1 else np.concatenate(o) for o in outs]
 
     def _forward_round(self, runs, want: list[bool], all_logits: bool) -> list[np.ndarray | None]:
-        probe = self._probe
-        if probe:
-            probe.start()
-        self._threads = get_threads()
-        dec = None
-        if len(runs) == 1 and runs[0][0].shape[0] == 1 and not probe and self.fused_decode and int8_enabled():
-            plan = self._plan if self._plan is not None else self._build_plan()
-            if plan:
-                dec = plan.acquire()
-        self._dec = dec
+        one_token = len(runs) == 1 and runs[0][0].shape[0] == 1
+        step = self.execution.step(self, get_threads(), one_token)  # the way this round runs
+        self.step = step
         try:
-            return self._round(runs, want, all_logits, probe)
+            return self._round(runs, want, all_logits, step)
         finally:
-            self._dec = None
-            if dec is not None:
-                self._plan.release(dec)
+            self.step = None
+            step.end()
+
+    @contextlib.contextmanager
+    def executing(self, execution: Execution):
+        """Run the forward rounds inside the block with `execution` (models/step.py)."""
+        before = self.execution
+        self.execution = execution
+        try:
+            yield self
+        finally:
+            self.execution = before
+
+    def fused_state(self):
+        """A decode.DecodeState for a one-token round on the fused kernels, or None (the float
+        path, or a matrix type without fused kernels)."""
+        if not int8_enabled():
+            return None
+        plan = self._plan if self._plan is not None else self._build_plan()
+        return plan.acquire() if plan else None
+
+    def release_fused(self, state) -> None:
+        self._plan.release(state)
 
     def _build_plan(self):
         from .decode import DecodePlan
@@ -360,21 +362,17 @@ class Transformer:
         self._plan = DecodePlan.build(self.weights, a.n_embd, a.q_dim, a.kv_dim, a.n_ff) or False
         return self._plan
 
-    def _round(self, runs, want: list[bool], all_logits: bool, probe) -> list[np.ndarray | None]:
-        clock = self._clock
+    def _round(self, runs, want: list[bool], all_logits: bool, step: Step) -> list[np.ndarray | None]:
         batch, off = [], 0
         for tokens, cache in runs:
             batch.append(Segment(cache, cache.n_past, off, off + len(tokens)))
             off += len(tokens)
         tokens = runs[0][0] if len(runs) == 1 else np.concatenate([t for t, _ in runs])
-        x = self.embed(tokens) if clock is None else clock.run("embedding", None, self.embed, tokens)  # (T, n_embd)
-        if probe:
-            x = probe.fire("embed", None, x)
+        x = step.point("embed", step.op("embedding", self.embed, tokens))  # (T, n_embd)
         for il, layer in enumerate(self.weights.layers):
-            self._il = il
-            x = self.block(il, layer, x, batch)
-            if probe:
-                x = probe.fire("resid", il, x)
+            step.il = il
+            x = step.point("resid", self.block(il, layer, x, batch))
+        step.il = None
         for seg in batch:
             seg.cache.stored(seg.start, seg.hi - seg.lo)
             seg.cache.n_past = seg.start + seg.hi - seg.lo
@@ -388,17 +386,12 @@ class Transformer:
         result: list[np.ndarray | None] = [None] * len(batch)
         if rows.shape[0] == 0:
             return result
-        self._il = None
-        hn = self.norm(np.ascontiguousarray(rows), self.weights.output_norm)
-        if probe:
-            hn = probe.fire("result_norm", None, hn)
-        logits = self._dec.logits(hn, self._threads, clock) if self._dec is not None else None
+        hn = step.point("result_norm", self.norm(np.ascontiguousarray(rows), self.weights.output_norm))
+        logits = step.fused.logits(hn, step.n_threads, step.clock) if step.fused is not None else None
         if logits is None:
-            logits = self._project("output (logits)", self.weights.output, quantize_activation(hn))
-        logits = self.final_logits(logits)
-        if probe:
-            logits = probe.fire("logits", None, logits)
-        if not np.isfinite(logits).all() and not self._locating:  # one pass over the returned rows
+            logits = step.project("output (logits)", self.weights.output, quantize_activation(hn))
+        logits = step.point("logits", self.final_logits(logits))
+        if step.checks and not np.isfinite(logits).all():  # one pass over the returned rows
             seg = next((s for s in batch if not np.isfinite(x[s.lo : s.hi]).all()), batch[0])
             raise locate_nonfinite(self, tokens[seg.lo : seg.hi], seg.cache, seg.start)
         r = 0
@@ -414,31 +407,27 @@ class Transformer:
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """RMSNorm of each row: (T, d) -> new (T, d)."""
         out = np.empty_like(x)
-        if self._clock is None:
-            ops.rmsnorm(x, weight, self.args.rms_eps, out)
-        else:
-            self._clock.run("rmsnorm", self._il, ops.rmsnorm, x, weight, self.args.rms_eps, out)
+        self.step.op("rmsnorm", ops.rmsnorm, x, weight, self.args.rms_eps, out)
         return out
 
     def qkv(self, layer: LayerWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q (T, H, D), K and V (T, Hkv, D) from the normed input h (T, n_embd): separate or
         fused projections, plus biases when the file has them."""
-        a = self.args
+        a, step = self.args, self.step
         n_tok = h.shape[0]
-        if self._probe:
-            h = self._probe.fire("attn_norm", self._il, h)
-        if self._dec is not None:  # one fused call (per activation form): buffers of the step
-            q, k, v = self._dec.qkv(self._il, h, self._threads, self._clock)
+        h = step.point("attn_norm", h)
+        if step.fused is not None:  # one fused call (per activation form): buffers of the step
+            q, k, v = step.fused.qkv(step.il, h, step.n_threads, step.clock)
         elif layer.attn_qkv is not None:
-            qkv = self._project("attn_qkv", layer.attn_qkv, quantize_activation(h))  # (T, q_dim + 2 kv_dim)
+            qkv = step.project("attn_qkv", layer.attn_qkv, quantize_activation(h))  # (T, q_dim + 2 kv_dim)
             q = qkv[:, : a.q_dim]
             k = qkv[:, a.q_dim : a.q_dim + a.kv_dim]
             v = qkv[:, a.q_dim + a.kv_dim :]
         else:
             hq = quantize_activation(h)  # quantized once (int8 path) for Q, K and V
-            q = self._project("attn_q", layer.attn_q, hq)  # (T, q_dim)
-            k = self._project("attn_k", layer.attn_k, hq)  # (T, kv_dim)
-            v = self._project("attn_v", layer.attn_v, hq)  # (T, kv_dim)
+            q = step.project("attn_q", layer.attn_q, hq)  # (T, q_dim)
+            k = step.project("attn_k", layer.attn_k, hq)  # (T, kv_dim)
+            v = step.project("attn_v", layer.attn_v, hq)  # (T, kv_dim)
         if layer.attn_q_b is not None:
             q = q + layer.attn_q_b
             k = k + layer.attn_k_b
@@ -447,31 +436,21 @@ class Transformer:
         return (np.ascontiguousarray(q).reshape(shape_q), np.ascontiguousarray(k).reshape(shape_kv),
                 np.ascontiguousarray(v).reshape(shape_kv))
 
-    def _project(self, kind: str, w: QTensor, act) -> np.ndarray:
-        """`project`, with the activation's quantization and the product timed apart under a KernelClock."""
-        clock = self._clock
-        if clock is None:
-            return project(w, act)
-        form = TYPES[w.type_id].int8_form
-        if int8_enabled() and w.type_id in INT8_TYPES and form not in act._forms:  # once per shared activation
-            clock.run("quantize x", self._il, act.quantized, form)
-        return clock.run(kind, self._il, project, w, act)
-
     def head_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """RMSNorm over each head's D values, in place: x (T, heads, D), weight (D,)."""
         flat = x.reshape(-1, x.shape[2])
-        if self._clock is None:
-            ops.rmsnorm(flat, weight, self.args.rms_eps, flat)
-        else:
-            self._clock.run("rmsnorm (q/k heads)", self._il, ops.rmsnorm, flat, weight, self.args.rms_eps, flat)
+        self.step.op("rmsnorm (q/k heads)", ops.rmsnorm, flat, weight, self.args.rms_eps, flat)
         return x
 
     def attend(self, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: list[Segment]) -> np.ndarray:
         """RoPE on q and k, k and v into each segment's cache, attention: -> (T, H * D)."""
-        a, probe = self.args, self._probe
+        return self.step.op(ATTENTION, self._attend, il, q, k, v, batch)
+
+    def _attend(self, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: list[Segment]) -> np.ndarray:
+        a, step = self.args, self.step
         n_tok = q.shape[0]
         cos, sin = self.rope[il]
-        window, softcap, scale, n_threads = self._window[il], self._softcap, self._scale, self._threads
+        window, softcap, scale, n_threads = self._window[il], self._softcap, self._scale, step.n_threads
         out = np.empty((n_tok, a.n_head, a.head_dim), dtype=np.float32)  # (T, H, D)
         one = len(batch) == 1
         for seg in batch:
@@ -481,12 +460,11 @@ class Transformer:
             vs = v if one else v[seg.lo : seg.hi]
             os_ = out if one else out[seg.lo : seg.hi]
             ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.k[il], c.vt[il], a.rope_neox)
-            if probe:  # attn_q/k/v (after RoPE); attn_scores/probs need the NumPy path
-                qs = attention_points(probe, il, qs, c.k[il], c.vt[il], seg.start)
-                if probe.wants("attn_scores", il) or probe.wants("attn_probs", il):
-                    os_[...] = attention_numpy(probe, il, qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap,
-                                               self.q_prescaled)
-                    continue
+            qs = step.attention_inputs(qs, c.k[il], c.vt[il], seg.start)  # the points attn_q/k/v (after RoPE)
+            if step.wants("attn_scores") or step.wants("attn_probs"):  # they need the NumPy path
+                os_[...] = attention_numpy(step.probe, il, qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window,
+                                           softcap, self.q_prescaled)
+                continue
             # decode-sized work runs on this thread: waking the pool would cost more than it saves
             parallel = ops.attention_parallel_pays(seg.hi - seg.lo, seg.start, a.n_head, n_threads)
             attention = ops.attention if parallel else ops.attention_serial
@@ -495,42 +473,31 @@ class Transformer:
 
     def out_proj(self, layer: LayerWeights, attn: np.ndarray) -> np.ndarray:
         """The attention output projection: (T, q_dim) -> (T, n_embd)."""
-        probe = self._probe
-        if probe:
-            a = self.args
-            attn = probe.fire("attn_z", self._il, attn.reshape(-1, a.n_head, a.head_dim)).reshape(-1, a.q_dim)
-        if self._dec is not None:
-            y = self._dec.out_proj(self._il, attn, self._threads, self._clock)
+        a, step = self.args, self.step
+        attn = step.point("attn_z", attn.reshape(-1, a.n_head, a.head_dim)).reshape(-1, a.q_dim)
+        if step.fused is not None:
+            y = step.fused.out_proj(step.il, attn, step.n_threads, step.clock)
         else:
-            y = self._project("attn_output", layer.attn_output, quantize_activation(attn))
-        if probe:
-            y = probe.fire("attn_out", self._il, y)
-        return y
+            y = step.project("attn_output", layer.attn_output, quantize_activation(attn))
+        return step.point("attn_out", y)
 
     def ffn(self, layer: LayerWeights, h: np.ndarray, act: int) -> np.ndarray:
         """Gated FFN: down(act(gate h) * up h), (T, n_embd) -> (T, n_embd). act: ACT_SILU or ACT_GELU.
         A fused ffn_up holds gate|up (gate first, as llama.cpp's swiglu splits it)."""
-        probe, n_ff = self._probe, self.args.n_ff
-        if probe:
-            h = probe.fire("ffn_in", self._il, h)
+        step, n_ff = self.step, self.args.n_ff
+        h = step.point("ffn_in", h)
         if layer.moe is not None:  # a mixture of experts (models/moe.py)
             return layer.moe.forward(self, h, act)
-        if self._dec is not None:  # gate|up, GLU and down in one fused call
-            return self._dec.ffn(self._il, h, act, self._threads, self._clock)
+        if step.fused is not None:  # gate|up, GLU and down in one fused call
+            return step.fused.ffn(step.il, h, act, step.n_threads, step.clock)
         hq = quantize_activation(h)  # shared by gate and up
         if layer.ffn_gate is None:
-            gu = self._project("ffn_gate|up", layer.ffn_up, hq)  # (T, 2 n_ff)
+            gu = step.project("ffn_gate|up", layer.ffn_up, hq)  # (T, 2 n_ff)
             gate, up = np.ascontiguousarray(gu[:, :n_ff]), np.ascontiguousarray(gu[:, n_ff:])
         else:
-            gate = self._project("ffn_gate", layer.ffn_gate, hq)  # (T, n_ff)
-            up = self._project("ffn_up", layer.ffn_up, hq)  # (T, n_ff)
-        if self._clock is None:
-            ops.glu(gate, up, gate, act)
-        else:
-            self._clock.run("glu", self._il, ops.glu, gate, up, gate, act)
-        if probe:
-            gate = probe.fire("ffn_act", self._il, gate)
-        y = self._project("ffn_down", layer.ffn_down, quantize_activation(gate))
-        if probe:
-            y = probe.fire("ffn_out", self._il, y)
-        return y
+            gate = step.project("ffn_gate", layer.ffn_gate, hq)  # (T, n_ff)
+            up = step.project("ffn_up", layer.ffn_up, hq)  # (T, n_ff)
+        step.op("glu", ops.glu, gate, up, gate, act)
+        gate = step.point("ffn_act", gate)
+        y = step.project("ffn_down", layer.ffn_down, quantize_activation(gate))
+        return step.point("ffn_out", y)

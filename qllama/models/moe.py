@@ -164,21 +164,15 @@ class MoeFFN:
 
     def route(self, model, h: np.ndarray, hq) -> tuple[np.ndarray, np.ndarray]:
         """Router: (experts (T, k) int64 best first, weights (T, k) float32), with the points fired."""
-        probe, il, clock = model._probe, model._il, model._clock
-        k = self.n_used
+        step, k = model.step, self.n_used
         # the mat-mat kernel for every batch size: a token's logits do not depend on its batch
-        if clock is None:
-            logits = self.router.matmul(hq)  # (T, n_expert)
-        else:
-            logits = clock.run("ffn_gate_inp (router)", il, self.router.matmul, hq)
-        if probe:
-            logits = probe.fire("ffn_moe_logits", il, logits)
+        logits = step.point("ffn_moe_logits", step.op("ffn_gate_inp (router)", self.router.matmul, hq))  # (T, n_expert)
         # softmax as ggml's: exp(x - max) in float32, summed in double, scaled by 1/sum
         e = np.exp(logits - logits.max(axis=1, keepdims=True))  # (T, n_expert)
         probs = e * (1.0 / e.sum(axis=1, dtype=np.float64)).astype(np.float32)[:, None]
         experts = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # (T, k): ties to the lower id
-        if probe:
-            forced = probe.fire("ffn_moe_experts", il, experts.astype(np.float32))
+        if step.wants("ffn_moe_experts"):  # a hook may force other experts
+            forced = step.point("ffn_moe_experts", experts.astype(np.float32))
             experts = self._checked_experts(forced, probs.shape[1])
         w = np.take_along_axis(probs, experts, axis=1)  # (T, k)
         if self.norm_w:
@@ -186,9 +180,7 @@ class MoeFFN:
             w = w / s[:, None]
         if self.w_scale is not None:
             w = w * self.w_scale
-        if probe:
-            w = probe.fire("ffn_moe_weights", il, w)
-        return experts, w
+        return experts, step.point("ffn_moe_weights", w)
 
     @staticmethod
     def _checked_experts(ids: np.ndarray, n_expert: int) -> np.ndarray:
@@ -201,7 +193,7 @@ class MoeFFN:
         """h (T, n_embd) normed FFN input -> (T, n_embd): the weighted sum of each token's experts."""
         from ..kernels.layer_ops import glu
 
-        probe, il, clock = model._probe, model._il, model._clock
+        step = model.step
         n_tok, n_embd = h.shape
         hq = quantize_activation(h)  # quantized once for the router, the shared expert and one-token steps
         experts, w = self.route(model, h, hq)
@@ -216,16 +208,13 @@ class MoeFFN:
             tok, slot = pos // k, pos % k
             # one token: its activation is the shared one (quantized once for all k experts)
             xa = hq if n_tok == 1 else quantize_activation(np.ascontiguousarray(h[tok]))  # (n_e, n_embd)
-            up = model._project("ffn_moe_up", self.up[e], xa)  # (n_e, n_ff_exp)
+            up = step.project("ffn_moe_up", self.up[e], xa)  # (n_e, n_ff_exp)
             if self.gate is not None:
-                g = model._project("ffn_moe_gate", self.gate[e], xa)  # (n_e, n_ff_exp)
+                g = step.project("ffn_moe_gate", self.gate[e], xa)  # (n_e, n_ff_exp)
             else:  # act(up) alone
                 g, up = up, np.ones_like(up)
-            if clock is None:
-                glu(g, up, g, act)
-            else:
-                clock.run("glu", il, glu, g, up, g, act)
-            y = model._project("ffn_moe_down", self.down[e], quantize_activation(g))  # (n_e, n_embd)
+            step.op("glu", glu, g, up, g, act)
+            y = step.project("ffn_moe_down", self.down[e], quantize_activation(g))  # (n_e, n_embd)
             y *= w[tok, slot][:, None]
             ys[tok, slot] = y
         out = ys[:, 0].copy()  # (T, n_embd)
@@ -233,17 +222,16 @@ class MoeFFN:
             out += ys[:, s]
         if self.shared is not None:
             out += self._shared(model, h, hq, act, glu)
-        if probe:
-            out = probe.fire("ffn_out", il, out)
-        return out
+        return step.point("ffn_out", out)
 
     def _shared(self, model, h, hq, act, glu) -> np.ndarray:
         """The shared expert (T, n_embd), times sigmoid(h . ffn_gate_inp_shexp) when it has that gate."""
         sg, su, sd = self.shared
-        g = model._project("ffn_gate_shexp", sg, hq)  # (T, n_ff_shexp)
-        u = model._project("ffn_up_shexp", su, hq)
-        glu(g, u, g, act)
-        y = model._project("ffn_down_shexp", sd, quantize_activation(g))  # (T, n_embd)
+        step = model.step
+        g = step.project("ffn_gate_shexp", sg, hq)  # (T, n_ff_shexp)
+        u = step.project("ffn_up_shexp", su, hq)
+        step.op("glu", glu, g, u, g, act)
+        y = step.project("ffn_down_shexp", sd, quantize_activation(g))  # (T, n_embd)
         if self.shared_gate is not None:
             z = (h * self.shared_gate).sum(axis=1)  # (T,) row by row (the same value at any batch size)
             y *= (np.float32(1.0) / (np.float32(1.0) + np.exp(-z)))[:, None]

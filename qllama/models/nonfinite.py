@@ -25,13 +25,14 @@ def locate(model, tokens: np.ndarray, cache, start: int) -> NonFiniteError:
     from .points import Trace, probe_of
 
     cache.rewind(start)
-    trace = Trace(probe_of(model), "*")
-    model._locating = True  # the re-run itself must not check (and re-run) again
+    probe = probe_of(model)  # the user's hooks too: one of them may be what produced the NaN
+    trace = Trace(probe, "*")
+    probe.checks = False  # the re-run itself must not check (and re-run) again
     try:
         with trace:
             model.forward(tokens, cache, all_logits=True)
     finally:
-        model._locating = False
+        probe.checks = True
     where = next((name for name in trace.names() if any(_bad(name, a) for a in trace.calls(name))), None)
     span = f"position {start}" if len(tokens) == 1 else f"positions {start}..{start + len(tokens) - 1}"
     if where is None:  # the re-run was finite: not reproducible (a hook, or something outside the model)

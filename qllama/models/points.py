@@ -1,4 +1,4 @@
-"""Named points in the forward pass: capture (trace), hooks that may replace an array, timing.
+"""Named points in the forward pass: capture (trace) and hooks that may replace an array.
 
 Every family's forward pass fires the same points (TransformerLens's hook points, named after
 GGUF tensors). T is the tokens of the forward call, H/Hkv the query/KV heads, D head_dim,
@@ -34,21 +34,22 @@ sliding window and the softcap as the kernel has them; the output then follows f
 A forward pass over several sequences at once (the server's batched steps) fires the
 attention points (attn_q .. attn_z) once per sequence, with that sequence's rows.
 
-When nothing is traced, hooked or timed, the model's `_probe` is None and each point is one
-attribute test.
+When nothing is traced or hooked, the model runs its plain execution (models/step.py), whose
+points return their array as it is; a `Probe` is the execution while hooks or traces are active.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from ..errors import QllamaError
 from .kvcache import from_f32, to_f32
+from .step import PLAIN, Execution, Step
 
 BLOCK_POINTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_scores", "attn_probs", "attn_z", "attn_out",
                 "ffn_in", "ffn_act", "ffn_out", "resid")
@@ -56,28 +57,6 @@ MOE_POINTS = ("ffn_moe_logits", "ffn_moe_experts", "ffn_moe_weights")  # the rou
 # a mixture-of-experts block's points: the router's instead of ffn_act (each expert has its own)
 MOE_BLOCK_POINTS = BLOCK_POINTS[: BLOCK_POINTS.index("ffn_act")] + MOE_POINTS + ("ffn_out", "resid")
 ATTN_WEIGHTS = ("attn_scores", "attn_probs")  # need the NumPy attention path
-
-# what ran since the previous point, for the timer (per-operation profile)
-OPS = {
-    "embed": "embedding",
-    "attn_norm": "rmsnorm",
-    "attn_q": "q/k/v matvecs (+quantize x, q/k norm) + rope + kv store",
-    "attn_k": "q/k/v matvecs (+quantize x, q/k norm) + rope + kv store",
-    "attn_v": "q/k/v matvecs (+quantize x, q/k norm) + rope + kv store",
-    "attn_scores": "attention",
-    "attn_probs": "attention",
-    "attn_z": "attention",
-    "attn_out": "matvec attn_output (+quantize x)",
-    "ffn_in": "residual add + rmsnorm",
-    "ffn_moe_logits": "router matvec ffn_gate_inp",
-    "ffn_moe_weights": "router softmax + top-k",
-    "ffn_moe_experts": "router softmax + top-k",
-    "ffn_act": "matvec ffn_gate + ffn_up (+quantize x) + glu",
-    "ffn_out": "matvec ffn_down (+quantize x)",
-    "resid": "residual add",
-    "result_norm": "rmsnorm (output)",
-    "logits": "matvec output (+quantize x)",
-}
 
 HookFn = Callable[[str, np.ndarray, "int | None"], "np.ndarray | None"]
 
@@ -215,38 +194,40 @@ class Trace:
         self._probe._remove(self)
 
 
-@dataclass
-class Timer:
-    """Wall time between consecutive points, summed per operation (`OPS`) and per (layer, op)."""
+class ProbedStep(Step):
+    """A forward round whose named points go through the hooks and traces of `probe`; no fused
+    decode kernels (they skip the points inside a layer)."""
 
-    seconds: dict[str, float] = field(default_factory=dict)
-    per_layer: dict[tuple[int | None, str], float] = field(default_factory=dict)
-    last: float = 0.0
+    def __init__(self, probe: "Probe", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.probe = probe
 
-    def start(self) -> None:
-        self.last = time.perf_counter()
+    def point(self, name: str, x: np.ndarray) -> np.ndarray:
+        return self.probe.fire(name, self.il, x)
 
-    def tick(self, point: str, il: int | None, now: float) -> None:
-        op = OPS[point]
-        dt = now - self.last
-        self.seconds[op] = self.seconds.get(op, 0.0) + dt
-        key = (il, op)
-        self.per_layer[key] = self.per_layer.get(key, 0.0) + dt
-        self.last = now
+    def wants(self, name: str) -> bool:
+        return self.probe.wants(name, self.il)
+
+    def attention_inputs(self, q: np.ndarray, k_cache: np.ndarray, vt_cache: np.ndarray, start: int) -> np.ndarray:
+        return attention_points(self.probe, self.il, q, k_cache, vt_cache, start)
 
 
-class Probe:
-    """The hooks, traces and timer of one Transformer. It is set as the model's `_probe` only while
-    one of them is active; each point then calls `fire`."""
+class Probe(Execution):
+    """The hooks and traces of one Transformer. While any is active it is the model's
+    `execution` (rounds run as `ProbedStep`s); `checks=False` for the checked re-run of
+    `nonfinite.locate`, which must not check (and re-run) again."""
 
-    def __init__(self, model):
+    def __init__(self, model, checks: bool = True):
+        super().__init__(fused=False, checks=checks)
         self.model = model
         self.n_layer = model.args.n_layer
         self.moe = model.args.n_expert > 0  # a mixture of experts: router points instead of ffn_act
         self.hooks: list[_Hook] = []
         self.traces: list[Trace] = []
-        self.timer: Timer | None = None
         self._route: dict[tuple[str, int | None], tuple[list, list, str]] = {}
+
+    def step(self, model, n_threads: int, one_token: bool) -> Step:
+        return ProbedStep(self, n_threads, None, self.checks)
 
     # -- registry --
 
@@ -260,13 +241,14 @@ class Probe:
             items.remove(item)
         self._changed()
 
-    def set_timer(self, timer: Timer | None) -> None:
-        self.timer = timer
-        self._changed()
-
     def _changed(self) -> None:
         self._route.clear()
-        self.model._probe = self if (self.hooks or self.traces or self.timer is not None) else None
+        active = bool(self.hooks or self.traces)
+        if active and self.model.execution is not self:
+            self._outside = self.model.execution  # (the plain execution, or a timed one)
+            self.model.execution = self
+        elif not active and self.model.execution is self:
+            self.model.execution = getattr(self, "_outside", PLAIN)
 
     def _consumers(self, point: str, il: int | None) -> tuple[list, list, str]:
         key = (point, il)
@@ -285,15 +267,8 @@ class Probe:
         hooks, traces, _ = self._consumers(point, il)
         return bool(hooks or traces)
 
-    def start(self) -> None:
-        if self.timer is not None:
-            self.timer.start()
-
     def fire(self, point: str, il: int | None, arr: np.ndarray) -> np.ndarray:
         """Run the hooks on arr, capture the result; returns the array the model goes on with."""
-        timer = self.timer
-        if timer is not None:
-            timer.tick(point, il, time.perf_counter())
         hooks, traces, name = self._consumers(point, il)
         for h in hooks:
             out = h.fn(name, arr, il)
@@ -304,16 +279,17 @@ class Probe:
                 arr = np.ascontiguousarray(out, dtype=np.float32)
         for t in traces:
             t._store(name, arr)
-        if timer is not None and (hooks or traces):
-            timer.last = time.perf_counter()  # the hooks' own time is not the model's
         return arr
 
 
+_PROBES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Transformer -> its Probe
+
+
 def probe_of(model) -> Probe:
-    """The Probe of a Transformer (created on first use)."""
-    p = getattr(model, "_probe_obj", None)
+    """The Probe (hooks and traces registry) of a Transformer, created on first use."""
+    p = _PROBES.get(model)
     if p is None:
-        p = model._probe_obj = Probe(model)
+        p = _PROBES[model] = Probe(model)
     return p
 
 
@@ -407,5 +383,5 @@ def first_nonfinite(model, run: Callable[[], object]) -> tuple[int | None, str, 
     return found[0] if found else None
 
 
-__all__ = ["BLOCK_POINTS", "MOE_POINTS", "MOE_BLOCK_POINTS", "OPS", "Hooks", "HookHandle", "Trace", "Timer", "Probe", "probe_of", "point_names",
+__all__ = ["BLOCK_POINTS", "MOE_POINTS", "MOE_BLOCK_POINTS", "Hooks", "HookHandle", "Trace", "Probe", "ProbedStep", "probe_of", "point_names",
            "attention_numpy", "attention_points", "first_nonfinite"]

@@ -61,15 +61,13 @@ def warm_up(model, tokens: int = PREFILL_TOKENS, workers: int | None = None) -> 
 def _unchecked(model):
     """No non-finite check in the forward pass: while compile_pool records, the skipped kernels
     leave garbage, and locating it would re-run each step on the slow NumPy path (a minute on 1B)."""
-    if not hasattr(model, "_locating"):
+    if not hasattr(model, "executing"):  # (a stand-in model)
         yield
         return
-    before = model._locating
-    model._locating = True
-    try:
+    from ..models.step import Plain
+
+    with model.executing(Plain(checks=False)):
         yield
-    finally:
-        model._locating = before
 
 
 def _forward_passes(model, tokens: int) -> list:

@@ -17,7 +17,8 @@ ollama); the last object has `done: true`, `done_reason` and the durations in na
 repeat_last_n, seed, num_predict (-1 / -2: until the end or a full context), stop,
 presence_penalty, frequency_penalty; other options (num_ctx, num_thread...) are ignored, as
 ollama ignores the ones a runner does not use. Defaults are ollama's (top_p 0.9, min_p 0,
-repeat_penalty 1.1). Any model name is answered by the model served (as llama-server does).
+repeat_penalty 1.1). `format` ("json" or a JSON schema) constrains decoding as the OpenAI routes'
+response_format does. Any model name is answered by the model served (as llama-server does).
 Errors are ollama's {"error": "message"} with the HTTP status.
 """
 
@@ -106,8 +107,18 @@ def gen_params(body: dict, stream_default: bool = True) -> GenParams:
     for key in ("images",):
         if body.get(key):
             raise bad_request(f"{key} are not supported by this model", key)
-    return GenParams(max_tokens=None if num_predict < 0 else num_predict, sampling=sampling,
-                     stop=[s for s in stop if s], stream=stream)
+    params = GenParams(max_tokens=None if num_predict < 0 else num_predict, sampling=sampling,
+                       stop=[s for s in stop if s], stream=stream)
+    fmt = body.get("format")
+    if fmt not in (None, ""):  # ollama's JSON mode ("json") or a JSON schema: constrained decoding
+        if fmt == "json":
+            params.grammar = ("json_object", None)
+        elif isinstance(fmt, dict):
+            params.grammar = ("json_schema", fmt)
+        else:
+            raise bad_request("format must be \"json\" or a JSON schema", "format")
+        params.grammar_param = "format"
+    return params
 
 
 def model_details(llm) -> dict:
