@@ -201,6 +201,9 @@ _FUSED_SPECS = {
     "phi3-q8_0": family_spec("phi3", n_embd=128, n_ff=256, n_head=4, n_layer=2, n_ctx=N_CTX, rope_orig_ctx=64,
                              seed=36, weight_type="q8_0"),
     "llama-q2_K": ModelSpec(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2, seed=37, weight_type="q2_K"),
+    # i-quants: iq4_xs (q8_K) with iq4_nl (q8_0) V and ffn_down, 17 blocks a row (ggml's odd tail)
+    "llama-iq4": ModelSpec(n_embd=256, n_ff=544, n_head=4, n_head_kv=2, n_layer=2, seed=38, weight_type="iq4_xs",
+                           types={"attn_v": "iq4_nl", "ffn_down": "iq4_nl", "output": "q6_K"}),
 }
 
 

@@ -24,7 +24,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from ..iq_tables import KVALUES_IQ4NL
-from ._x86 import _I8, _I16, _I32, _I64, _call, _dot4, _gep8, _lanes, _madd_add, _maddubs, _pack, _psign, _ptr, _row_loop, _row_ptrs, _row_sig, _splat, _vec, _hsum, _loop
+from ._x86 import (_I8, _I16, _I32, _I64, _call, _dot4, _gep8, _hsum, _is_arr, _lanes, _loop, _madd_add, _maddubs, _pack,
+                   _psign, _ptr, _row_ptrs, _row_sig, _splat, _vec)
 
 _V8F = ir.VectorType(ir.FloatType(), 8)
 
@@ -162,30 +163,23 @@ def row_dot4_iq4_xs(typingctx, row, nb, xq, xd, xs, t0):
 
 
 @intrinsic
-def dot_iq4_nl_block(typingctx, row, bo, xq, xo):
-    """Exact int sum of the 32 products of the iq4_nl block at row[bo:] with xq[xo:xo+32] -> int64."""
-    if not (isinstance(row, types.Array) and row.dtype == types.uint8 and isinstance(xq, types.Array) and xq.dtype == types.int8):
+def tail_iq4_nl(typingctx, row, nb, xq, xd, y):
+    """ggml's scalar tail of an iq4_nl row of nb (odd) blocks: y + (dx * d) * sumi of block nb - 1,
+    with one rounding (`sumf += d * (sumi1 + sumi2)` compiled with FMA) -> float32. One token
+    (1-D xq, xd)."""
+    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xd, types.float32) and y == types.float32):
         return None
 
     def codegen(context, builder, signature, args):
-        blk = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
-        xp = _ptr(context, builder, signature.args[2], args[2], args[3], _vec(_I8, 32))
+        b = builder.sub(args[1], ir.Constant(_I64, 1))
+        blk = _gep8(builder, _ptr(context, builder, signature.args[0], args[0], ir.Constant(_I64, 0), _I8),
+                    builder.mul(b, ir.Constant(_I64, 18)))
+        xp = _ptr(context, builder, signature.args[2], args[2], builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
         q = _iq4_values(builder, _gep8(builder, blk, 2))
-        x = builder.load(xp, align=1)
-        return _hsum(builder, _dot4(builder, _psign(builder, q, q), _psign(builder, x, q)))
-
-    return types.int64(row, bo, xq, xo), codegen
-
-
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """a * b + c for float32 scalars, rounded once (as C's `s += d * x` compiled with FMA)."""
-    if not all(t == types.float32 for t in (a, b, c)):
-        return None
-
-    def codegen(context, builder, signature, args):
+        isum = _hsum(builder, _dot4(builder, _psign(builder, q, q), _psign(builder, builder.load(xp, align=1), q)))
+        dx = builder.load(_ptr(context, builder, signature.args[3], args[3], b, ir.FloatType()), align=4)
         f = ir.FloatType()
         fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(f, [f] * 3))
-        return builder.call(fn, list(args))
+        return builder.call(fn, [builder.fmul(dx, _load_f16(builder, blk)), builder.sitofp(isum, f), args[4]])
 
-    return types.float32(a, b, c), codegen
+    return types.float32(row, nb, xq, xd, y), codegen

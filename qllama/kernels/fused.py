@@ -12,7 +12,7 @@ row is the same whole-row intrinsic of `_x86.py` (as int8.py's kernels call for 
 the activation is rounded by act_quant.py's own per-token code (`q8_k_row`, `q8_0_row`,
 `q8_1_row`, called by address), and the GLU is `layer_ops.glu` itself.
 
-Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K); a
+Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, iq4_nl, iq4_xs); a
 group's matrices must share one activation form. Others take the unfused path.
 Shapes: x (1, n) float32; xq int8 (1, n), xd float32 (1, n/32 or n/256), xs int32 or float32
 (1, n/32 or n/16) as `qtensor.Activation.quantized` makes them; raw uint8 (rows, row_bytes);
@@ -25,7 +25,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload, register_jitable
 
-from ..gguf.types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._x86 import (
     row2_dot_q4_legacy,
     row2_dot_q5_legacy,
@@ -37,6 +37,7 @@ from ._x86 import (
     row_dot_q6_k,
     row_dot_q8_0,
 )
+from ._x86_iq import row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
 from .act_quant import q8_0_row, q8_1_row, q8_k_row
 from .int8 import FASTMATH
 from .jit import address_of, call_address, kernel
@@ -45,7 +46,7 @@ from .layer_ops import glu
 _NOPY = dict(boundscheck=False)
 _OVERLOAD = dict(boundscheck=False, error_model="numpy")  # as every kernel (kernels/jit.py)
 
-FUSED_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
+FUSED_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS))
 
 
 # -- rows of one matrix, by type (picked at run time, once per chunk of rows: the loop around
@@ -105,6 +106,16 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
             _rows_q8_0(raw, raw.shape[1] // 34, out, lo, hi, xq, xd, xs)
         elif type_id == Q4_0:
             _rows_q4_legacy(raw, raw.shape[1] // 18, out, lo, hi, xq, xd, xs)
+        elif type_id == IQ4_XS:  # (iq4: the intrinsics of _x86_iq.py, as kernels/iquants.py calls them)
+            nb = raw.shape[1] // 136
+            for r in range(lo, hi):
+                out[0, r] = row_dot_iq4_xs(raw[r], nb, xq, xd, xs)
+        elif type_id == IQ4_NL:
+            nb = raw.shape[1] // 18
+            nbe = nb - nb % 2  # (pairs of blocks; ggml's tail block after them)
+            for r in range(lo, hi):
+                y = row_dot_iq4_nl(raw[r], nbe, xq, xd, xs)
+                out[0, r] = tail_iq4_nl(raw[r], nb, xq, xd, y) if nb % 2 else y
         else:
             _rows_q5_legacy(raw, raw.shape[1] // 22, out, lo, hi, xq, xd, xs)
 

@@ -19,7 +19,7 @@ from numba import prange
 
 from ..iq_tables import KVALUES_IQ4NL
 from ._fp16 import f16_at
-from ._x86_iq import dot_iq4_nl_block, fma32, row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq4_nl, row_dot_iq4_xs
+from ._x86_iq import row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
 from .jit import Variants, kernel
 
 IQ4_NL, IQ4_XS = 20, 23
@@ -105,14 +105,6 @@ def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) ->
     (ROWS if parallel else ROWS_SERIAL)[int(type_id)](raw, rows, tab, out)
 
 
-@kernel(**_NOPY)
-def _nl_tail(row, nb, xqt, xdt, tab, y):
-    """ggml's scalar tail of an iq4_nl row with an odd number of blocks: y + d * sumi (one fma)."""
-    b = nb - 1
-    d = xdt[b] * f16_at(row, b * 18, tab)
-    return fma32(d, np.float32(dot_iq4_nl_block(row, b * 18, xqt, b * 32)), y)
-
-
 def _int8_rows_of(type_id: int):
     """The int8 row kernel of one type: out[t, r] = row r . x[t] for rows r0..r1-1, every token.
 
@@ -136,10 +128,10 @@ def _int8_rows_of(type_id: int):
                     else:
                         y = row_dot4_iq4_xs(row, nbe, xq, xd, xs, t)
                     if odd:
-                        out[t, r] = _nl_tail(row, nb, xq[t], xd[t], tab, y[0])
-                        out[t + 1, r] = _nl_tail(row, nb, xq[t + 1], xd[t + 1], tab, y[1])
-                        out[t + 2, r] = _nl_tail(row, nb, xq[t + 2], xd[t + 2], tab, y[2])
-                        out[t + 3, r] = _nl_tail(row, nb, xq[t + 3], xd[t + 3], tab, y[3])
+                        out[t, r] = tail_iq4_nl(row, nb, xq[t], xd[t], y[0])
+                        out[t + 1, r] = tail_iq4_nl(row, nb, xq[t + 1], xd[t + 1], y[1])
+                        out[t + 2, r] = tail_iq4_nl(row, nb, xq[t + 2], xd[t + 2], y[2])
+                        out[t + 3, r] = tail_iq4_nl(row, nb, xq[t + 3], xd[t + 3], y[3])
                     else:
                         out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
                     t += 4
@@ -149,7 +141,7 @@ def _int8_rows_of(type_id: int):
                     else:
                         v = row_dot_iq4_xs(row, nbe, xq[t], xd[t], xs[t])
                     if odd:
-                        v = _nl_tail(row, nb, xq[t], xd[t], tab, v)
+                        v = tail_iq4_nl(row, nb, xq[t], xd[t], v)
                     out[t, r] = v
                     t += 1
 
