@@ -234,3 +234,30 @@ def test_cli_reasoning_view_dims_or_hides():
         view.finish()
         got = out.getvalue()
         assert got.replace(RESET + DIM, "") == want
+
+
+@pytest.mark.parametrize("fmt, free, call, bad", [
+    ("hermes", "Let me think about it.", 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+     'Sure. <tool_call>\n{"name": "launch"'),
+    ("llama3", "Hello there.", '{"name": "get_time", "parameters": {"zone": "CET"}}', '{"name": "launch"'),
+    ("mistral", "Hello there.", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}, "id": "abcDEF123"}]',
+     '[TOOL_CALLS][{"name": "launch"'),
+    ("phi4", "Hello there.", 'functools[{"name": "get_time", "arguments": {"zone": "CET"}}]', 'functools[{"name": "launch"'),
+])
+def test_auto_is_lazy_free_text_until_the_trigger(fmt, free, call, bad):
+    """tool_choice auto in a native format: any text, but from the family's trigger on only valid calls."""
+    pytest.importorskip("llguidance")
+    import qllama
+    from qllama.generation.constrained import Constraint
+    from qllama.hub.refs import resolve
+
+    tok = qllama.load_tokenizer(resolve("demo"))
+    kind, spec = call_grammar(fmt, parse_tools({"tools": [WEATHER, TIME]}), tok)
+
+    def consumed(text):
+        c = Constraint.from_spec(tok, kind, spec)
+        ids = tok.encode("\n" + text)[2:]  # no SentencePiece dummy-prefix space: the text as generated
+        assert tok.decode(ids) == text
+        return c.matcher.try_consume_tokens(ids) == len(ids) and c.matcher.is_accepting()
+
+    assert consumed(free) and consumed(call) and not consumed(bad)

@@ -198,7 +198,7 @@ def call_grammar(fmt: str, req: ToolRequest, tokenizer=None) -> tuple[str, Any] 
                   "additionalProperties": False}
         return "json_schema", {"anyOf": [call_obj, answer]}
     if not constrained:
-        return None
+        return lazy_grammar(fmt, req, tokenizer)
     if fmt == "llama3":
         return "json_schema", _one_of([_call_schema(f, "parameters") for f in fns])
     from ..generation.constrained import JSON_DEFAULTS
@@ -215,6 +215,38 @@ def call_grammar(fmt: str, req: ToolRequest, tokenizer=None) -> tuple[str, Any] 
             items["maxItems"] = 1
         head = _lark_lit("[TOOL_CALLS]", tokenizer) if fmt == "mistral" else json.dumps("functools")
         return "lark", f"start: {head} %json {json.dumps(items)}\n"
+    return None
+
+
+def lazy_grammar(fmt: str, req: ToolRequest, tokenizer=None) -> tuple[str, Any] | None:
+    """"auto" in a native format, as llama.cpp's lazy grammars: free text, but from the family's
+    trigger on, only valid calls. One llguidance Lark grammar: free text is a lexeme that never
+    contains the trigger; the text up to and including the trigger is another lexeme, so the two
+    part where the trigger appears (Hermes); formats whose calls open the answer (Llama 3 JSON,
+    Mistral, Phi-4-mini) take either free text not starting like a call, or the calls."""
+    from ..generation.constrained import JSON_DEFAULTS
+
+    fns = req.chosen()
+    one = json.dumps({**_one_of([_call_schema(f, "parameters" if fmt == "llama3" else "arguments",
+                                              with_id=(fmt == "mistral")) for f in fns]), "x-guidance": JSON_DEFAULTS})
+    if fmt == "hermes":
+        more = '\nmore: "\\n<tool_call>\\n" call "\\n</tool_call>"' if req.parallel else ""
+        return "lark", (f'start: PLAIN | PRE call "\\n</tool_call>"{" more*" if req.parallel else ""}\n'
+                        f"call: %json {one}{more}\n"
+                        "PLAIN: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/\n"
+                        "PRE: /(?s:.*<tool_call>\\n)/ & ~/(?s:.*<tool_call>.*<tool_call>.*)/\n")
+    if fmt == "llama3":
+        return "lark", f"start: PLAIN | call\ncall: %json {one}\nPLAIN: /(?s:[^{{ \\t\\n].*)?/\n"
+    if fmt in ("mistral", "phi4"):
+        items = {"type": "array", "items": json.loads(one), "minItems": 1, "x-guidance": JSON_DEFAULTS}
+        if not req.parallel:
+            items["maxItems"] = 1
+        if fmt == "mistral":
+            head = _lark_lit("[TOOL_CALLS]", tokenizer)
+            plain = "/(?s:[^\\[ \\t\\n].*)?/" if not head.startswith("<[") else "/(?s:.*)/"
+        else:
+            head, plain = json.dumps("functools"), "/(?s:.*)/ & ~/(?s:functools.*)/"
+        return "lark", f"start: PLAIN | {head} calls\ncalls: %json {json.dumps(items)}\nPLAIN: {plain}\n"
     return None
 
 
