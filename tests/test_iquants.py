@@ -436,6 +436,7 @@ def test_llama_cpp_files_match_llama_cpp(llama_cpp_files, name, tmp_path):
     assert abs(got / want - 1) <= ORACLE_PPL_TOL
 
     model = qllama.load(path, n_ctx=256)
+    lc = LlamaCpp(path, 256)
     ids = lc.tokenize(text)[:200]
     lw = lc.logits(ids)
     agree = np.argmax(model.logits(ids), axis=1) == np.argmax(lw, axis=1)
