@@ -60,6 +60,7 @@ def test_text_that_is_no_call_stays_content():
     for fmt in ("hermes", "llama3", "mistral", "phi4"):
         assert parse_calls(fmt, "Hello {there}") == ("Hello {there}", [])
     assert parse_calls("generic", '{"response": "Hi"}') == ("Hi", [])
+    assert parse_calls("generic", '{"response": "Hi the')[0] == "Hi the"  # cut by max_tokens: the answer so far
     assert parse_calls("hermes", "<tool_call>\n{broken\n</tool_call>")[1] == []
 
 

@@ -308,6 +308,11 @@ def parse_calls(fmt: str, text: str) -> tuple[str, list[dict]]:
         return "".join(rest).strip() if calls else text, calls
     if fmt == "generic":
         vals = _json_values(text.strip())
+        if vals is None and re.match(r'\s*\{\s*"response"\s*:\s*"', text):  # cut by max_tokens: the text so far
+            for end in ('"}', '\\"}', '}'):
+                vals = _json_values(text.strip() + end)
+                if vals is not None:
+                    break
         if vals and len(vals) == 1 and isinstance(vals[0], dict):
             v = vals[0]
             if "response" in v and isinstance(v["response"], str):
