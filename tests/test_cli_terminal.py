@@ -114,3 +114,17 @@ def test_ctrl_c_stops_the_answer_not_the_chat_and_typing_is_not_echoed(models):
     assert status == 0 and "Traceback" not in shown
     answer = answer.split("tell me everything", 1)[1]
     assert len(answer) > 20 and "zzz" not in answer
+
+
+def test_interactive_completion_at_a_terminal(models):
+    child = spawn("run", models["plain"], "the cat", "-i", "-n", "8", "--temp", "0", "-t", "1", "--ignore-eos")
+    child.expect_exact("[interactive completion:")
+    time.sleep(1.0)  # the first 8 tokens
+    child.sendline("and the dog")
+    time.sleep(1.0)
+    child.sendintr()  # stops a turn (or an empty prompt line), not the session
+    time.sleep(0.5)
+    child.sendeof()
+    status, shown = finish(child)
+    assert status == 0 and "Traceback" not in shown, shown
+    assert "and the dog" in shown  # the terminal echoes what is typed at the prompt (not while streaming)
