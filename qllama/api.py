@@ -33,8 +33,10 @@ def load(
     """Open a GGUF model: maps the file, checks every tensor, builds the tokenizer and KV cache.
 
     n_ctx defaults to min(the model's context length, 4096); n_threads to the physical cores.
-    type_k / type_v: the KV cache's key and value type, "f16" (the default, as llama.cpp's) or
-    "f32" (twice the memory); llama-cpp-python's ggml type ids 1 (F16) and 0 (F32) work too.
+    type_k / type_v: the KV cache's key and value type, "f16" (the default, as llama.cpp's),
+    "f32" (twice the memory) or a quantized type as llama.cpp's: "q8_0", "q4_0", "q4_1", "q5_0",
+    "q5_1", "iq4_nl" (head size a multiple of 32); llama-cpp-python's ggml type ids (1 F16, 0 F32,
+    8 Q8_0, 2 Q4_0, ...) work too.
     warmup_next: `warmup()` comes next; on a first run its compile workers then start up while
     the model loads (they exit by themselves if no warm-up comes).
     `path` may also be a model reference (`demo`, `org/repo[:QUANT]`, `org/repo/file.gguf`,
@@ -361,9 +363,19 @@ class Model:
         ids = self.chat_prompt_ids(messages, chat_template=chat_template)
         return self.generate(ids, **options)
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of one sequence's KV cache at n_ctx, for the cache types `kv_types` (type_k, type_v)."""
+        from .runtime.memory import kv_cache_bytes
+
+        return kv_cache_bytes(self.args, self.n_ctx, self._model.batch, self.kv_types)
+
     def __repr__(self) -> str:
         a = self.args
-        return f"<qllama.Model {os.path.basename(self.path)}: {a.arch}, {a.n_layer} layers, n_embd {a.n_embd}, n_ctx {self.n_ctx}>"
+        tk, tv = self.kv_types
+        kv = f"{self.kv_cache_bytes / 2**20:.2f} MiB KV cache ({tk}" + ("" if tk == tv else f" K, {tv} V") + ")"
+        return (f"<qllama.Model {os.path.basename(self.path)}: {a.arch}, {a.n_layer} layers, n_embd {a.n_embd}, "
+                f"n_ctx {self.n_ctx}, {kv}>")
 
 
 __all__ = ["load", "Model"]

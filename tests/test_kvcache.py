@@ -52,7 +52,7 @@ def test_type_names_as_llama_cpp_python_takes_them():
     assert kv_type(None) == "f16"  # the default, as llama.cpp's
     assert kv_type("f16") == kv_type("F16") == kv_type(1) == "f16"  # GGML_TYPE_F16 = 1
     assert kv_type("f32") == kv_type(0) == "f32"  # GGML_TYPE_F32 = 0
-    for bad in ("q8_0", "fp16", 8, 2, True, 1.0):
+    for bad in ("q8", "fp16", 9, 12, True, 1.0):  # (quantized types: test_kvcache_quant.py)
         with pytest.raises(QllamaError, match="not supported") as e:
             kv_type(bad)
         assert "--" not in str(e.value)  # a library error names no CLI flag
@@ -89,7 +89,7 @@ def test_model_cache_type_follows_load(files):
     assert c16.nbytes * 2 == c32.nbytes == 2 * 2 * 64 * 2 * 16 * 4
     assert default.session.cache.k[0].dtype == np.uint16
     with pytest.raises(QllamaError, match="not supported"):
-        qllama.load(path, n_ctx=64, type_k="q4_0")
+        qllama.load(path, n_ctx=64, type_k="q4_k")
 
 
 def test_to_and_from_f32_round_as_numpy():

@@ -18,6 +18,7 @@ import numpy as np
 from ..gguf.reader import GGUFFile, MetadataType, ValueType
 from ..report.summary import KV_CACHE_TOKENS, ModelSummary, summarize
 from .model_ref import ModelRef
+from .options import kv_cache_options
 
 JSON_ARRAY_LIMIT = 64  # --json: arrays longer than this are summarised
 JSON_HEAD = 8  # ... as their type, count and this many first items
@@ -241,9 +242,9 @@ def metadata_lines(f: GGUFFile) -> list[str]:
     return _table([["key", "type", "value"]] + rows, right=set()) if rows else ["  (none)"]
 
 
-def render_text(f: GGUFFile, with_metadata: bool = False) -> str:
+def render_text(f: GGUFFile, with_metadata: bool = False, kv_types: tuple[str, str] = ("f16", "f16")) -> str:
     """The human-readable report."""
-    s = summarize(f)
+    s = summarize(f, kv_types)
     head = (
         f"{show_str(f.path)}: GGUF v{f.version}, {human_bytes(f.file_size)}, "
         f"{len(f.metadata)} metadata keys, {len(f.tensors)} tensors"
@@ -295,7 +296,7 @@ def _json_metadata(v: Any, mtype: MetadataType) -> Any:
     return [_json_metadata(x, mtype.item) if mtype.item is not None else _json_value(x) for x in v]
 
 
-def render_json(f: GGUFFile) -> str:
+def render_json(f: GGUFFile, kv_types: tuple[str, str] = ("f16", "f16")) -> str:
     """One JSON document: version, metadata, tensors, summary."""
     doc = {
         "path": _json_value(f.path),
@@ -310,7 +311,7 @@ def render_json(f: GGUFFile) -> str:
              "offset": t.offset, "n_bytes": t.n_bytes}
             for t in f.tensors.values()
         ],
-        "summary": _json_value(summarize(f).to_dict()),
+        "summary": _json_value(summarize(f, kv_types).to_dict()),
     }
     return json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
 
@@ -327,7 +328,8 @@ def _echo(text: str) -> None:
 @click.option("--metadata", "with_metadata", is_flag=True, help="Also print every metadata key (long arrays summarised).")
 @click.option("--check", is_flag=True,
               help="Scan every tensor for NaN and Inf (quantized blocks' scales, float values); exit 1 if any is found.")
-def command(model: str, as_json: bool, with_metadata: bool, check: bool) -> int:
+@kv_cache_options
+def command(model: str, as_json: bool, with_metadata: bool, check: bool, type_k: str = "f16", type_v: str = "f16") -> int:
     """Show what a GGUF file holds: summary, quant mix, tensors (and metadata).
 
     With --check, scan the tensors for non-finite numbers instead (one line per bad tensor).
@@ -341,5 +343,6 @@ def command(model: str, as_json: bool, with_metadata: bool, check: bool) -> int:
                 _echo(json.dumps(doc, indent=2))
                 return 0 if doc["ok"] else 1
             return 0 if run_check(f) else 1
-        _echo(render_json(f) if as_json else render_text(f, with_metadata))
+        kv = (type_k.lower(), type_v.lower())  # the KV bytes shown are for these cache types
+        _echo(render_json(f, kv) if as_json else render_text(f, with_metadata, kv))
     return 0

@@ -71,19 +71,21 @@ def sampling_options(f):
     return f
 
 
-KV_CACHE_TYPES = ("f16", "f32")  # the KV cache types qllama runs (llama.cpp also has quantized ones)
+# the KV cache types qllama runs, as llama.cpp's -ctk/-ctv: f16, f32 and the quantized ones
+KV_CACHE_TYPES = ("f16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 
 
 def kv_cache_options(f):
     """-ctk/--cache-type-k and -ctv/--cache-type-v (llama.cpp's flags): the KV cache's key and value
-    types, f16 (the default, as llama.cpp's) or f32 (twice the memory). The values reach the
-    command as `type_k` and `type_v` (qllama.load's names)."""
+    types, f16 (the default, as llama.cpp's), f32 (twice the memory) or a quantized type (q8_0:
+    1.0625 bytes per element, q4_0 0.5625, ...). The values reach the command as `type_k` and
+    `type_v` (qllama.load's names)."""
     choice = click.Choice(KV_CACHE_TYPES, case_sensitive=False)
     opts = [
         click.option("-ctk", "--cache-type-k", "type_k", type=choice, default="f16", show_default=True,
-                     help="KV cache type for K (f32: twice the memory)."),
+                     help="KV cache type for K (f32: twice the memory; q8_0 .. iq4_nl: quantized blocks of 32)."),
         click.option("-ctv", "--cache-type-v", "type_v", type=choice, default="f16", show_default=True,
-                     help="KV cache type for V (f32: twice the memory)."),
+                     help="KV cache type for V (f32: twice the memory; q8_0 .. iq4_nl: quantized blocks of 32)."),
     ]
     for opt in reversed(opts):
         f = opt(f)

@@ -459,7 +459,12 @@ class Transformer:
             ks = k if one else k[seg.lo : seg.hi]
             vs = v if one else v[seg.lo : seg.hi]
             os_ = out if one else out[seg.lo : seg.hi]
-            ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.k[il], c.vt[il], a.rope_neox)
+            if c.blocks:  # a quantized KV cache: rows stored as blocks (kernels/attention_quant.py)
+                from ..kernels import attention_quant as aq
+
+                aq.rope_store_quant(qs, ks, vs, seg.start, cos, sin, c.kb[il], c.vb[il], a.rope_neox, *c.type_ids)
+            else:
+                ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.k[il], c.vt[il], a.rope_neox)
             qs = step.attention_inputs(qs, c.k[il], c.vt[il], seg.start)  # the points attn_q/k/v (after RoPE)
             if step.wants("attn_scores") or step.wants("attn_probs"):  # they need the NumPy path
                 os_[...] = attention_numpy(step.probe, il, qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window,
@@ -467,6 +472,10 @@ class Transformer:
                 continue
             # decode-sized work runs on this thread: waking the pool would cost more than it saves
             parallel = ops.attention_parallel_pays(seg.hi - seg.lo, seg.start, a.n_head, n_threads)
+            if c.blocks:  # attention reads the blocks directly, as llama.cpp's flash attention
+                attention = aq.attention_quant if parallel else aq.attention_quant_serial
+                attention(qs, c.kb[il], c.vb[il], *c.type_ids, seg.start, a.n_rep, scale, window, softcap, self.q_prescaled, os_)
+                continue
             attention = ops.attention if parallel else ops.attention_serial
             attention(qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap, self.q_prescaled, os_)
         return out.reshape(n_tok, a.q_dim)

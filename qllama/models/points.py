@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..errors import QllamaError
-from .kvcache import from_f32, to_f32
+from .kvcache import from_f32, is_blocks, query_as_keys, to_f32
 from .step import PLAIN, Execution, Step
 
 BLOCK_POINTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_scores", "attn_probs", "attn_z", "attn_out",
@@ -303,7 +303,9 @@ def attention_numpy(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, v
     (Hkv, D, ring), float32 or f16 bits, already holding positions start..start+T-1. As the
     kernel does with an f16 cache, the queries (f16 keys; first multiplied by the scale if
     q_scaled) and the probabilities after the hooks (f16 values) are rounded to f16 for the
-    products. Returns (T, H, D) float32."""
+    products. A quantized cache (both arrays (Hkv, ring, D/32) blocks, see models.kvcache):
+    keys and values dequantized, the queries as its kernel converts them (`query_as_keys`), the
+    probabilities not rounded (llama.cpp's flash attention). Returns (T, H, D) float32."""
     n_tok, n_head, head_dim = q.shape
     ring = k_cache.shape[1]
     n_pos = start + n_tok
@@ -311,8 +313,14 @@ def attention_numpy(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, v
     kpos = np.arange(first, n_pos)
     slots = kpos % ring
     k = np.repeat(to_f32(k_cache[:, slots, :]), n_rep, axis=0)  # (H, P', D)
-    v = np.repeat(to_f32(vt_cache[:, :, slots]).transpose(0, 2, 1), n_rep, axis=0)  # (H, P', D)
-    if k_cache.dtype == np.uint16:
+    blocks = is_blocks(k_cache)  # a quantized cache: values row-major too; products as its flash attention's
+    v_rows = to_f32(vt_cache[:, slots, :]) if blocks else to_f32(vt_cache[:, :, slots]).transpose(0, 2, 1)
+    v = np.repeat(v_rows, n_rep, axis=0)  # (H, P', D)
+    if blocks:
+        if q_scaled:
+            q, scale = q * np.float32(scale), 1.0
+        q = query_as_keys(q, k_cache)
+    elif k_cache.dtype == np.uint16:
         if q_scaled:  # scaled, then rounded
             q, scale = q * np.float32(scale), 1.0
         q = to_f32(from_f32(q, k_cache))
@@ -350,6 +358,12 @@ def attention_points(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, 
         k2 = probe.fire("attn_k", il, k)
         if k2 is not k:
             k_cache[:, slots, :] = from_f32(k2, k_cache).transpose(1, 0, 2)
+        if is_blocks(vt_cache):  # a quantized cache keeps values row-major, as blocks
+            v = np.ascontiguousarray(to_f32(vt_cache[:, slots, :]).transpose(1, 0, 2))  # (T, Hkv, D)
+            v2 = probe.fire("attn_v", il, v)
+            if v2 is not v:
+                vt_cache[:, slots, :] = from_f32(v2, vt_cache).transpose(1, 0, 2)
+            return q
         v = np.ascontiguousarray(to_f32(vt_cache[:, :, slots]).transpose(2, 0, 1))  # (T, Hkv, D)
         v2 = probe.fire("attn_v", il, v)
         if v2 is not v:

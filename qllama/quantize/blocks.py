@@ -4,6 +4,7 @@ The algorithms are ggml's reference ones *without* an importance matrix (`quanti
 in ggml-quants.c), rewritten here:
 
 - q8_0, q4_0, q4_1, q5_0, q5_1: vectorised NumPy, byte-identical to ggml (and to gguf-py);
+- iq4_nl: ggml's quantize_row_iq4_nl_ref (the KV cache's iq4_nl rows), vectorised NumPy;
 - q4_K, q5_K, q6_K: the kernels of `qllama.kernels.quantize_k` (bytes identical to llama.cpp's),
   run on slices of blocks in a thread pool (they release the GIL);
 - f32, f16, bf16 (ggml's round-to-nearest-even bf16, NaN kept quiet).
@@ -20,6 +21,8 @@ import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
 from ..gguf.types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
+
+IQ4_NL = 20  # ggml type id
 
 _F32 = np.float32
 
@@ -118,6 +121,42 @@ def _quantize_q5_1(b: np.ndarray) -> np.ndarray:
     return np.concatenate([_fp16_bytes(d), _fp16_bytes(lo), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
 
 
+_KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _quantize_iq4_nl(b: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_iq4_nl_ref (no importance matrix, no scale search): d = max / -127 from
+    the value of largest magnitude, each x to the nearest table value at 1/d (best_index_int8),
+    then d refit as sum(w q x) / sum(w q^2) with w = x^2, summed in order in float32. A block
+    below 1e-15 gets d = 0 and zero quants (ggml leaves them unwritten)."""
+    n = b.shape[0]
+    vmax = _signed_absmax(b)  # (n, 1)
+    small = (np.abs(vmax) < _F32(1e-15))[:, 0]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        d = vmax / _KVALUES_IQ4NL[0]
+        inv = (_F32(1) / d).astype(np.float32)
+        al = (inv * b).astype(np.float32)  # (n, 32)
+    vals = _KVALUES_IQ4NL
+    mu = np.clip(np.searchsorted(vals, al, side="right"), 1, 15)  # vals[mu - 1] <= al < vals[mu]
+    with np.errstate(invalid="ignore"):
+        nearer_lower = (al - vals[mu - 1]) < (vals[mu] - al)
+    idx = np.where(nearer_lower, mu - 1, mu)
+    idx = np.where(al <= vals[0], 0, np.where(al >= vals[15], 15, idx))
+    q = vals[idx]  # (n, 32) float32
+    w = b * b
+    sumqx = np.zeros(n, np.float32)
+    sumq2 = np.zeros(n, np.float32)
+    for j in range(32):  # in order, as the C loop
+        wq = w[:, j] * q[:, j]
+        sumqx = sumqx + wq * b[:, j]
+        sumq2 = sumq2 + wq * q[:, j]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dd = (sumqx / sumq2).astype(np.float32)[:, None]
+    dd[small] = 0
+    idx[small] = 0
+    return np.concatenate([_fp16_bytes(dd), _pack_nibbles(idx)], axis=1)
+
+
 # =============================================================================================
 # k-quants (super-blocks of 256): the kernels of qllama.kernels.quantize_k, run in threads
 # =============================================================================================
@@ -164,7 +203,7 @@ def _quantize_q6_K(b: np.ndarray) -> np.ndarray:
 # type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8
 _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     Q8_0: _quantize_q8_0, Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1,
-    Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1,
+    Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1, IQ4_NL: _quantize_iq4_nl,
     Q4_K: partial(_quantize_q4_K_q5_K, type_id=Q4_K), Q5_K: partial(_quantize_q4_K_q5_K, type_id=Q5_K),
     Q6_K: _quantize_q6_K,
 }
@@ -179,7 +218,7 @@ def quantize_array(x: np.ndarray, type_id: int) -> np.ndarray:
     x: (n_rows, ne0) float array (a 1-D array is one row); ne0 must be a multiple of the type's
     block size. Returns uint8 (n_rows, row_bytes), row_bytes = ne0 / block_size * type_size,
     the exact bytes llama.cpp's reference quantizer (no importance matrix) would write.
-    Supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K.
+    Supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, q4_K, q5_K, q6_K.
     """
     gtype = GGML_TYPES.get(type_id)
     if gtype is None or type_id not in QUANTIZABLE_TYPES:

@@ -135,8 +135,24 @@ def _sum_layers(v: int | list[int] | None, n_layer: int) -> int | None:
     return v * n_layer
 
 
-def summarize(f: GGUFFile) -> ModelSummary:
-    """Compute the summary of an open GGUF file (cheap: reads metadata and tensor infos only)."""
+def _kv_element_bytes(kv_types: tuple[str, str]) -> tuple[float, float]:
+    """Bytes per cached K and V element of the cache types (f16 2, f32 4, q8_0 34/32, ...)."""
+    from ..models.kvcache import kv_bytes_per_element
+
+    return kv_bytes_per_element(kv_types[0]), kv_bytes_per_element(kv_types[1])
+
+
+def _kv_dims_text(kv_types: tuple[str, str], head_dim: int) -> tuple[str, str]:
+    """(prefix, per-head text) of the KV formula: "2 (K,V) x ", "... x 2 B (f16)" for one type."""
+    bk, bv = _kv_element_bytes(kv_types)
+    if kv_types[0] == kv_types[1]:
+        return "2 (K,V) x ", f"{head_dim} dims x {bk:g} B ({kv_types[0]})"
+    return "", f"{head_dim} dims x (K {bk:g} B ({kv_types[0]}) + V {bv:g} B ({kv_types[1]}))"
+
+
+def summarize(f: GGUFFile, kv_types: tuple[str, str] = ("f16", "f16")) -> ModelSummary:
+    """Compute the summary of an open GGUF file (cheap: reads metadata and tensor infos only).
+    kv_types: the KV cache's (type_k, type_v) whose bytes the summary reports (the default f16)."""
     md = f.metadata
     arch = _str(md.get("general.architecture"))
     a = f"{arch}." if arch else "\0"  # "\0" matches no key
@@ -185,14 +201,14 @@ def summarize(f: GGUFFile) -> ModelSummary:
     kv_tok = formula = None
     kv_heads_total = _sum_layers(n_head_kv, n_layer) if n_layer else None  # KV heads over all layers
     if kv_heads_total is not None and head_dim and val_len:
-        kv_tok = kv_heads_total * (head_dim + val_len) * KV_CACHE_ELEMENT_BYTES
+        bk, bv = _kv_element_bytes(kv_types)
+        kv_tok = round(kv_heads_total * (head_dim * bk + val_len * bv))
         if isinstance(n_head_kv, int) and head_dim == val_len:
-            formula = (
-                f"2 (K,V) x {n_layer} layers x {n_head_kv} KV heads x {head_dim} dims x "
-                f"{KV_CACHE_ELEMENT_BYTES} B (f16) = {kv_tok} B/token"
-            )
+            pre, dims = _kv_dims_text(kv_types, head_dim)
+            formula = f"{pre}{n_layer} layers x {n_head_kv} KV heads x {dims} = {kv_tok} B/token"
         else:
-            formula = f"sum over layers of KV heads x (key {head_dim} + value {val_len} dims) x {KV_CACHE_ELEMENT_BYTES} B (f16)"
+            formula = (f"sum over layers of KV heads x (key {head_dim} x {bk:g} B ({kv_types[0]}) + "
+                       f"value {val_len} x {bv:g} B ({kv_types[1]}))")
 
     # -- RoPE --
     scaling = None
@@ -263,11 +279,11 @@ def summarize(f: GGUFFile) -> ModelSummary:
         kv_cache_bytes_per_1k=None if kv_tok is None else kv_tok * KV_CACHE_TOKENS,
         kv_cache_formula=formula,
     )
-    _family_fields(f, summary)
+    _family_fields(f, summary, kv_types)
     return summary
 
 
-def _family_fields(f: GGUFFile, s: ModelSummary) -> None:
+def _family_fields(f: GGUFFile, s: ModelSummary, kv_types: tuple[str, str] = ("f16", "f16")) -> None:
     """The fields of an architecture qllama runs, read as the runtime reads them (qllama.models,
     which imports no Numba until a forward pass), and the KV cache as the runtime allocates it:
     windowed layers hold a ring of window + SWA_BATCH positions, not the whole context."""
@@ -309,7 +325,8 @@ def _family_fields(f: GGUFFile, s: ModelSummary) -> None:
         local = len(windowed)
         period = next((p for p in range(2, a.n_layer + 1) if all(a.is_swa(i) == (i % p < p - 1) for i in range(a.n_layer))), None)
         s.window_pattern = f"{period - 1} local : 1 global" if period else f"{local} of {a.n_layer} layers local"
-    per_pos = 2 * a.n_head_kv * a.head_dim * KV_CACHE_ELEMENT_BYTES  # K and V of one layer, one position
+    bk, bv = _kv_element_bytes(kv_types)
+    per_pos = round(a.n_head_kv * a.head_dim * (bk + bv))  # K and V of one layer, one position
     n_global = a.n_layer - len(windowed)
     ring = a.n_swa + SWA_BATCH
     s.kv_cache_bytes_per_token = n_global * per_pos
@@ -317,11 +334,12 @@ def _family_fields(f: GGUFFile, s: ModelSummary) -> None:
     ctx = a.default_n_ctx()
     s.kv_cache_default_ctx = ctx
     s.kv_cache_bytes_default_ctx = n_global * ctx * per_pos + len(windowed) * min(ctx, ring) * per_pos
-    dims = f"{a.n_head_kv} KV heads x {a.head_dim} dims x {KV_CACHE_ELEMENT_BYTES} B (f16)"
+    pre, dims = _kv_dims_text(kv_types, a.head_dim)
+    dims = f"{a.n_head_kv} KV heads x {dims}"
     if windowed:
         s.kv_cache_window_bytes = len(windowed) * ring * per_pos
-        s.kv_cache_formula = (f"2 (K,V) x {n_global} global layers x {dims} = {s.kv_cache_bytes_per_token} B/token; "
+        s.kv_cache_formula = (f"{pre}{n_global} global layers x {dims} = {s.kv_cache_bytes_per_token} B/token; "
                               f"the {len(windowed)} windowed layers hold {a.n_swa} + {SWA_BATCH} positions each "
                               f"({s.kv_cache_window_bytes} B at any longer context)")
     else:
-        s.kv_cache_formula = f"2 (K,V) x {a.n_layer} layers x {dims} = {s.kv_cache_bytes_per_token} B/token"
+        s.kv_cache_formula = f"{pre}{a.n_layer} layers x {dims} = {s.kv_cache_bytes_per_token} B/token"

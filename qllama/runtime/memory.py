@@ -12,13 +12,13 @@ import warnings
 from ..errors import ContextSizeError, QllamaWarning
 
 def kv_cache_bytes(args, n_ctx: int, batch: int, kv_types: tuple[str, str] = ("f16", "f16")) -> int:
-    """Bytes of a model's KV cache: keys and values, of types kv_types ("f16": 2 bytes, "f32": 4),
-    for every layer's slots (a window layer keeps only a ring, see `models.kvcache`), KV head
-    and head dimension."""
-    from ..models.kvcache import kv_bytes_per_element, ring_slots
+    """Bytes of a model's KV cache: keys and values, of types kv_types ("f16": 2 bytes, "f32": 4,
+    a quantized type its block bytes per 32: q8_0 34, q4_0 18, ...), for every layer's slots (a
+    window layer keeps only a ring, see `models.kvcache`), KV head and head dimension."""
+    from ..models.kvcache import kv_row_bytes, ring_slots
 
     windows = [args.n_swa if args.is_swa(il) else 0 for il in range(args.n_layer)]
-    per_slot = args.n_head_kv * args.head_dim * sum(kv_bytes_per_element(t) for t in kv_types)
+    per_slot = args.n_head_kv * sum(kv_row_bytes(t, args.head_dim) for t in kv_types)
     return sum(ring_slots(n_ctx, windows, batch)) * per_slot
 
 

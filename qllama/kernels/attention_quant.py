@@ -1,0 +1,519 @@
+"""Attention over a quantized KV cache (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl keys and/or values),
+and the store of new keys and values into it.
+
+A cache with a quantized K or V keeps both row-major, as ggml blocks of 32: one layer's keys
+are uint8 (Hkv, ring, D/32 * block bytes), position p in slot p % ring, and the values the same
+(an f16 or f32 partner of a quantized type is kept in that layout too, as 32-element "blocks"
+of 64 or 128 bytes). Type codes are ggml's type ids (F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6,
+Q5_1 7, Q8_0 8, IQ4_NL 20).
+
+Storing (`rope_store_quant`): RoPE as `layer_ops.rope_store`, then each key and value row is
+quantized as ggml's reference quantizers do (`quantize_row_q8_0_ref` etc.; bytes equal
+`qllama.quantize.blocks`), f16 rounded to nearest even.
+
+Attention follows llama.cpp's CPU flash attention (`ggml_compute_forward_flash_attn_ext_f16`),
+which is how llama.cpp runs a quantized cache:
+- each query head is converted to K's vec_dot type: q8_0 for q8_0/q4_0/q5_0/iq4_nl keys, q8_1
+  for q4_1/q5_1 (`act_quant.q8_0_row` / `q8_1_row`, as ggml's x86 quantize_row_q8_0/q8_1), f16
+  for f16 keys; a score is the type's vec_dot: per block an exact int32 sum of products, times
+  d_k * d_q (plus m_k * s_q for q4_1/q5_1), summed over the blocks in float32;
+- scores times the scale (with `q_scaled`, Q was multiplied by it before the conversion, as the
+  graphs that scale Q themselves have it), softcap, window mask;
+- softmax in float32 and the values dequantized row by row to float32 (ggml's to_float) and
+  accumulated in float32 with weights exp(s - max), then multiplied by 1 / sum.
+ggml does the softmax online (rescaling its accumulator when a new maximum appears); here the
+maximum is found first (the scores of a job are all in a buffer), so each weight is exp(s - max)
+directly, which is the same sum up to float32 rounding, and lets exp run vectorised.
+
+The jobs are (token, KV head) pairs, as `layer_ops._attend_jobs`: the n_rep query heads of a KV
+head read each key and value block once, while it is in L1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from .act_quant import q8_0_row, q8_1_row
+from .jit import address_of, call_address, kernel
+from ._fp16 import HAVE_F16C, f16_bits, f16_value, f16c_store, f32_as_u32, u32_as_f32
+from .layer_ops import _exp_shifted, _key_range, _softcap
+
+# ggml type ids of the cache types (the `type_k` / `type_v` arguments)
+T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_IQ4_NL = 0, 1, 2, 3, 6, 7, 8, 20
+QK = 32  # elements per block
+BLOCK_BYTES = {T_F32: 128, T_F16: 64, T_Q4_0: 18, T_Q4_1: 20, T_Q5_0: 22, T_Q5_1: 24, T_Q8_0: 34, T_IQ4_NL: 18}
+
+# the 16 values of an iq4_nl quant (ggml-common.h kvalues_iq4nl)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
+
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_HALF = np.float32(0.5)
+_NEG_INF = np.float32(-np.inf)
+_FLT_MAX = np.float32(3.4028234663852886e38)
+_GROUP_MAX_EPS = np.float32(1e-15)
+
+
+# -- fp16 fields -------------------------------------------------------------------------------
+
+@kernel(inline="always", boundscheck=False)
+def _f16_load(row, o):
+    """The fp16 at row[o:o+2] (little endian) as float32."""
+    return f16_value(np.int32(row[o]) | (np.int32(row[o + 1]) << 8))
+
+
+@kernel(inline="always", boundscheck=False)
+def _f16_round_bits(x):
+    """float32 -> f16 bits (uint16), rounded to nearest even (as NumPy's astype(float16))."""
+    if HAVE_F16C:
+        return f16c_store(np.float32(x))
+    return f16_bits(np.float32(x))
+
+
+@kernel(inline="always", boundscheck=False)
+def _f16_store(row, o, x):
+    h = _f16_round_bits(x)
+    row[o] = np.uint8(h & 0xFF)
+    row[o + 1] = np.uint8((h >> 8) & 0xFF)
+
+
+@kernel(inline="always", boundscheck=False)
+def _f32_store(row, o, x):
+    bits = f32_as_u32(np.float32(x))
+    for i in range(4):
+        row[o + i] = np.uint8((bits >> np.uint32(8 * i)) & np.uint32(0xFF))
+
+
+# -- quantizing one 32-element block (ggml's *_ref, no fast-math: the bytes must be exact) -----
+
+@kernel(inline="always", boundscheck=False)
+def _roundf(v):
+    """C roundf (half away from zero) of a float32, as an int."""
+    t = int(v)  # truncation toward zero; v - t is exact in float32
+    f = v - np.float32(t)
+    if f >= _HALF:
+        t += 1
+    elif f <= -_HALF:
+        t -= 1
+    return t
+
+
+@kernel(boundscheck=False)
+def _best_index(x, vals):
+    """ggml's best_index_int8(16, kvalues_iq4nl, x): the index of the table value nearest to x."""
+    if x <= np.float32(vals[0]):
+        return 0
+    if x >= np.float32(vals[15]):
+        return 15
+    ml = 0
+    mu = 15
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if x < np.float32(vals[mav]):
+            mu = mav
+        else:
+            ml = mav
+    return mu - 1 if x - np.float32(vals[mu - 1]) < np.float32(vals[mu]) - x else mu
+
+
+@kernel(boundscheck=False)
+def quantize_block(typ, x, xo, row, o, vals, lbuf):
+    """x[xo:xo+32] (float32) -> one block of type `typ` at row[o:] (uint8), as ggml's reference
+    quantizer of that type writes it. vals: KVALUES_IQ4NL; lbuf: int32 (32,) scratch."""
+    if typ == T_F32:
+        for j in range(QK):
+            _f32_store(row, o + 4 * j, x[xo + j])
+        return
+    if typ == T_F16:
+        for j in range(QK):
+            _f16_store(row, o + 2 * j, x[xo + j])
+        return
+    if typ == T_Q8_0:
+        amax = _F0
+        for j in range(QK):
+            amax = max(amax, abs(x[xo + j]))
+        d = amax / np.float32(127.0)
+        idv = _F1 / d if d != _F0 else _F0
+        _f16_store(row, o, d)
+        for j in range(QK):
+            q = _roundf(x[xo + j] * idv)
+            row[o + 2 + j] = np.uint8(q & 0xFF)
+        return
+    if typ == T_Q4_0 or typ == T_Q5_0 or typ == T_IQ4_NL:
+        amax = _F0
+        vmax = _F0
+        for j in range(QK):
+            a = abs(x[xo + j])
+            if amax < a:
+                amax = a
+                vmax = x[xo + j]
+        if typ == T_IQ4_NL:
+            if amax < _GROUP_MAX_EPS:  # ggml leaves the quants as they were; zeros here (d is 0)
+                _f16_store(row, o, _F0)
+                for j in range(16):
+                    row[o + 2 + j] = 0
+                return
+            d = vmax / np.float32(vals[0])
+            idv = _F1 / d
+            sumqx = _F0
+            sumq2 = _F0
+            for j in range(QK):
+                xj = x[xo + j]
+                ll = _best_index(idv * xj, vals)
+                lbuf[j] = ll
+                qv = np.float32(vals[ll])
+                w = xj * xj
+                sumqx += w * qv * xj
+                sumq2 += w * qv * qv
+            d = sumqx / sumq2
+            _f16_store(row, o, d)
+            for j in range(16):
+                row[o + 2 + j] = np.uint8(lbuf[j] | (lbuf[j + 16] << 4))
+            return
+        if typ == T_Q4_0:
+            d = vmax / np.float32(-8.0)
+            idv = _F1 / d if d != _F0 else _F0
+            _f16_store(row, o, d)
+            for j in range(16):
+                q0 = min(15, int(x[xo + j] * idv + np.float32(8.5)))
+                q1 = min(15, int(x[xo + 16 + j] * idv + np.float32(8.5)))
+                row[o + 2 + j] = np.uint8(q0 | (q1 << 4))
+            return
+        d = vmax / np.float32(-16.0)  # q5_0
+        idv = _F1 / d if d != _F0 else _F0
+        _f16_store(row, o, d)
+        qh = np.uint32(0)
+        for j in range(16):
+            q0 = min(31, int(x[xo + j] * idv + np.float32(16.5)))
+            q1 = min(31, int(x[xo + 16 + j] * idv + np.float32(16.5)))
+            row[o + 6 + j] = np.uint8((q0 & 0xF) | ((q1 & 0xF) << 4))
+            qh |= np.uint32((q0 & 0x10) >> 4) << np.uint32(j)
+            qh |= np.uint32((q1 & 0x10) >> 4) << np.uint32(j + 16)
+        for i in range(4):
+            row[o + 2 + i] = np.uint8((qh >> np.uint32(8 * i)) & np.uint32(0xFF))
+        return
+    # q4_1, q5_1: scale and minimum
+    lo = _FLT_MAX
+    hi = -_FLT_MAX
+    for j in range(QK):
+        v = x[xo + j]
+        if v < lo:
+            lo = v
+        if v > hi:
+            hi = v
+    nmax = np.float32(15.0) if typ == T_Q4_1 else np.float32(31.0)
+    d = (hi - lo) / nmax
+    idv = _F1 / d if d != _F0 else _F0
+    _f16_store(row, o, d)
+    _f16_store(row, o + 2, lo)
+    if typ == T_Q4_1:
+        for j in range(16):
+            q0 = min(15, int((x[xo + j] - lo) * idv + _HALF))
+            q1 = min(15, int((x[xo + 16 + j] - lo) * idv + _HALF))
+            row[o + 4 + j] = np.uint8(q0 | (q1 << 4))
+        return
+    qh = np.uint32(0)
+    for j in range(16):
+        q0 = min(31, int((x[xo + j] - lo) * idv + _HALF))
+        q1 = min(31, int((x[xo + 16 + j] - lo) * idv + _HALF))
+        row[o + 8 + j] = np.uint8((q0 & 0xF) | ((q1 & 0xF) << 4))
+        qh |= np.uint32((q0 & 0x10) >> 4) << np.uint32(j)
+        qh |= np.uint32((q1 & 0x10) >> 4) << np.uint32(j + 16)
+    for i in range(4):
+        row[o + 4 + i] = np.uint8((qh >> np.uint32(8 * i)) & np.uint32(0xFF))
+
+
+@kernel(boundscheck=False)
+def quantize_rows(typ, x, out):
+    """x float32 (n, D) -> out uint8 (n, D/32 * block bytes): every row by `quantize_block` (for tests)."""
+    vals = KVALUES_IQ4NL
+    lbuf = np.empty(QK, np.int32)
+    nb = x.shape[1] // QK
+    bb = out.shape[1] // nb
+    for i in range(x.shape[0]):
+        for b in range(nb):
+            quantize_block(typ, x[i], b * QK, out[i], b * bb, vals, lbuf)
+
+
+# -- reading blocks -----------------------------------------------------------------------------
+
+@kernel(inline="always", boundscheck=False)
+def _unpack(typ, row, o, qi, vals):
+    """The 32 integer quants of the block at row[o:] into qi (int32), as the type's vec_dot
+    multiplies them (q4_0, q5_0: offset removed; iq4_nl: table values); returns (d, m), m the
+    minimum of q4_1/q5_1 (else 0)."""
+    d = _f16_load(row, o)
+    m = _F0
+    if typ == T_Q8_0:
+        for j in range(QK):
+            qi[j] = np.int32(np.int8(row[o + 2 + j]))
+    elif typ == T_Q4_0:
+        for j in range(16):
+            b = np.int32(row[o + 2 + j])
+            qi[j] = (b & 0xF) - 8
+            qi[j + 16] = (b >> 4) - 8
+    elif typ == T_IQ4_NL:
+        for j in range(16):
+            b = np.int32(row[o + 2 + j])
+            qi[j] = vals[b & 0xF]
+            qi[j + 16] = vals[b >> 4]
+    elif typ == T_Q4_1:
+        m = _f16_load(row, o + 2)
+        for j in range(16):
+            b = np.int32(row[o + 4 + j])
+            qi[j] = b & 0xF
+            qi[j + 16] = b >> 4
+    else:  # q5_0 (qh at 2, qs at 6), q5_1 (m at 2, qh at 4, qs at 8)
+        qo = 6 if typ == T_Q5_0 else 8
+        ho = qo - 4
+        if typ == T_Q5_1:
+            m = _f16_load(row, o + 2)
+        qh = (np.uint32(row[o + ho]) | (np.uint32(row[o + ho + 1]) << np.uint32(8))
+              | (np.uint32(row[o + ho + 2]) << np.uint32(16)) | (np.uint32(row[o + ho + 3]) << np.uint32(24)))
+        off = 16 if typ == T_Q5_0 else 0
+        for j in range(16):
+            b = np.int32(row[o + qo + j])
+            h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
+            h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
+            qi[j] = ((b & 0xF) | h0) - off
+            qi[j + 16] = ((b >> 4) | h1) - off
+    return d, m
+
+
+@kernel(inline="always", boundscheck=False)
+def _to_float(typ, row, out, qi, vals):
+    """One cache row (D/32 blocks at row) -> out float32 (D,), as ggml's to_float of the type
+    (quantized: value = q * d (+ m); f16: converted; f32: as is)."""
+    nb = out.shape[0] // QK
+    if typ == T_F32:
+        for i in range(out.shape[0]):
+            o = 4 * i
+            bits = (np.uint32(row[o]) | (np.uint32(row[o + 1]) << np.uint32(8)) | (np.uint32(row[o + 2]) << np.uint32(16))
+                    | (np.uint32(row[o + 3]) << np.uint32(24)))
+            out[i] = u32_as_f32(bits)
+        return
+    if typ == T_F16:
+        for i in range(out.shape[0]):
+            out[i] = _f16_load(row, 2 * i)
+        return
+    bb = row.shape[0] // nb
+    for b in range(nb):
+        d, m = _unpack(typ, row, b * bb, qi, vals)
+        if typ == T_Q4_1 or typ == T_Q5_1:
+            for j in range(QK):
+                out[b * QK + j] = np.float32(qi[j]) * d + m
+        else:
+            for j in range(QK):
+                out[b * QK + j] = np.float32(qi[j]) * d
+
+
+@kernel(boundscheck=False)
+def dequantize_rows(typ, rows, out):
+    """rows uint8 (n, row bytes) -> out float32 (n, D): each row by the type's to_float (for tests and the NumPy path)."""
+    qi = np.empty(QK, np.int32)
+    vals = KVALUES_IQ4NL
+    for i in range(rows.shape[0]):
+        _to_float(typ, rows[i], out[i], qi, vals)
+
+
+# -- storing new keys and values ------------------------------------------------------------------
+
+@kernel(fastmath=True, boundscheck=False)
+def rope_store_quant(q, k, v, start, cos_table, sin_table, k_cache, v_cache, neox, type_k, type_v):
+    """RoPE on q and k (q in place) for positions start.., then k and v into the cache quantized.
+
+    As `layer_ops.rope_store` (the same rotation, with its fast-math flags: the same bits), but
+    k_cache and v_cache are uint8 (Hkv, ring, D/32 * block bytes) of types type_k and type_v
+    (ggml ids), both row-major. (`quantize_block` is compiled on its own without fast-math, so
+    its bytes stay ggml's.)
+    """
+    n_tok, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    half = cos_table.shape[1]
+    ring = k_cache.shape[1]
+    step = 1 if neox else 2
+    off = half if neox else 1
+    nb = head_dim // QK
+    bk = k_cache.shape[2] // nb
+    bv = v_cache.shape[2] // nb
+    kr = np.empty(head_dim, np.float32)  # one roped key row
+    vals = KVALUES_IQ4NL
+    lbuf = np.empty(QK, np.int32)
+    for t in range(n_tok):
+        p = start + t
+        slot = p % ring
+        for h in range(n_heads):
+            for i in range(half):
+                c = cos_table[p, i]
+                s = sin_table[p, i]
+                i0 = i * step
+                x0 = q[t, h, i0]
+                x1 = q[t, h, i0 + off]
+                q[t, h, i0] = x0 * c - x1 * s
+                q[t, h, i0 + off] = x0 * s + x1 * c
+        for h in range(n_kv):
+            for d in range(2 * half, head_dim):
+                kr[d] = k[t, h, d]
+            for i in range(half):
+                c = cos_table[p, i]
+                s = sin_table[p, i]
+                i0 = i * step
+                x0 = k[t, h, i0]
+                x1 = k[t, h, i0 + off]
+                kr[i0] = x0 * c - x1 * s
+                kr[i0 + off] = x0 * s + x1 * c
+            krow = k_cache[h, slot]
+            vrow = v_cache[h, slot]
+            vsrc = v[t, h]
+            for b in range(nb):
+                quantize_block(type_k, kr, b * QK, krow, b * bk, vals, lbuf)
+                quantize_block(type_v, vsrc, b * QK, vrow, b * bv, vals, lbuf)
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+@kernel(fastmath=True, boundscheck=False)
+def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled,
+                       out, first, step):
+    """Attention over a block cache for the jobs first, first + step, ... of (token t, KV head)
+    job t * Hkv + kvh (see the module docstring for the arithmetic; shapes as `attention_quant_serial`)."""
+    n_tok = q.shape[0]
+    head_dim = q.shape[2]
+    n_kv = k_cache.shape[0]
+    ring = k_cache.shape[1]
+    nb = head_dim // QK
+    bk = k_cache.shape[2] // nb
+    n_max = min(start_pos + n_tok, ring)
+    vals = KVALUES_IQ4NL
+    qf = np.empty((n_rep, head_dim), np.float32)  # the queries (scaled when q_scaled), as float32
+    qq = np.empty((n_rep, head_dim), np.int8)  # ... converted to q8_0 / q8_1 (quantized keys)
+    qd = np.empty((n_rep, nb), np.float32)
+    qsi = np.empty((n_rep, nb), np.int32)  # q8_0 sums (unused by the dot)
+    qsf = np.empty((n_rep, nb), np.float32)  # q8_1 s = d * sum
+    qi = np.empty(QK, np.int32)
+    kf = np.empty(head_dim, np.float32)  # a float key row (f16/f32 keys)
+    vrow = np.empty(head_dim, np.float32)  # a value row as float32
+    acc = np.empty((n_rep, head_dim), np.float32)
+    scores = np.empty((n_rep, n_max), np.float32)
+    totals = np.empty(n_rep, np.float32)
+    bits = np.empty(n_max, np.int32)
+    fbits = bits.view(np.float32)
+    k_quant = type_k != T_F32 and type_k != T_F16
+    k_min = type_k == T_Q4_1 or type_k == T_Q5_1
+    pre = q_scaled
+    q_mul = scale if pre else _F1
+    dot_scale = _F1 if pre else scale
+    for job in range(first, n_tok * n_kv, step):
+        t = job // n_kv
+        kvh = job % n_kv
+        lo, n_keys = _key_range(start_pos + t, window)
+        s0 = lo % ring
+        n1 = min(n_keys, ring - s0)
+        h0 = kvh * n_rep
+        for r in range(n_rep):
+            for d in range(head_dim):
+                x = q[t, h0 + r, d] * q_mul
+                if type_k == T_F16:  # Q as f16, as ggml's from_float for an f16 K
+                    x = f16_value(np.int32(_f16_round_bits(x)))
+                qf[r, d] = x
+        if k_quant:
+            for r in range(n_rep):
+                if k_min:
+                    q8_1_row(qf, r, qq, qd, qsf)
+                else:
+                    q8_0_row(qf, r, qq, qd, qsi)
+        # scores
+        for j in range(n_keys):
+            slot = s0 + j if j < n1 else j - n1
+            krow = k_cache[kvh, slot]
+            if k_quant:
+                for r in range(n_rep):
+                    scores[r, j] = _F0
+                for b in range(nb):
+                    dk, mk = _unpack(type_k, krow, b * bk, qi, vals)
+                    for r in range(n_rep):
+                        isum = np.int32(0)
+                        for i in range(QK):
+                            isum += qi[i] * np.int32(qq[r, b * QK + i])
+                        a = (dk * qd[r, b]) * np.float32(isum)
+                        if k_min:
+                            a += mk * qsf[r, b]
+                        scores[r, j] += a
+            else:
+                _to_float(type_k, krow, kf, qi, vals)
+                for r in range(n_rep):
+                    a = _F0
+                    for d in range(head_dim):
+                        a += qf[r, d] * kf[d]
+                    scores[r, j] = a
+        for r in range(n_rep):
+            sr = scores[r]
+            for j in range(n_keys):
+                sr[j] *= dot_scale
+            if softcap > _F0:
+                _softcap(sr, n_keys, softcap, bits, fbits)
+            best = _NEG_INF
+            for j in range(n_keys):
+                best = sr[j] if sr[j] > best else best
+            _exp_shifted(sr, n_keys, best, bits, fbits)
+            total = _F0
+            for j in range(n_keys):
+                total += sr[j]
+            totals[r] = total
+            for d in range(head_dim):
+                acc[r, d] = _F0
+        # values: each row converted to float32 once, accumulated for the n_rep heads
+        for j in range(n_keys):
+            slot = s0 + j if j < n1 else j - n1
+            _to_float(type_v, v_cache[kvh, slot], vrow, qi, vals)
+            for r in range(n_rep):
+                w = scores[r, j]
+                for d in range(head_dim):
+                    acc[r, d] += w * vrow[d]
+        for r in range(n_rep):
+            inv = _F1 / totals[r] if totals[r] != _F0 else _F0
+            for d in range(head_dim):
+                out[t, h0 + r, d] = acc[r, d] * inv
+
+
+def _typed(type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled) -> tuple:
+    return (np.int64(type_k), np.int64(type_v), np.int64(start_pos), np.int64(n_rep), np.float32(scale),
+            np.int64(window), np.float32(softcap), bool(q_scaled))
+
+
+def attention_quant_serial(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled, out):
+    """Causal grouped-query attention over a block cache, on the calling thread.
+
+    q: (T, H, D) float32, roped; k_cache, v_cache: uint8 (Hkv, ring, D/32 * block bytes) of ggml
+    types type_k, type_v, holding positions [start_pos + T - ring, start_pos + T); out: (T, H, D)
+    float32. window, softcap, q_scaled: as `layer_ops.attention_serial`.
+    """
+    _attend_jobs_quant(q, k_cache, v_cache, *_typed(type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled),
+                       out, np.int64(0), np.int64(1))
+
+
+ATTENTION_CHUNKS = 16
+
+
+def attention_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled, out):
+    """`attention_quant_serial` with the jobs spread over the threads (one parallel region), computing the same."""
+    args = (q, k_cache, v_cache, *_typed(type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled), out)
+    if not all(a.flags.c_contiguous and a.flags.aligned for a in (q, k_cache, v_cache, out)):
+        _attend_jobs_quant(*args, np.int64(0), np.int64(1))
+        return
+    no_jobs = (*args, np.int64(q.shape[0] * k_cache.shape[0]), np.int64(1))
+    _attention_quant_chunks(address_of(_attend_jobs_quant, no_jobs, lambda: _attend_jobs_quant(*no_jobs)), *args)
+
+
+@kernel(parallel=True)
+def _attention_quant_chunks(jobs_address, q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale, window,
+                            softcap, q_scaled, out):
+    """The parallel region of `attention_quant`: chunk c runs every ATTENTION_CHUNKS-th job from c."""
+    if jobs_address == 0:
+        return
+    n_jobs = q.shape[0] * k_cache.shape[0]
+    n_chunks = min(n_jobs, ATTENTION_CHUNKS)
+    for c in prange(n_chunks):
+        call_address(jobs_address, q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale, window, softcap,
+                     q_scaled, out, np.int64(c), np.int64(n_chunks))
