@@ -68,6 +68,16 @@ class MoeSpec:
     direct: bool = False  # quantized weights as random packed blocks, no float copies (real shapes, speed runs)
 
 
+def _zero_mean_q4_k(packed: np.ndarray) -> np.ndarray:
+    """Random q4_K blocks, each with dmin = 7.5 d: a sub-block's mean d (7.5 sc - 7.5 m) is then zero
+    on average (sc and m uniform), instead of a positive offset common to a whole row, whose
+    rank-one component would make every token's hidden state alike (and route them alike)."""
+    blocks = packed.reshape(-1, 144)
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+    blocks[:, 2:4].view(np.float16)[:] = (7.5 * d).astype(np.float16)
+    return packed
+
+
 def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
     """Write the file; return {tensor name: stored values as float32, numpy shape}."""
     arch = spec.arch
@@ -127,7 +137,12 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
         return t if t == "f32" or cols % GGML_TYPES_BY_NAME[t].block_size == 0 else "f32"
 
     def add(name: str, rows: int, cols: int, std: float, kind: str) -> None:
-        data, values = random_tensor(rng, tname(kind, cols), rows, cols, std, direct=spec.direct)
+        # (direct blocks have a common mean offset: an embedding of them makes every token alike,
+        # so every token would route to the same experts; the tiny vocabulary's are cheap to quantize)
+        direct = spec.direct and kind not in ("token_embd", "output")
+        data, values = random_tensor(rng, tname(kind, cols), rows, cols, std, direct=direct)
+        if direct and tname(kind, cols) == "q4_K":
+            data = (_zero_mean_q4_k(data[0]), data[1])
         if isinstance(data, tuple):
             w.add_tensor(name, data[0], raw_dtype=data[1])
         else:
@@ -138,6 +153,8 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
         """n_expert matrices (rows, cols) stacked expert-major: GGUF shape [cols, rows, n_expert]."""
         t = tname(kind, cols)
         parts = [random_tensor(rng, t, rows, cols, std, direct=spec.direct) for _ in range(spec.expert_tensor_count or ne)]
+        if spec.direct and t == "q4_K":
+            parts = [((_zero_mean_q4_k(p[0][0]), p[0][1]), p[1]) for p in parts]
         if isinstance(parts[0][0], tuple):
             packed = np.stack([p[0][0] for p in parts])  # (n_expert, rows, row bytes)
             w.add_tensor(name, packed, raw_dtype=parts[0][0][1])
