@@ -262,3 +262,23 @@ def test_auto_is_lazy_free_text_until_the_trigger(fmt, free, call, bad):
         return c.matcher.try_consume_tokens(ids) == len(ids) and c.matcher.is_accepting()
 
     assert consumed(free) and consumed(call) and not consumed(bad)
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_gpt_oss_channels(step):
+    """gpt-oss (harmony): the analysis channel is reasoning, final is content, a commentary message
+    to=functions.NAME is a call; markers may arrive in pieces."""
+    text = ("<|channel|>analysis<|message|>They ask the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "unit": "C"}<|call|>')
+    post = ChatPost(harmony=True)
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += post.feed(text[i:i + step])
+    last, calls = post.finish()
+    assert "".join(d.get("reasoning_content", "") for d in deltas + last) == "They ask the weather."
+    assert "".join(d.get("content", "") for d in deltas + last) == ""
+    assert calls[0]["function"]["name"] == "get_weather" and args_of(calls[0]) == {"city": "Rome", "unit": "C"}
+    answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    assert ChatPost(harmony=True).message(answer) == ("Easy.", "Paris.", [])
+    assert ChatPost(harmony=True, reasoning=False).message(answer) == (None, answer, [])
+    assert detect_format("{% if tools %}...{% endif %}<|start|>assistant<|channel|>final<|message|>") == "harmony"

@@ -25,9 +25,10 @@ def held_back(text: str, stops: Iterable[str]) -> int:
 class TextOutput:
     """Token ids -> text chunks with stop strings (see the module docstring)."""
 
-    def __init__(self, tokenizer, stops: Sequence[str]):
-        # the ids continue the prompt: keep the first one's leading space, as llama.cpp prints it
-        self.decoder = tokenizer.stream_decoder(continuation=True)
+    def __init__(self, tokenizer, stops: Sequence[str], special: bool = False):
+        # the ids continue the prompt: keep the first one's leading space, as llama.cpp prints it;
+        # special: control tokens are text too (a tool-call or channel marker the server parses)
+        self.decoder = tokenizer.stream_decoder(special=special, continuation=True)
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.pending_items: list[Any] = []

@@ -218,7 +218,10 @@ def chat_post(body: dict, req, template, tokenizer):
     if treq is not None and treq.choice == "none":
         treq = None
     fmt = detect_format(template.source) if treq is not None else None
-    post = ChatPost(reasoning=rf != "none", fmt=fmt)
+    harmony = "<|channel|>" in (template.source or "")  # gpt-oss: analysis / final channels
+    post = ChatPost(reasoning=rf != "none", fmt=fmt, harmony=harmony)
+    # the parser reads markers that are control tokens: gpt-oss's channels, <|python_tag|>, [TOOL_CALLS]
+    req.params.special = harmony or fmt in ("llama3", "mistral")
     post.messages = prepare_messages(req.messages, fmt or "", treq) if treq is not None else req.messages
     post.template_tools = treq.tools if treq is not None and fmt != "generic" else None
     if treq is not None and req.params.grammar is None:

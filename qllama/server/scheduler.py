@@ -99,7 +99,7 @@ class _Run:
             self.sampler.suppress(tokenizer.eog_ids)
         for t in job.prompt:
             self.sampler.accept(t)
-        self.output = TextOutput(tokenizer, job.params.stop)
+        self.output = TextOutput(tokenizer, job.params.stop, special=job.params.special)
         self.next_token: int | None = None  # sampled, not yet in the cache
         self.n_gen = 0
         self.t_start = time.perf_counter()

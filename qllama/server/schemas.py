@@ -61,6 +61,7 @@ class GenParams:
     grammar: tuple[str, Any] | None = None  # (kind, spec) for qllama.generation.constrained.compile_grammar
     grammar_param: str | None = None  # the request field it came from (errors name it)
     constraint: Any = None  # the compiled Constraint (set by the app); each request gets its own matcher
+    special: bool = False  # control tokens show in the text (the chat parser reads tool-call and channel markers)
 
 
 @dataclass

@@ -99,6 +99,8 @@ def detect_format(template_source: str | None) -> str:
     src = template_source or ""
     if "tools" not in src and "tool_calls" not in src:
         return "generic"
+    if "<|channel|>" in src:
+        return "harmony"  # gpt-oss: calls are commentary messages to=functions.NAME (parsed, not constrained)
     if "<tool_call>" in src:
         return "hermes"
     if "[TOOL_CALLS]" in src:
@@ -182,7 +184,7 @@ def _lark_lit(text: str, tokenizer) -> str:
 def call_grammar(fmt: str, req: ToolRequest, tokenizer=None) -> tuple[str, Any] | None:
     """(kind, spec) constraining the answer to valid calls, or None when decoding stays free:
     "required" / a named function in every format; "auto" in the generic one (a call or a response)."""
-    if req.choice == "none":
+    if req.choice == "none" or fmt == "harmony":
         return None
     fns = req.chosen()
     constrained = req.choice in ("required", "named")
@@ -355,6 +357,10 @@ def _held(text: str, stops) -> int:
     return held_back(text, stops)
 
 
+_HARMONY_HEAD = re.compile(r"<\|channel\|>(\w+)([^<]*)(?:<\|constrain\|>[^<]*)?<\|message\|>")
+_HARMONY_OTHER = re.compile(r"<\|(?:end|call|return)\|>|<\|start\|>[^<]*(?=<\|)")
+
+
 @dataclass
 class ChatPost:
     """Splits a chat reply into reasoning, content and tool calls, as the text comes.
@@ -368,7 +374,11 @@ class ChatPost:
     reasoning: bool = True
     thinking_open: bool = False
     fmt: str | None = None
+    harmony: bool = False  # gpt-oss's channels: analysis -> reasoning, final -> content, functions.* -> calls
     _buf: str = ""  # text not yet sorted
+    _channel: str | None = None  # harmony: the channel of the current message
+    _recipient: str = ""  # harmony: its recipient (to=functions.NAME for a call)
+    _hcalls: list = field(default_factory=list)  # harmony: [name, arguments text]
     _in_think: bool = False
     _after_think: bool = False
     _started: bool = False  # a non-space character was seen
@@ -386,6 +396,8 @@ class ChatPost:
 
     def feed(self, text: str) -> list[dict]:
         """Deltas ({"reasoning_content": ...} / {"content": ...}) that can go out now."""
+        if self.harmony:
+            return self._harmony(text)
         out: list[dict] = []
         self._buf += text
         while self._buf:
@@ -452,8 +464,60 @@ class ChatPost:
         self._sent = max(self._sent, end)
         return [{"content": delta}] if delta else []
 
+    def _harmony(self, text: str, final: bool = False) -> list[dict]:
+        """gpt-oss: <|channel|>NAME[ to=RECIPIENT][<|constrain|>json]<|message|>TEXT(<|end|>|<|call|>)
+        messages, each after <|start|>assistant; text before any header is content."""
+        out: list[dict] = []
+        if not self.reasoning:  # reasoning_format none: the text as generated, markers included
+            return [{"content": text}] if text else []
+        self._buf += text
+
+        def emit(part: str) -> None:
+            if not part:
+                return
+            if self._recipient.startswith("functions."):
+                self._hcalls[-1][1] += part
+            elif self._channel == "analysis":
+                out.append({"reasoning_content": part})
+                self.reasoning_text.append(part)
+            else:  # final, commentary to the user, or text before any header
+                out.append({"content": part})
+
+        while self._buf:
+            i = self._buf.find("<|")
+            if i < 0:
+                keep = 1 if self._buf.endswith("<") and not final else 0  # may open a marker
+                emit(self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+            emit(self._buf[:i])
+            self._buf = self._buf[i:]
+            m = _HARMONY_HEAD.match(self._buf)
+            if m:
+                to = re.search(r"to=([^\s<]+)", m.group(2))
+                self._channel, self._recipient = m.group(1), to.group(1) if to else ""
+                if self._recipient.startswith("functions."):
+                    self._hcalls.append([self._recipient[len("functions."):], ""])
+                self._buf = self._buf[m.end():]
+                continue
+            m = _HARMONY_OTHER.match(self._buf)
+            if m:
+                if m.group(0) in ("<|end|>", "<|call|>", "<|return|>"):
+                    self._channel, self._recipient = None, ""
+                self._buf = self._buf[m.end():]
+                continue
+            if not final and len(self._buf) < 256:
+                break  # a marker still arriving
+            emit(self._buf[:2])  # not a marker: text
+            self._buf = self._buf[2:]
+        return out
+
     def finish(self) -> tuple[list[dict], list[dict]]:
         """(the last deltas, the tool calls) at the end of the reply."""
+        if self.harmony:
+            out = self._harmony("", final=True)
+            calls = [c for c in (_as_call({"name": n, "arguments": a.strip() or "{}"}) for n, a in self._hcalls) if c]
+            return out, calls
         out: list[dict] = []
         if self._buf:
             if self._in_think:
