@@ -275,6 +275,26 @@ def test_dense_llama_without_experts_is_unchanged(tmp_path):
     assert qllama.load(path, n_ctx=64).args.n_expert == 0
 
 
+def test_quantize_and_requantize_moe_files(files, tmp_path):
+    """`qllama quantize` quantizes the 3-D expert tensors row by row (the router stays f32, as
+    llama-quantize leaves it) and requantizes them."""
+    from qllama.gguf.reader import GGUFFile
+
+    src = files("qwen3moe-q4k")
+    for preset, extra in (("Q8_0", ["--allow-requantize"]), ("Q4_K_M", ["--allow-requantize"])):
+        dst = tmp_path / f"{preset}.gguf"
+        out = subprocess.run([sys.executable, "-m", "qllama", "quantize", src, str(dst), preset, *extra], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        g = GGUFFile(str(dst))
+        assert g.tensors["blk.0.ffn_gate_inp.weight"].type_name == "f32"
+        assert len(g.tensors["blk.0.ffn_up_exps.weight"].shape) == 3
+        ids = list(range(3, 23))
+        a = qllama.load(src, n_ctx=64).logits(ids)
+        b = qllama.load(dst, n_ctx=64).logits(ids)
+        assert rel_err(b, a) < (0.05 if preset == "Q8_0" else 0.5), preset
+
+
 @pytest.mark.parametrize("name", ["qwen3moe-f32", "granite-f32"])
 def test_inspect_json_parses(files, name):
     out = subprocess.run([sys.executable, "-m", "qllama", "inspect", "--json", files(name)], cwd=REPO,

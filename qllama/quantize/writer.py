@@ -137,7 +137,8 @@ def _tensor_as_f32_rows(g, t, r0: int, r1: int) -> np.ndarray:
     if t.type_id not in FLOAT_TYPES:
         from ..qtensor import QTensor
 
-        return QTensor.from_gguf(g, t.name).dequantize(slice(r0, r1))
+        rows = t.n_elements // ne0  # (a 3-D expert tensor: every expert's rows, one after another)
+        return QTensor.from_bytes(t.type_id, g.tensor_bytes(t.name), (ne0, rows), name=t.name).dequantize(slice(r0, r1))
     arr = g.tensor_array(t.name).reshape(-1, ne0)[r0:r1]  # zero-copy view of the mmap
     if t.type_id == BF16:
         return bf16_to_f32(arr)
