@@ -256,6 +256,29 @@ def test_hostile_expert_counts_give_one_clean_error(tmp_path, case):
         qllama.load(path, n_ctx=64)
 
 
+def test_router_and_expert_nan_found_by_inspect_check(tmp_path):
+    """A NaN in the router and an Inf scale in one expert's block: `inspect --check` names both."""
+    from qllama.gguf.reader import GGUFFile
+
+    path = tmp_path / "nan.gguf"
+    write_moe(path, moe_spec("qwen3moe", n_embd=256, n_head=4, n_layer=1, weight_type="q4_K", n_ff_exp=256, seed=3))
+    g = GGUFFile(str(path))
+    base = g._files[0].data_offset
+    router, down = g.tensors["blk.0.ffn_gate_inp.weight"], g.tensors["blk.0.ffn_down_exps.weight"]
+    spots = [(base + router.offset + 4 * 100, np.float32(np.nan).tobytes()),
+             (base + down.offset + 5 * (down.n_bytes // 8) + 144 * 3, np.float16(np.inf).tobytes())]  # expert 5
+    del g
+    with open(path, "r+b") as f:
+        for off, data in spots:
+            f.seek(off)
+            f.write(data)
+    out = subprocess.run([sys.executable, "-m", "qllama", "inspect", str(path), "--check"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "blk.0.ffn_gate_inp.weight" in out.stderr and "blk.0.ffn_down_exps.weight" in out.stderr
+    assert "block 1283" in out.stderr  # expert 5 (256 blocks each), its block 3
+
+
 def test_hostile_file_is_one_error_line_in_the_cli(tmp_path):
     path = tmp_path / "used-0.gguf"
     write_moe(path, moe_spec("qwen3moe", expert_used_key=0, **_F32))
