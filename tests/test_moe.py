@@ -195,6 +195,11 @@ def test_hooks_mask_and_force_experts(files, float_path):
     want = ref.logits(ids, hook=lambda n, a, il: force(n, a, il) if n == "blk.1.ffn_moe_experts" else None)
     assert rel_err(forced, want) < FLOAT_TOL
 
+    with model.hooks.add("blk.0.ffn_moe_experts", lambda n, a, il: np.zeros_like(a)):  # one expert twice
+        twice = model.logits(ids[:1])
+    want = ref.logits(ids[:1], hook=lambda n, a, il: np.zeros_like(a) if n == "blk.0.ffn_moe_experts" else None)
+    assert rel_err(twice, want) < FLOAT_TOL
+
     with model.hooks.add("blk.0.ffn_moe_experts", lambda n, a, il: a + 100):
         with pytest.raises(QllamaError, match="ffn_moe_experts"):
             model.logits(ids)

@@ -198,31 +198,43 @@ class MoeFFN:
         hq = quantize_activation(h)  # quantized once for the router, the shared expert and one-token steps
         experts, w = self.route(model, h, hq)
         k = experts.shape[1]
-        ys = np.empty((n_tok, k, n_embd), np.float32)  # (T, k, n_embd): each slot's weighted expert output
-        flat = experts.reshape(-1)  # (T k,) slot s of token t at t * k + s
-        order = np.argsort(flat, kind="stable")
-        ids, starts = np.unique(flat[order], return_index=True)
-        bounds = list(starts) + [flat.size]
-        for j, e in enumerate(ids.tolist()):
-            pos = order[bounds[j] : bounds[j + 1]]  # (n_e,) flat positions routed to expert e
-            tok, slot = pos // k, pos % k
-            # one token: its activation is the shared one (quantized once for all k experts)
-            xa = hq if n_tok == 1 else quantize_activation(np.ascontiguousarray(h[tok]))  # (n_e, n_embd)
-            up = step.project("ffn_moe_up", self.up[e], xa)  # (n_e, n_ff_exp)
-            if self.gate is not None:
-                g = step.project("ffn_moe_gate", self.gate[e], xa)  # (n_e, n_ff_exp)
-            else:  # act(up) alone
-                g, up = up, np.ones_like(up)
-            step.op("glu", glu, g, up, g, act)
-            y = step.project("ffn_moe_down", self.down[e], quantize_activation(g))  # (n_e, n_embd)
-            y *= w[tok, slot][:, None]
-            ys[tok, slot] = y
-        out = ys[:, 0].copy()  # (T, n_embd)
-        for s in range(1, k):
-            out += ys[:, s]
+        if n_tok == 1:  # decode: the k experts in slot order, on the one activation quantized once
+            out = None
+            for s, e in enumerate(experts[0].tolist()):
+                y = self._expert(step, e, hq, act, glu)  # (1, n_embd)
+                y *= w[0, s]
+                if out is None:
+                    out = y
+                else:
+                    out += y
+        else:  # a batch: each chosen expert once over its tokens (mul_mat_id), then the same sums
+            ys = np.empty((n_tok, k, n_embd), np.float32)  # (T, k, n_embd): each slot's weighted expert output
+            flat = experts.reshape(-1)  # (T k,) slot s of token t at t * k + s
+            order = np.argsort(flat, kind="stable")
+            ids, starts = np.unique(flat[order], return_index=True)
+            bounds = list(starts) + [flat.size]
+            for j, e in enumerate(ids.tolist()):
+                pos = order[bounds[j] : bounds[j + 1]]  # (n_e,) flat positions routed to expert e
+                tok, slot = pos // k, pos % k
+                y = self._expert(step, e, quantize_activation(np.ascontiguousarray(h[tok])), act, glu)  # (n_e, n_embd)
+                y *= w[tok, slot][:, None]
+                ys[tok, slot] = y
+            out = ys[:, 0].copy()  # (T, n_embd)
+            for s in range(1, k):
+                out += ys[:, s]
         if self.shared is not None:
             out += self._shared(model, h, hq, act, glu)
         return step.point("ffn_out", out)
+
+    def _expert(self, step, e: int, xa, act: int, glu) -> np.ndarray:
+        """Expert e on the activation xa (n, n_embd): down(act(gate x) * up x) -> (n, n_embd)."""
+        up = step.project("ffn_moe_up", self.up[e], xa)  # (n, n_ff_exp)
+        if self.gate is not None:
+            g = step.project("ffn_moe_gate", self.gate[e], xa)  # (n, n_ff_exp)
+        else:  # act(up) alone
+            g, up = up, np.ones_like(up)
+        step.op("glu", glu, g, up, g, act)
+        return step.project("ffn_moe_down", self.down[e], quantize_activation(g))
 
     def _shared(self, model, h, hq, act, glu) -> np.ndarray:
         """The shared expert (T, n_embd), times sigmoid(h . ffn_gate_inp_shexp) when it has that gate."""
