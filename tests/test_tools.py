@@ -282,3 +282,38 @@ def test_gpt_oss_channels(step):
     assert ChatPost(harmony=True).message(answer) == ("Easy.", "Paris.", [])
     assert ChatPost(harmony=True, reasoning=False).message(answer) == (None, answer, [])
     assert detect_format("{% if tools %}...{% endif %}<|start|>assistant<|channel|>final<|message|>") == "harmony"
+
+
+@pytest.mark.slow
+def test_smollm2_structured_output_and_tool_choice():
+    """A real instruct model (SmolLM2-135M-Instruct, its own chatml template without tools: the generic
+    format) decides by itself: a weather question becomes a call, a haiku request an answer; its
+    structured output validates. Greedy, so the same every run."""
+    from pydantic import BaseModel
+
+    from tools.fetch_smollm2 import smollm2_or_skip
+
+    path = str(smollm2_or_skip())
+    s = ServedCLI(path, "-np", "2", "-c", "2048")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    try:
+        c = s.client()
+
+        class City(BaseModel):
+            name: str
+            country: str
+
+        r = c.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": "Give me facts about Paris as JSON."}],
+                                     response_format=City, max_tokens=100, temperature=0)
+        assert r.choices[0].message.parsed.name == "Paris"
+        r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "What's the weather like in Paris today?"}],
+                                      tools=tools, max_tokens=100, temperature=0)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
+        r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Write a haiku about the sea."}],
+                                      tools=tools, max_tokens=100, temperature=0)
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+        assert "sea" in r.choices[0].message.content
+    finally:
+        s.stop()
