@@ -46,12 +46,17 @@ def spawn(*args, numba_cache: str | os.PathLike | None = None, timeout: float = 
 def finish(child, timeout: float = 300) -> tuple[int | None, str]:
     """Wait for the end; (exit status, everything the terminal showed)."""
     child.expect(pexpect.EOF, timeout=timeout)
+    # the last byte can come well before the exit (interpreter and compile-pool teardown on a busy
+    # machine): close() alone would then end the process by a signal and report no exit status
+    if child.isalive():
+        child.wait()
     child.close()
     return child.exitstatus, transcript(child)
 
 
 def transcript(child) -> str:
-    return child.logfile_read.getvalue().replace("\r\n", "\n")
+    # (colorama, where a machine has it installed, resets the terminal's colours at Numba's exit)
+    return child.logfile_read.getvalue().replace("\r\n", "\n").removesuffix("\x1b[0m")
 
 
 def test_ctrl_c_during_the_first_compile(models, tmp_path):
