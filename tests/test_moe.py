@@ -456,3 +456,38 @@ def test_oracle_greedy_tokens(tmp_path, name):
     print(f"\nGREEDY-MOE {name}: " + ("all 32 tokens equal" if j is None else
                                      f"departs at token {j}, llama.cpp margin {margins[j]:.3f}"))
     assert j is None or margins[j] < MARGIN
+
+
+def test_expert_usage_counts_and_cli(files, tmp_path, float_path):
+    from qllama.experts import expert_usage
+
+    path = files("qwen2moe-f32")
+    model = qllama.load(path, n_ctx=128)
+    ids = _ids(model, 30)
+    usage = expert_usage(model, ids)
+    k = model.args.n_expert_used
+    assert usage.counts.shape == (model.args.n_layer, model.args.n_expert)
+    assert (usage.counts.sum(axis=1) == 30 * k).all()
+    seen = _experts(MoeReference(path), ids)
+    for il in range(model.args.n_layer):
+        want = np.bincount(seen[f"blk.{il}.ffn_moe_experts"].astype(np.int64).reshape(-1), minlength=model.args.n_expert)
+        np.testing.assert_array_equal(usage.counts[il], want)
+    assert usage.top(0, 1)[0][1] == usage.counts[0].max()
+    out = subprocess.run([sys.executable, "-m", "qllama", "experts", path, "hello world", "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert sum(doc["counts"][0]) == doc["n_tokens"] * k
+    dense = subprocess.run([sys.executable, "-m", "qllama", "experts", files("granite-f32"), "hi"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert dense.returncode == 1 and dense.stderr.startswith("error:") and "no experts" in dense.stderr
+
+
+def test_expert_usage_heat_map(files, tmp_path):
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from qllama.experts import expert_usage
+
+    model = qllama.load(files("qwen3moe-f32"), n_ctx=128)
+    usage = expert_usage(model, _ids(model, 20))
+    usage.save_png(str(tmp_path / "usage.png"))
+    assert (tmp_path / "usage.png").stat().st_size > 1000

@@ -38,6 +38,7 @@ COMMANDS = {
     "version": "version_cmd",
     "lens": "lens_cmd",
     "attention": "attention_cmd",
+    "experts": "experts_cmd",
     "batch": "batch_cmd",
 }
 
@@ -55,7 +56,7 @@ IGNORED_FLAGS = {
     "--no-mmap": (False, "qllama always memory-maps the model"),
 }
 # commands whose first argument is MODEL, so that `-m MODEL` may stand for it
-MODEL_FIRST = {"run", "chat", "perplexity", "bench", "inspect", "tokenize", "serve", "lens", "attention", "batch"}
+MODEL_FIRST = {"run", "chat", "perplexity", "bench", "inspect", "tokenize", "serve", "lens", "attention", "batch", "experts"}
 # llama.cpp spellings of options a command spells differently (where click cannot simply alias)
 OPTION_ALIASES = {"chat": {"--n-predict": "--max-tokens"}}
 
