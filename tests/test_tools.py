@@ -317,3 +317,16 @@ def test_smollm2_structured_output_and_tool_choice():
         assert "sea" in r.choices[0].message.content
     finally:
         s.stop()
+
+
+def test_generic_response_streams_as_it_decodes():
+    text = '{"response": "Hello, \\"world\\" \\u00e9t\\u00e9\\nmore."}'
+    post = ChatPost(fmt="generic")
+    deltas = []
+    for ch in text:
+        deltas += post.feed(ch)
+    assert len(deltas) > 10  # streamed, not all at the end
+    last, calls = post.finish()
+    assert "".join(d.get("content", "") for d in deltas + last) == 'Hello, "world" \u00e9t\u00e9\nmore.' and not calls
+    post = ChatPost(fmt="generic")
+    assert post.message('{"response": "cut off \\u00') == (None, "cut off ", [])

@@ -357,6 +357,30 @@ def _held(text: str, stops) -> int:
     return held_back(text, stops)
 
 
+_RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+
+
+def _json_string_prefix(body: str) -> str:
+    """The decoded text of a JSON string's body as far as it is known: up to the closing quote,
+    and short of an escape sequence still arriving."""
+    i, n = 0, len(body)
+    while i < n:
+        ch = body[i]
+        if ch == '"':
+            break
+        if ch == "\\":
+            need = 6 if body[i + 1:i + 2] == "u" else 2
+            if i + need > n:
+                break
+            i += need
+            continue
+        i += 1
+    try:
+        return json.loads('"' + body[:i] + '"')
+    except ValueError:
+        return ""
+
+
 _HARMONY_HEAD = re.compile(r"<\|channel\|>(\w+)([^<]*)(?:<\|constrain\|>[^<]*)?<\|message\|>")
 _HARMONY_OTHER = re.compile(r"<\|(?:end|call|return)\|>|<\|start\|>[^<]*(?=<\|)")
 
@@ -385,6 +409,8 @@ class ChatPost:
     _content: str = ""  # the content so far (for the tool parser)
     _sent: int = 0  # content characters sent
     _capture: int = -1  # where a call starts in _content (-1: none yet)
+    _resp_text: str = ""  # generic format: the response string decoded so far (sent)
+    _resp_sent: int = 0
     reasoning_text: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -441,7 +467,9 @@ class ChatPost:
         if self.fmt is None:
             self._sent = len(self._content)
             return [{"content": part}] if part else []
-        if self._capture >= 0 or self.fmt == "generic":
+        if self.fmt == "generic":
+            return self._generic_response()
+        if self._capture >= 0:
             return []
         c = self._content
         s = c.lstrip()
@@ -536,9 +564,23 @@ class ChatPost:
             start = self._sent
         tail = self._content[start:]
         content, calls = parse_calls(self.fmt, tail) if tail.strip() else (tail, [])
+        if self.fmt == "generic" and not calls:
+            if self._resp_sent:  # the response was streamed: only what is left of it
+                content = content[self._resp_sent:] if content.startswith(self._resp_text) else ""
         if content:
             out.append({"content": content})
         return out, calls
+
+    def _generic_response(self) -> list[dict]:
+        """The generic format's {"response": "..."}, streamed as its string decodes."""
+        m = _RESPONSE.match(self._content)
+        if not m:
+            return []
+        text = _json_string_prefix(self._content[m.end():])
+        new = text[len(self._resp_text):] if text.startswith(self._resp_text) else ""
+        self._resp_text = text
+        self._resp_sent = len(text)
+        return [{"content": new}] if new else []
 
     def message(self, text: str) -> tuple[str | None, str | None, list[dict]]:
         """A whole reply: (reasoning_content or None, content, tool calls)."""
