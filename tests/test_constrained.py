@@ -92,6 +92,12 @@ def test_cli_json_schema(tmp_path):
                         "--json-schema", str(schema)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     check_person(json.loads(r.stdout))
+    grammar = tmp_path / "yn.gbnf"
+    grammar.write_text('root ::= ("Yes" | "No") ", my lord."\n')
+    r = subprocess.run([sys.executable, "-m", "qllama", "run", "demo", "ROMEO:", "--temp", "0.9", "--grammar", str(grammar)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() in ("Yes, my lord.", "No, my lord.")
     r = subprocess.run([sys.executable, "-m", "qllama", "run", "demo", "ROMEO:", "--json-schema", '{"type": "bogus"}'],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr

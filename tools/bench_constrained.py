@@ -1,7 +1,7 @@
 """What a grammar costs per token: llguidance's mask (compute + apply to the logits) against a
 decode step.
 
-    python tools/bench_constrained.py [--steps 64] [--vocab /work/shared/vocab/ggml-vocab-llama-bpe.gguf]
+    python tools/bench_constrained.py [--steps 64] [--model demo] [--vocab /work/shared/vocab/ggml-vocab-llama-bpe.gguf]
 
 1. The demo model (32,000 tokens), greedy under a JSON schema: per-token time of the mask
    (ConstrainedSampler.distribution's extra work, timed inside) against the whole decode step.
@@ -39,11 +39,11 @@ def med_us(xs):
     return 1e6 * statistics.median(xs) if xs else float("nan")
 
 
-def bench_model(steps: int) -> None:
+def bench_model(steps: int, model: str = "demo") -> None:
     import qllama
     from qllama.generation import constrained as C
 
-    m = qllama.load("demo", n_threads=1)
+    m = qllama.load(model, n_threads=1)
     m.warmup()
     times: list[float] = []
     orig = C.Constraint.mask
@@ -65,7 +65,7 @@ def bench_model(steps: int) -> None:
     finally:
         C.Constraint.mask = orig
     step = t.gen_s / max(t.gen_tokens, 1)
-    print(f"demo model (n_vocab {m.n_vocab}), 1 thread, {t.gen_tokens} tokens: {text[:60]!r}...")
+    print(f"{os.path.basename(m.path)} (n_vocab {m.n_vocab}), 1 thread, {t.gen_tokens} tokens: {text[:60]!r}...")
     print(f"  mask (compute + apply) median {med_us(times):.0f} us, mean {1e6 * np.mean(times):.0f} us per token")
     print(f"  constrained step {1e3 * step:.2f} ms per token; plain greedy {1e3 * tp.gen_s / max(tp.gen_tokens, 1):.2f} ms "
           f"-> the mask is {100 * statistics.median(times) / step:.1f}% of a constrained step")
@@ -108,10 +108,11 @@ def bench_vocab(path: str, steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--model", default="demo", help="a model reference (default: demo), e.g. the SmolLM2 file")
     ap.add_argument("--vocab", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "vocab",
                                                     "ggml-vocab-llama-bpe.gguf"))
     a = ap.parse_args()
-    bench_model(a.steps)
+    bench_model(a.steps, a.model)
     if os.path.exists(a.vocab):
         bench_vocab(a.vocab, a.steps)
 

@@ -89,6 +89,12 @@ def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queu
     from .warm import warm_up
 
     warm_up(llm)  # compile (first run) or load the kernels now, not in the first client's request
+    try:  # llguidance's view of the vocabulary (0.3-2 s), built now rather than in the first structured request
+        from ..generation.constrained import llg_tokenizer
+
+        llg_tokenizer(llm.tokenizer)
+    except QllamaError:
+        pass  # llguidance is not installed: a request that needs it gets a 400 saying so
     forward, new_cache, batched = model_forward(llm)
     scheduler = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=parallel,
                           max_queue=max_queue, chunk=batch_size, n_threads=llm.n_threads)
