@@ -203,16 +203,23 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, ge
 def _iquant_ops(type_id: int) -> TypeOps:
     """An i-quant or ternary type. Rows decode in NumPy for the embedding lookup
     (`dequantize_iq_np`); iq4_nl / iq4_xs have Numba decoders for the float path's tiles and an
-    int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid types run the float
-    path on NumPy-decoded tiles."""
+    int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid types an int8 kernel
+    (`kernels/iquants_grid.py`, also ggml's bits) and a float path on NumPy-decoded tiles; tq1_0 /
+    tq2_0 the float path only."""
     from . import dequantize_iq_np as numpy_rows
     from .kernels import floats
     from .kernels._x86 import HAVE_AVX2
 
     tab = _fp16_table()
-    kernels = None
-    if TYPES[type_id].int8_form is not None:
+    kernels = int8_kernel = None  # Numba row decoders (iq4); the int8 mat-mul
+    if type_id in (IQ4_NL, IQ4_XS):
         from .kernels import iquants as kernels
+
+        int8_kernel = kernels.matmul_int8
+    elif TYPES[type_id].int8_form is not None:
+        from .kernels import iquants_grid
+
+        int8_kernel = iquants_grid.matmul_int8
 
     def matmul(q, x, out, nt):  # decode a tile of rows (bit-exact), multiply it with every token
         n_tok, n_rows, n_cols = x.shape[0], q.n_rows, q.n_cols
@@ -235,12 +242,12 @@ def _iquant_ops(type_id: int) -> TypeOps:
         dequantize=lambda q, ids: numpy_rows.dequantize_rows(type_id, q.raw, ids),
         int8=None,
     )
-    if kernels is not None and HAVE_AVX2:
+    if int8_kernel is not None and HAVE_AVX2:
         form = TYPES[type_id].int8_form
 
         def int8_matmul(q, act, out, nt):
             xq, xd, xs = act.quantized(form)
-            kernels.matmul_int8(type_id, q.raw, xq, xd, xs, tab, out, nt)
+            int8_kernel(type_id, q.raw, xq, xd, xs, tab, out, nt)
 
         ops = ops._replace(int8=int8_matmul)
     return ops
@@ -267,8 +274,8 @@ for _tid, _family, _form, _kernel, _shared, _gemm in (
     _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm))
 del _tid, _family, _form, _kernel, _shared, _gemm
 # i-quants (kernels/iquants.py, dequantize_iq_np.py): int8 activation form, or None (float path only)
-for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K"), (IQ3_S, None), (IQ3_XXS, None), (IQ2_XXS, None),
-                    (IQ2_XS, None), (IQ2_S, None), (IQ1_S, None), (IQ1_M, None), (TQ1_0, None), (TQ2_0, None)):
+for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K"), (IQ3_S, "q8_K"), (IQ3_XXS, "q8_K"), (IQ2_XXS, "q8_K"),
+                    (IQ2_XS, "q8_K"), (IQ2_S, "q8_K"), (IQ1_S, "q8_K"), (IQ1_M, "q8_K"), (TQ1_0, None), (TQ2_0, None)):
     _register(_tid, None, _form, partial(_iquant_ops, _tid))
 del _tid, _form
 

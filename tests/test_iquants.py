@@ -98,7 +98,7 @@ def test_grid_types_dequantize_equal_gguf(tid):
 
 
 @pytest.mark.parametrize("tid", GRID_TYPES, ids=lambda t: GGML_TYPES[t].name)
-def test_grid_types_matvec_matmul_match_float64(tid):
+def test_grid_types_matvec_matmul_match_float64(tid, float_path):
     rng = np.random.default_rng(200 + tid)
     raw = random_blocks(tid, 24, 512, rng)
     if tid == gt.IQ1_M:  # its d lives in the scales' top nibbles: set d = 0.01 in every block
@@ -116,6 +116,52 @@ def test_grid_types_matvec_matmul_match_float64(tid):
     assert np.isfinite(ref).all()
     for got in (q.matmul(x), np.stack([q.matvec(xi) for xi in x])):
         assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
+
+
+GRID_INT8 = (gt.IQ3_S, gt.IQ3_XXS, gt.IQ2_XXS, gt.IQ2_XS, gt.IQ2_S, gt.IQ1_S, gt.IQ1_M)
+
+
+def grid_matrix(tid: int, n_rows: int, ne0: int, rng) -> np.ndarray:
+    """Random blocks of a grid type with a finite d of 0.01 .. 0.03 (iq1_m: written into the scales' top nibbles)."""
+    raw = random_blocks(tid, n_rows, ne0, rng, scale=0.03)
+    if tid == gt.IQ1_M:
+        blocks = raw.reshape(n_rows, -1, 56)
+        d = rng.uniform(0.01, 0.03, blocks.shape[:2]).astype(np.float16).view(np.uint16).astype(np.int64)
+        for k in range(4):
+            sc = blocks[..., 48 + 2 * k: 50 + 2 * k].copy().view("<u2")[..., 0].astype(np.int64)
+            sc = (sc & 0x0FFF) | (((d >> (4 * k)) & 15) << 12)
+            blocks[..., 48 + 2 * k: 50 + 2 * k] = sc.astype("<u2")[..., None].view(np.uint8)
+        raw = blocks.reshape(n_rows, -1)
+    return raw
+
+
+@pytest.mark.parametrize("tid", GRID_INT8, ids=lambda t: GGML_TYPES[t].name)
+def test_grid_int8_prompt_equals_decode_and_float64(tid):
+    """The grid types' int8 kernels: rows of a 1..6-token batch == the one-token rows bit for bit;
+    within the activations' rounding of the float64 product (exactness against ggml: the oracle test)."""
+    _needs_int8()
+    rng = np.random.default_rng(300 + tid)
+    raw = grid_matrix(tid, 13, 512, rng)
+    q = QTensor.from_bytes(tid, raw, (512, 13))
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    one = np.stack([q.matvec(xi) for xi in x])
+    for n in (1, 2, 6):
+        np.testing.assert_array_equal(bits(q.matmul(x[:n])), bits(one[:n]))
+    ref = x.astype(np.float64) @ gq.dequantize(raw, GQ(tid)).astype(np.float64).T
+    assert 1e-7 < np.abs(one - ref).max() / np.abs(ref).max() < 5e-2
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("tid", GRID_INT8, ids=lambda t: GGML_TYPES[t].name)
+def test_grid_int8_equals_live_ggml_vec_dot(tid):
+    _needs_int8()
+    rng = np.random.default_rng(400 + tid)
+    raw = grid_matrix(tid, 8, 1024, rng)
+    q = QTensor.from_bytes(tid, raw, (1024, 8))
+    x = rng.standard_normal((3, 1024)).astype(np.float32)
+    ref = np.stack([ggml_matvec(tid, raw, xi) for xi in x])
+    np.testing.assert_array_equal(bits(q.matmul(x)), bits(ref))
+    np.testing.assert_array_equal(bits(q.matvec(x[1])), bits(ref[1]))
 
 
 def test_every_isa_gives_the_same_bits(tmp_path):

@@ -43,6 +43,8 @@ LEGACY_TYPES = [gt.Q4_0, gt.Q4_1, gt.Q5_0, gt.Q5_1, gt.Q8_0]
 FLOAT_TYPES = [gt.F32, gt.F16, gt.BF16]
 IQ4_TYPES = [gt.IQ4_NL, gt.IQ4_XS]  # every bit pattern a valid block (more in test_iquants.py)
 ALL_TYPES = K_TYPES + LEGACY_TYPES + FLOAT_TYPES + IQ4_TYPES
+# the grid i-quants' int8 kernels are tested in test_iquants.py (random blocks need their own care)
+INT8_TESTED = sorted(INT8_TYPES - {gt.IQ3_S, gt.IQ3_XXS, gt.IQ2_XXS, gt.IQ2_XS, gt.IQ2_S, gt.IQ1_S, gt.IQ1_M})
 # byte offsets of the fp16 fields (d, dmin / m) inside one block
 FP16_FIELDS = {
     gt.Q2_K: (80, 82), gt.Q3_K: (108,), gt.Q4_K: (0, 2), gt.Q5_K: (0, 2), gt.Q6_K: (208,),
@@ -207,7 +209,7 @@ def test_float_paths_match_float64(tid, float_path):
             assert rel_err(y, xs.astype(np.float64) @ w64.T) <= FLOAT_TOL
 
 
-@pytest.mark.parametrize("tid", sorted(INT8_TYPES - set(IQ4_TYPES)), ids=tname)  # (iq4: test_iquants.py, == ggml)
+@pytest.mark.parametrize("tid", sorted(set(INT8_TESTED) - set(IQ4_TYPES)), ids=tname)  # (iq4: test_iquants.py, == ggml)
 def test_int8_paths_match_float64(tid):
     if tid not in int8_activations():
         pytest.skip("no AVX2: the int8-activation kernels are not used on this host")
@@ -262,7 +264,7 @@ def _int8_reference(tid: int, w64: np.ndarray, x: np.ndarray, raw: np.ndarray) -
     return w64 @ (q * d).reshape(-1)
 
 
-@pytest.mark.parametrize("tid", sorted(INT8_TYPES), ids=tname)
+@pytest.mark.parametrize("tid", INT8_TESTED, ids=tname)
 def test_int8_equals_rounded_activation_product(tid):
     """Apart from x's rounding, the int8 kernels are exact: compare with W @ round8(x) in float64."""
     if tid not in int8_activations():
@@ -275,7 +277,7 @@ def test_int8_equals_rounded_activation_product(tid):
     assert rel_err(q.matvec(x), ref) <= 1e-5
 
 
-@pytest.mark.parametrize("tid", sorted(INT8_TYPES), ids=tname)
+@pytest.mark.parametrize("tid", INT8_TESTED, ids=tname)
 def test_int8_batches_of_1_to_9_tokens(tid):
     """Every batch size 1..9 (4-token intrinsic calls plus 0-3 one-token ones) on 21 rows (not a
     multiple of the threads' row chunks), at 1 and 2 threads: each token's row equals W @ round8(x_t)

@@ -183,3 +183,18 @@ def tail_iq4_nl(typingctx, row, nb, xq, xd, y):
         return builder.call(fn, [builder.fmul(dx, _load_f16(builder, blk)), builder.sitofp(isum, f), args[4]])
 
     return types.float32(row, nb, xq, xd, y), codegen
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a * b + c for float32 scalars, rounded once (as ggml's `_mm256_fmadd_ps` lane, or C's
+    `s += d * x` compiled with FMA)."""
+    if not all(t == types.float32 for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(f, [f] * 3))
+        return builder.call(fn, list(args))
+
+    return types.float32(a, b, c), codegen

@@ -1,0 +1,209 @@
+"""int8 mat-muls of the grid i-quants (iq3_s, iq3_xxs, iq2_xxs, iq2_xs, iq2_s, iq1_s, iq1_m) times
+q8_K activations, computing exactly what ggml's AVX2 `ggml_vec_dot_<type>_q8_K` computes.
+
+Each super-block is decoded once into signed integer weights w (256: grid value times sign; iq1:
+the grid's -1/0/1) and integer scales per 16 elements (2*ls + 1); per token, the int32 lane sums
+of ggml's vectors (lane l of 32-element chunk c holds elements 32c+4l..32c+4l+3; lanes 0-3 take
+the chunk's first 16-element scale, 4-7 its second) are exact integers, converted to float32 and
+accumulated with one fma per lane (`fma32`) of d = fp16(d_w) * d_x; the row's value is ggml's
+hsum_float_8 of the 8 lanes, times the type's constant (iq2: 0.125, iq3_xxs: 0.25, iq3_s: 1).
+iq1_s adds 0.125 * (a scalar fma chain of d * the delta term from the activations' 16-element
+sums); iq1_m keeps its delta term in a second 8-lane accumulator (0.125 * its hsum).
+
+Scalar Numba code (not vector intrinsics yet): correct and bit-exact, a few times slower than
+ggml's. Grids: `qllama.iq_tables.grid` (frozen into the compiled code as constants).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..iq_tables import KSIGNS_IQ2XS, grid
+from ._fp16 import f16_at
+from ._x86_iq import fma32
+from .jit import Variants, kernel
+
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
+GRID_INT8_TYPES = (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M)
+BLOCK_BYTES = {IQ2_XXS: 66, IQ2_XS: 74, IQ3_XXS: 98, IQ1_S: 50, IQ3_S: 110, IQ2_S: 82, IQ1_M: 56}
+TOKEN_TILE = 64
+_NOPY = dict(boundscheck=False)
+
+_G2XXS = grid(IQ2_XXS)  # (256, 8) int8
+_G2XS = grid(IQ2_XS)  # (512, 8)
+_G2S = grid(IQ2_S)  # (1024, 8)
+_G3XXS = grid(IQ3_XXS)  # (256, 4)
+_G3S = grid(IQ3_S)  # (512, 4)
+_G1S = grid(IQ1_S)  # (2048, 8), values -1, 0, 1
+_KS = KSIGNS_IQ2XS  # (128,) uint8
+
+
+@kernel(**_NOPY)
+def _u16(row, o):
+    return np.int64(row[o]) | (np.int64(row[o + 1]) << 8)
+
+
+@kernel(**_NOPY)
+def _u32(row, o):
+    return _u16(row, o) | (_u16(row, o + 2) << 16)
+
+
+@kernel(**_NOPY)
+def _put8(w, e, g, idx, signs):
+    """w[e:e+8] = grid row idx of g (8 values) times the sign bits of the byte `signs` (bit j: minus)."""
+    for j in range(8):
+        v = np.int64(g[idx, j])
+        w[e + j] = -v if (signs >> j) & 1 else v
+
+
+@kernel(**_NOPY)
+def decode_block(type_id, row, o, tab, w, sc, dl):
+    """The super-block at row[o:] -> w int64 (256) signed weights, sc int64 (16) scales per 16
+    elements, dl int64 (32) iq1 delta signs per 8 elements (+1 / -1); returns fp16 d as float32."""
+    if type_id == IQ2_XXS:
+        for c in range(8):
+            a0, a1 = _u32(row, o + 2 + 8 * c), _u32(row, o + 6 + 8 * c)
+            sc[2 * c] = sc[2 * c + 1] = 2 * (a1 >> 28) + 1
+            for k in range(4):
+                _put8(w, 32 * c + 8 * k, _G2XXS, (a0 >> (8 * k)) & 255, np.int64(_KS[(a1 >> (7 * k)) & 127]))
+        return f16_at(row, o, tab)
+    if type_id == IQ2_XS:
+        for c in range(8):
+            s = np.int64(row[o + 66 + c])
+            sc[2 * c] = 2 * (s & 15) + 1
+            sc[2 * c + 1] = 2 * (s >> 4) + 1
+            for k in range(4):
+                q = _u16(row, o + 2 + 8 * c + 2 * k)
+                _put8(w, 32 * c + 8 * k, _G2XS, q & 511, np.int64(_KS[q >> 9]))
+        return f16_at(row, o, tab)
+    if type_id == IQ2_S:
+        for c in range(8):
+            s = np.int64(row[o + 74 + c])
+            sc[2 * c] = 2 * (s & 15) + 1
+            sc[2 * c + 1] = 2 * (s >> 4) + 1
+            qh = np.int64(row[o + 66 + c])
+            for k in range(4):
+                idx = np.int64(row[o + 2 + 4 * c + k]) | (((qh >> (2 * k)) & 3) << 8)
+                _put8(w, 32 * c + 8 * k, _G2S, idx, np.int64(row[o + 34 + 4 * c + k]))
+        return f16_at(row, o, tab)
+    if type_id == IQ3_XXS:
+        for c in range(8):
+            a = _u32(row, o + 66 + 4 * c)
+            sc[2 * c] = sc[2 * c + 1] = 2 * (a >> 28) + 1
+            for k in range(4):
+                signs = np.int64(_KS[(a >> (7 * k)) & 127])
+                for h in range(2):
+                    idx = np.int64(row[o + 2 + 8 * c + 2 * k + h])
+                    for j in range(4):
+                        v = np.int64(_G3XXS[idx, j])
+                        w[32 * c + 8 * k + 4 * h + j] = -v if (signs >> (4 * h + j)) & 1 else v
+        return f16_at(row, o, tab)
+    if type_id == IQ3_S:
+        for c in range(8):
+            s = (np.int64(row[o + 106 + c // 2]) >> (4 * (c & 1))) & 15
+            sc[2 * c] = sc[2 * c + 1] = 2 * s + 1
+            qh = np.int64(row[o + 66 + c])
+            for k in range(4):
+                signs = np.int64(row[o + 74 + 4 * c + k])
+                for h in range(2):
+                    idx = np.int64(row[o + 2 + 8 * c + 2 * k + h]) | (((qh >> (2 * k + h)) & 1) << 8)
+                    for j in range(4):
+                        v = np.int64(_G3S[idx, j])
+                        w[32 * c + 8 * k + 4 * h + j] = -v if (signs >> (4 * h + j)) & 1 else v
+        return f16_at(row, o, tab)
+    if type_id == IQ1_S:
+        for c in range(8):
+            qh = _u16(row, o + 34 + 2 * c)
+            sc[2 * c] = sc[2 * c + 1] = 2 * ((qh >> 12) & 7) + 1
+            for k in range(4):
+                dl[4 * c + k] = -1 if qh & 0x8000 else 1
+                _put8(w, 32 * c + 8 * k, _G1S, np.int64(row[o + 2 + 4 * c + k]) | (((qh >> (3 * k)) & 7) << 8), 0)
+        return f16_at(row, o, tab)
+    # IQ1_M: qs[32], qh[16], scales: 4 uint16 (3-bit scales; top nibbles: the fp16 d)
+    s0, s1, s2, s3 = _u16(row, o + 48), _u16(row, o + 50), _u16(row, o + 52), _u16(row, o + 54)
+    dbits = (s0 >> 12) | ((s1 >> 8) & 0xF0) | ((s2 >> 4) & 0xF00) | (s3 & 0xF000)
+    for k in range(16):
+        s = _u16(row, o + 48 + 2 * (k // 4))
+        sc[k] = 2 * ((s >> (3 * (k % 4))) & 7) + 1
+    for g in range(32):
+        h = (np.int64(row[o + 32 + g // 2]) >> (4 * (g & 1))) & 15
+        dl[g] = -1 if h & 8 else 1
+        _put8(w, 8 * g, _G1S, np.int64(row[o + g]) | ((h & 7) << 8), 0)
+    return tab[dbits]
+
+
+@kernel(**_NOPY)
+def _hsum8(a):
+    """ggml's hsum_float_8 of a float32 (8,)."""
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+
+
+def _rows_of(type_id: int):
+    """The int8 row kernel of one grid type (type_id a closure constant): out[t, r] for rows r0..r1-1."""
+    bb = BLOCK_BYTES[type_id]
+    c_final = {IQ2_XXS: 0.125, IQ2_XS: 0.125, IQ2_S: 0.125, IQ3_XXS: 0.25, IQ3_S: 1.0, IQ1_S: 1.0, IQ1_M: 1.0}[type_id]
+    iq1s, iq1m = type_id == IQ1_S, type_id == IQ1_M
+
+    def rows(raw, xq, xd, xs, tab, out, r0, r1):
+        n_tok, nb = xq.shape[0], raw.shape[1] // bb
+        w = np.empty(256, np.int64)  # one super-block's signed weights
+        sc = np.empty(16, np.int64)  # its scales per 16
+        dl = np.empty(32, np.int64)  # iq1 delta signs per 8
+        acc = np.empty((TOKEN_TILE, 8), np.float32)  # (tokens, lanes)
+        acc2 = np.empty((TOKEN_TILE, 8), np.float32)  # iq1_m: the delta lanes
+        s1 = np.empty(TOKEN_TILE, np.float32)  # iq1_s: the scalar delta chain
+        for t0 in range(0, n_tok, TOKEN_TILE):
+            t1 = min(n_tok, t0 + TOKEN_TILE)
+            for r in range(r0, r1):
+                row = raw[r]
+                acc[:] = 0
+                acc2[:] = 0
+                s1[:] = 0
+                for b in range(nb):
+                    dw = decode_block(type_id, row, b * bb, tab, w, sc, dl)
+                    for t in range(t0, t1):
+                        x = xq[t]
+                        d = dw * xd[t, b]  # (ggml: fp16(x.d) * y.d; iq1: y.d * fp16(x.d), the same product)
+                        for l in range(8):
+                            isum = 0
+                            isum2 = 0
+                            for c in range(8):
+                                e = 32 * c + 4 * l
+                                p = 0
+                                for k in range(4):
+                                    p += w[e + k] * np.int64(x[256 * b + e + k])
+                                isum += sc[2 * c + l // 4] * p
+                                if iq1m:
+                                    px = 0
+                                    for k in range(4):
+                                        px += np.int64(x[256 * b + e + k])
+                                    isum2 += sc[2 * c + l // 4] * dl[(e >> 3)] * px
+                            acc[t - t0, l] = fma32(d, np.float32(isum), acc[t - t0, l])
+                            if iq1m:
+                                acc2[t - t0, l] = fma32(d, np.float32(isum2), acc2[t - t0, l])
+                        if iq1s:
+                            s = 0
+                            for c in range(8):
+                                s += (xs[t, 16 * b + 2 * c] + xs[t, 16 * b + 2 * c + 1]) * dl[4 * c] * sc[2 * c]
+                            s1[t - t0] = fma32(d, np.float32(s), s1[t - t0])
+                for t in range(t0, t1):
+                    v = _hsum8(acc[t - t0])
+                    if iq1s:
+                        v = v + np.float32(0.125) * s1[t - t0]
+                    elif iq1m:
+                        v = v + np.float32(0.125) * _hsum8(acc2[t - t0])
+                    else:
+                        v = np.float32(c_final) * v
+                    out[t, r] = v
+
+    return rows
+
+
+ROWS_INT8 = Variants(_rows_of, "ROWS_INT8", **_NOPY)
+
+
+def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
+    """The int8 mat-mul of a grid type's rows times q8_K activations: rows over the threads."""
+    from .int8 import _over_threads
+
+    _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
