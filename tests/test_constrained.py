@@ -177,3 +177,13 @@ def test_bad_grammars_are_400_and_the_server_goes_on(server, body, param):
     assert server.alive()
     ok = server.client().chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unbounded_integers_get_llama_cpp_s_16_digits():
+    from qllama.generation.constrained import bound_integers
+
+    s = bound_integers({"type": "object", "properties": {"n": {"type": "integer"}, "k": {"type": "integer", "minimum": 0},
+                                                         "e": {"type": "integer", "enum": [1, 2]}}})
+    assert s["properties"]["n"] == {"type": "integer", "minimum": -(10 ** 16 - 1), "maximum": 10 ** 16 - 1}
+    assert s["properties"]["k"] == {"type": "integer", "minimum": 0, "maximum": 10 ** 16 - 1}
+    assert s["properties"]["e"] == {"type": "integer", "enum": [1, 2]}

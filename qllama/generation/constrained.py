@@ -106,7 +106,7 @@ def compile_grammar(kind: str, spec: Any, tokenizer=None) -> str:
                     raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(spec, dict):
                 raise GrammarError("a JSON schema must be a JSON object")
-            grammar = LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
+            grammar = LLMatcher.grammar_from_json_schema(bound_integers(spec), defaults=JSON_DEFAULTS)
         elif kind in ("regex", "lark", "gbnf"):
             if not isinstance(spec, str) or not spec.strip():
                 raise GrammarError(f"the {kind} grammar must be a non-empty string")
@@ -120,6 +120,27 @@ def compile_grammar(kind: str, spec: Any, tokenizer=None) -> str:
     if is_error:
         raise GrammarError(f"the {kind.replace('_', ' ')} cannot be compiled: {_first_line(messages[0])}")
     return grammar
+
+
+INT_DIGITS = 16  # an integer without bounds gets at most this many digits, as llama.cpp's schema grammars
+
+
+def bound_integers(schema: Any) -> Any:
+    """A copy of `schema` in which every integer without a minimum or maximum gets +-(10^16 - 1),
+    as llama.cpp's JSON-schema grammars allow 16 digits: a small model can otherwise write digits
+    until max_tokens and leave invalid JSON."""
+    if isinstance(schema, list):
+        return [bound_integers(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bound_integers(v) for k, v in schema.items()}
+    if out.get("type") == "integer" and "enum" not in out and "const" not in out:
+        big = 10 ** INT_DIGITS - 1
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -big
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = big
+    return out
 
 
 def _first_line(msg: str, limit: int = 400) -> str:
