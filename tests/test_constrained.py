@@ -187,3 +187,33 @@ def test_unbounded_integers_get_llama_cpp_s_16_digits():
     assert s["properties"]["n"] == {"type": "integer", "minimum": -(10 ** 16 - 1), "maximum": 10 ** 16 - 1}
     assert s["properties"]["k"] == {"type": "integer", "minimum": 0, "maximum": 10 ** 16 - 1}
     assert s["properties"]["e"] == {"type": "integer", "enum": [1, 2]}
+
+
+VOCABS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "vocab")
+
+
+@pytest.mark.parametrize("name", ["falcon", "gpt-2", "llama-bpe", "llama-spm", "starcoder"])
+def test_every_tokenizer_kind_gives_valid_json(name):
+    """llguidance's view of each vocabulary kind (BPE and SentencePiece): a walk driven by random
+    logits under a schema decodes to JSON that validates."""
+    import numpy as np
+
+    from qllama.tokenizer import load_tokenizer
+
+    path = os.path.join(VOCABS, f"ggml-vocab-{name}.gguf")
+    if not os.path.exists(path):
+        pytest.skip("../shared/vocab is not here")
+    tok = load_tokenizer(path)
+    c = Constraint.from_spec(tok, "json_schema", PERSON)
+    rng = np.random.default_rng(7)
+    out = []
+    for _ in range(200):
+        logits = rng.standard_normal(tok.n_vocab).astype(np.float32)
+        c.mask(logits)
+        t = int(np.argmax(logits))
+        if t in tok.eog_ids:
+            break
+        c.advance(t)
+        out.append(t)
+    assert c.accepting
+    check_person(json.loads(tok.decode(out)))
