@@ -128,6 +128,8 @@ class ResponseBuilder:
         if self.post is None:
             return [self.text_chunk(text, lps)]
         deltas = self.post.feed(text)
+        if not deltas and lps and self.want_logprobs:  # text held back (or none, at a stop string): the logprobs go now
+            deltas = [{"content": ""}]
         return [self._chunk(d, None, self._logprobs(lps) if k == 0 else None) for k, d in enumerate(deltas)]
 
     def closing_chunks(self) -> list[dict]:
