@@ -27,8 +27,9 @@ block layout, and how to bind its kernels; `QTensor` looks its bound `TypeOps` u
 calls through it (no per-type branching anywhere else). Kernels are imported on first use, so
 importing this module does not import numba.
 
-Threads: `set_threads(n)` sets Numba's thread count, used by every kernel (each splits rows
-over threads with one `prange`).
+Threads: every operation takes its thread count explicitly (`n_threads`, the forward round's);
+`set_threads(n)` is the one place Numba's own count is set (by each forward round, for its
+calling thread), and `resolve_threads` turns a request (None: the physical cores) into a count.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "Activation",
     "quantize_activation",
     "set_threads",
+    "resolve_threads",
     "get_threads",
     "physical_cores",
     "set_int8_activations",
@@ -203,9 +205,9 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, ge
 def _iquant_ops(type_id: int) -> TypeOps:
     """An i-quant or ternary type. Rows decode in NumPy for the embedding lookup
     (`dequantize_iq_np`); iq4_nl / iq4_xs have Numba decoders for the float path's tiles and an
-    int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid types an int8 kernel
-    (`kernels/iquants_grid.py`, also ggml's bits) and a float path on NumPy-decoded tiles; tq1_0 /
-    tq2_0 the float path only."""
+    int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid and ternary types an
+    int8 kernel (`kernels/iquants_grid.py`, also ggml's bits) and a float path on NumPy-decoded
+    tiles."""
     from . import dequantize_iq_np as numpy_rows
     from .kernels import floats
     from .kernels._x86 import HAVE_AVX2
@@ -275,7 +277,7 @@ for _tid, _family, _form, _kernel, _shared, _gemm in (
 del _tid, _family, _form, _kernel, _shared, _gemm
 # i-quants (kernels/iquants.py, dequantize_iq_np.py): int8 activation form, or None (float path only)
 for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K"), (IQ3_S, "q8_K"), (IQ3_XXS, "q8_K"), (IQ2_XXS, "q8_K"),
-                    (IQ2_XS, "q8_K"), (IQ2_S, "q8_K"), (IQ1_S, "q8_K"), (IQ1_M, "q8_K"), (TQ1_0, None), (TQ2_0, None)):
+                    (IQ2_XS, "q8_K"), (IQ2_S, "q8_K"), (IQ1_S, "q8_K"), (IQ1_M, "q8_K"), (TQ1_0, "q8_K"), (TQ2_0, "q8_K")):
     _register(_tid, None, _form, partial(_iquant_ops, _tid))
 del _tid, _form
 
@@ -314,15 +316,25 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def set_threads(n: int | None) -> None:
-    """Use `n` threads in every kernel (None: the number of physical cores)."""
+def resolve_threads(n: int | None) -> int:
+    """The thread count kernels will use for a request of `n` (None: the physical cores), capped
+    by the size of Numba's pool."""
     import numba
 
     if n is None:
         n = physical_cores()
-    if not isinstance(n, (int, np.integer)) or n < 1:
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
         raise ValueError(f"thread count must be a positive integer, got {n!r}")
-    numba.set_num_threads(int(min(n, numba.config.NUMBA_NUM_THREADS)))
+    return int(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def set_threads(n: int | None) -> None:
+    """Numba's thread count for this calling thread (None: the physical cores). The one place that
+    sets it: a forward round (`Transformer._forward_round`) calls it with the round's count; every
+    kernel then receives that count explicitly."""
+    import numba
+
+    numba.set_num_threads(resolve_threads(n))
 
 
 def get_threads() -> int:
@@ -496,7 +508,7 @@ class QTensor:
 
     # -- operations ----------------------------------------------------------------------
 
-    def matvec(self, x: "np.ndarray | Activation", out: np.ndarray | None = None) -> np.ndarray:
+    def matvec(self, x: "np.ndarray | Activation", out: np.ndarray | None = None, n_threads: int | None = None) -> np.ndarray:
         """y = W x. x: float32 (ne0,) (or an `Activation` of one token) -> float32 (ne1,)."""
         act = x if isinstance(x, Activation) else None
         if act is None:
@@ -506,12 +518,12 @@ class QTensor:
         out = _check_out(out, (self.n_rows,))
         ops = self._ops or self._bind()
         if ops.int8 is not None and _state["int8"]:
-            ops.int8(self, act if act is not None else Activation(x), out.reshape(1, -1), get_threads())
+            ops.int8(self, act if act is not None else Activation(x), out.reshape(1, -1), n_threads or get_threads())
         else:
             ops.matvec(self, act.x[0] if act is not None else x, out)
         return out
 
-    def matmul(self, x: "np.ndarray | Activation", out: np.ndarray | None = None) -> np.ndarray:
+    def matmul(self, x: "np.ndarray | Activation", out: np.ndarray | None = None, n_threads: int | None = None) -> np.ndarray:
         """Y = X W^T. x: float32 (n_tok, ne0) (or an `Activation`) -> float32 (n_tok, ne1)."""
         act = x if isinstance(x, Activation) else None
         if act is None:
@@ -526,9 +538,9 @@ class QTensor:
             return out
         ops = self._ops or self._bind()
         if ops.int8 is not None and _state["int8"]:
-            ops.int8(self, act if act is not None else Activation(x), out, get_threads())
+            ops.int8(self, act if act is not None else Activation(x), out, n_threads or get_threads())
         else:
-            ops.matmul(self, act.x if act is not None else x, out, get_threads())
+            ops.matmul(self, act.x if act is not None else x, out, n_threads or get_threads())
         return out
 
     def dequantize(self, rows: "None | slice | np.ndarray | list[int]" = None) -> np.ndarray:

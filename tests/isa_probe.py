@@ -29,7 +29,7 @@ from qllama.qtensor import QTensor, int8_activations, quantize_activation, set_t
 # byte offsets of the fp16 scale fields of one K-quant block (as test_kernels.FP16_FIELDS)
 K_SCALES = {gt.Q2_K: (80, 82), gt.Q3_K: (108,), gt.Q4_K: (0, 2), gt.Q5_K: (0, 2), gt.Q6_K: (208,), gt.IQ4_NL: (0,), gt.IQ4_XS: (0,),
             gt.IQ3_S: (0,), gt.IQ3_XXS: (0,), gt.IQ2_XXS: (0,), gt.IQ2_XS: (0,), gt.IQ2_S: (0,), gt.IQ1_S: (0,),
-            gt.IQ1_M: ()}  # (iq1_m: its fp16 d is spread over the scales: random, NaN included)
+            gt.IQ1_M: (), gt.TQ1_0: (52,), gt.TQ2_0: (64,)}  # (iq1_m: its fp16 d is spread over the scales: random, NaN included)
 NE0, N_ROWS = 512, 48  # (48: 3 gemm passes of 16 rows on a 512-bit ISA, 6 of 8 on AVX2)
 
 
@@ -96,6 +96,7 @@ def main(out: str | None, workdir: str) -> None:
             res[f"{gt.type_name(tid)}/{n_tok}"] = q.matvec(x[0]) if n_tok == 1 else q.matmul(x)
         res[f"{gt.type_name(tid)}/act"] = q.matvec(quantize_activation(activations(1, rng)[0]))
     model = probe_model(workdir)
+    model.n_threads = 2
     if out is None:  # (compile-only runs leave garbage: no non-finite check)
         from qllama.models.step import Plain
 

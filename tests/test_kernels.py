@@ -44,7 +44,7 @@ FLOAT_TYPES = [gt.F32, gt.F16, gt.BF16]
 IQ4_TYPES = [gt.IQ4_NL, gt.IQ4_XS]  # every bit pattern a valid block (more in test_iquants.py)
 ALL_TYPES = K_TYPES + LEGACY_TYPES + FLOAT_TYPES + IQ4_TYPES
 # the grid i-quants' int8 kernels are tested in test_iquants.py (random blocks need their own care)
-INT8_TESTED = sorted(INT8_TYPES - {gt.IQ3_S, gt.IQ3_XXS, gt.IQ2_XXS, gt.IQ2_XS, gt.IQ2_S, gt.IQ1_S, gt.IQ1_M})
+INT8_TESTED = sorted(INT8_TYPES - {gt.IQ3_S, gt.IQ3_XXS, gt.IQ2_XXS, gt.IQ2_XS, gt.IQ2_S, gt.IQ1_S, gt.IQ1_M, gt.TQ1_0, gt.TQ2_0})
 # byte offsets of the fp16 fields (d, dmin / m) inside one block
 FP16_FIELDS = {
     gt.Q2_K: (80, 82), gt.Q3_K: (108,), gt.Q4_K: (0, 2), gt.Q5_K: (0, 2), gt.Q6_K: (208,),

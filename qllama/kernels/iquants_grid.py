@@ -23,9 +23,9 @@ from ._fp16 import f16_at
 from ._x86_iq import fma32
 from .jit import Variants, kernel
 
-IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
-GRID_INT8_TYPES = (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M)
-BLOCK_BYTES = {IQ2_XXS: 66, IQ2_XS: 74, IQ3_XXS: 98, IQ1_S: 50, IQ3_S: 110, IQ2_S: 82, IQ1_M: 56}
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 21, 22, 29, 34, 35
+GRID_INT8_TYPES = (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0)
+BLOCK_BYTES = {IQ2_XXS: 66, IQ2_XS: 74, IQ3_XXS: 98, IQ1_S: 50, IQ3_S: 110, IQ2_S: 82, IQ1_M: 56, TQ1_0: 54, TQ2_0: 66}
 TOKEN_TILE = 64
 _NOPY = dict(boundscheck=False)
 
@@ -54,6 +54,16 @@ def _put8(w, e, g, idx, signs):
     for j in range(8):
         v = np.int64(g[idx, j])
         w[e + j] = -v if (signs >> j) & 1 else v
+
+
+@kernel(**_NOPY)
+def _tq1_digit(b, p):
+    """Base-3 digit of byte b at power p (1, 3, 9, 27, 81) as ggml's AVX2 code extracts it: q = b * p
+    mod 256, q' = q -sat 1, the top 2 bits of avg(q', avg(q', 0)) (3q/4 without a multiply)."""
+    q = (b * p) & 255
+    q1 = max(q - 1, 0)
+    r = (q1 + ((q1 + 1) >> 1) + 1) >> 1
+    return (r >> 6) & 3
 
 
 @kernel(**_NOPY)
@@ -111,6 +121,25 @@ def decode_block(type_id, row, o, tab, w, sc, dl):
                         v = np.int64(_G3S[idx, j])
                         w[32 * c + 8 * k + 4 * h + j] = -v if (signs >> (4 * h + j)) & 1 else v
         return f16_at(row, o, tab)
+    if type_id == TQ2_0:  # w: the unsigned 2-bit values (ggml subtracts 1 through the activations' sums)
+        sc[:] = 1
+        for h in range(2):
+            for s in range(4):
+                for l in range(32):
+                    w[128 * h + 32 * s + l] = (np.int64(row[o + 32 * h + l]) >> (2 * s)) & 3
+        return f16_at(row, o + 64, tab)
+    if type_id == TQ1_0:  # w: the unsigned base-3 digits
+        sc[:] = 1
+        p = 1
+        for n in range(5):
+            for l in range(32):
+                w[32 * n + l] = _tq1_digit(np.int64(row[o + l]), p)
+            for l in range(16):
+                w[160 + 32 * (n // 2) + 16 * (n % 2) + l] = _tq1_digit(np.int64(row[o + 32 + l]), p)
+            p *= 3
+        for m in range(16):
+            w[240 + m] = _tq1_digit(np.int64(row[o + 48 + m % 4]), (1, 3, 9, 27)[m // 4])
+        return f16_at(row, o + 52, tab)
     if type_id == IQ1_S:
         for c in range(8):
             qh = _u16(row, o + 34 + 2 * c)
@@ -141,8 +170,9 @@ def _hsum8(a):
 def _rows_of(type_id: int):
     """The int8 row kernel of one grid type (type_id a closure constant): out[t, r] for rows r0..r1-1."""
     bb = BLOCK_BYTES[type_id]
-    c_final = {IQ2_XXS: 0.125, IQ2_XS: 0.125, IQ2_S: 0.125, IQ3_XXS: 0.25, IQ3_S: 1.0, IQ1_S: 1.0, IQ1_M: 1.0}[type_id]
+    c_final = {IQ2_XXS: 0.125, IQ2_XS: 0.125, IQ2_S: 0.125, IQ3_XXS: 0.25, IQ3_S: 1.0, IQ1_S: 1.0, IQ1_M: 1.0, TQ1_0: 1.0, TQ2_0: 1.0}[type_id]
     iq1s, iq1m = type_id == IQ1_S, type_id == IQ1_M
+    tq = type_id == TQ1_0 or type_id == TQ2_0
 
     def rows(raw, xq, xd, xs, tab, out, r0, r1):
         n_tok, nb = xq.shape[0], raw.shape[1] // bb
@@ -178,6 +208,9 @@ def _rows_of(type_id: int):
                                     for k in range(4):
                                         px += np.int64(x[256 * b + e + k])
                                     isum2 += sc[2 * c + l // 4] * dl[(e >> 3)] * px
+                            if tq:  # ggml: (q - 1) . x as q . x - the 16-element sums, lane l taking sums 2l, 2l+1
+                                isum -= xs[t, 16 * b + 2 * l] + xs[t, 16 * b + 2 * l + 1]
+                            # (tq: ggml's mul + add, which its compiler contracts to this fma)
                             acc[t - t0, l] = fma32(d, np.float32(isum), acc[t - t0, l])
                             if iq1m:
                                 acc2[t - t0, l] = fma32(d, np.float32(isum2), acc2[t - t0, l])
