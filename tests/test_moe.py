@@ -123,8 +123,11 @@ def test_prefill_equals_token_by_token_bit_for_bit(files, name, kv, int8_mode):
     ids = _ids(model, seed=1)
     full = model.logits(ids)
     for bs in (1, 7):
-        got = qllama.load(path, n_ctx=128, batch_size=bs, **kw).logits(ids)
+        m = qllama.load(path, n_ctx=128, batch_size=bs, **kw)
+        got = m.logits(ids)
         np.testing.assert_array_equal(got, full, err_msg=f"batch {bs}")
+        if bs == 1 and name.endswith("q4k"):  # one-token steps took the fused expert kernel (kernels/fused.py)
+            assert all(lw.moe._fused_addresses is not None for lw in _transformer(m).weights.layers)
 
 
 def test_forward_many_equals_separate_forwards(files, int8_mode):

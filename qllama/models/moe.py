@@ -39,6 +39,9 @@ from .args import Keys, ModelArgs
 from .base import LayerWeights, WeightReader, Weights
 
 MAX_EXPERTS = 512  # llama.cpp's LLAMA_MAX_EXPERTS
+_EMPTY_RAW = np.zeros((0, 1), np.uint8)  # an unused matrix slot of a fused call
+_EMPTY_RAW.flags.writeable = False
+_EMPTY_OUT = np.zeros((1, 0), np.float32)
 WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # llama.cpp clamps the renormalising sum to the smallest normal fp16
 
 
@@ -137,6 +140,8 @@ class MoeFFN:
         self.norm_w = norm_w
         self.w_scale = np.float32(w_scale) if w_scale not in (0.0, 1.0) else None
         self.shared = shared  # (gate, up, down) QTensors of the shared expert, or None
+        self._fusable: bool | None = None  # whether one-token steps may take kernels/fused.py's ffn per expert
+        self._fused_addresses: tuple | None = None  # its kernels' addresses (the same for every expert)
         self.shared_gate = shared_gate  # (n_embd,) qwen2moe's sigmoid gate of the shared expert, or None
 
     @classmethod
@@ -200,8 +205,11 @@ class MoeFFN:
         k = experts.shape[1]
         if n_tok == 1:  # decode: the k experts in slot order, on the one activation quantized once
             out = None
+            fused = self._fused_call(step, h, act) if step.fused is not None else None
             for s, e in enumerate(experts[0].tolist()):
-                y = self._expert(step, e, hq, act, glu)  # (1, n_embd)
+                # one fused call per expert (gate|up, GLU, down: kernels/fused.py), else the unfused
+                # calls; the same bits either way (as the dense FFN's fused step)
+                y = fused(e) if fused is not None else self._expert(step, e, hq, act, glu)  # (1, n_embd)
                 y *= w[0, s]
                 if out is None:
                     out = y
@@ -226,6 +234,51 @@ class MoeFFN:
             out += self._shared(model, h, hq, act, glu)
         return step.point("ffn_out", out)
 
+    def _fused_call(self, step, h: np.ndarray, act: int):
+        """A function e -> expert e's output (1, n_embd) through one kernels.fused.ffn call, or None
+        when a matrix type has no fused kernel (or the kernels' addresses are not there yet)."""
+        from ..kernels import fused
+        from ..qtensor import TYPES
+        from .decode import _FORM_SHAPES
+
+        if self._fusable is None:  # decided once: the types are the same for every expert
+            g, u, d = self.gate, self.up, self.down
+            self._fusable = (g is not None and all(t.type_id in fused.FUSED_TYPES for t in (g, u, d))
+                             and TYPES[g.type_id].int8_form == TYPES[u.type_id].int8_form)
+        if not self._fusable:
+            return None
+        fg, fd = TYPES[self.gate.type_id].int8_form, TYPES[self.down.type_id].int8_form
+        n_embd, n_ff = self.gate.shape  # (ne0, ne1) of each expert's gate
+
+        def qbuf(form: str, n: int):
+            per_d, per_sum, dt = _FORM_SHAPES[form]
+            return np.empty((1, n), np.int8), np.empty((1, n // per_d), np.float32), np.empty((1, n // per_sum), dt)
+
+        xq = qbuf(fg, n_embd)  # h quantized (each call quantizes it again: n_embd values, nothing next to the rows)
+        gq = qbuf(fd, n_ff)
+        gate_buf, up_buf = np.empty((1, n_ff), np.float32), np.empty((1, n_ff), np.float32)  # (1, n_ff_exp)
+        er, eo = _EMPTY_RAW, _EMPTY_OUT
+        tg, tu, td = self.gate.type_id, self.up.type_id, self.down.type_id
+        nt = step.n_threads
+
+        def run(e: int) -> np.ndarray:
+            out = np.empty((1, n_embd), np.float32)
+            ad = self._fused_addresses
+            if ad is None:  # (from this expert's views: their types are every expert's)
+                ad = (fused.quant_address(fg, h, *xq), fused.quant_address(fd, gate_buf, *gq),
+                      fused.rows_address(tg, self.gate[e].raw, gate_buf, tu, self.up[e].raw, up_buf, tg, er, eo, *xq),
+                      fused.rows_address(td, self.down[e].raw, out, td, er, eo, td, er, eo, *gq),
+                      fused.glu_address(gate_buf, up_buf, act))
+                if not all(ad):  # a recording warm-up: this step runs unfused, the next asks again
+                    return self._expert(step, e, quantize_activation(h), act, _glu())
+                self._fused_addresses = ad
+            step.op("quantize x + ffn_moe gate|up + glu + quantize + ffn_moe_down (fused)", fused.ffn, h, ad[0], *xq,
+                    tg, self.gate[e].raw, gate_buf, tu, self.up[e].raw, up_buf, act, ad[1], *gq, td, self.down[e].raw,
+                    out, er, eo, ad[2], ad[3], ad[4], nt)
+            return out
+
+        return run
+
     def _expert(self, step, e: int, xa, act: int, glu) -> np.ndarray:
         """Expert e on the activation xa (n, n_embd): down(act(gate x) * up x) -> (n, n_embd)."""
         up = step.project("ffn_moe_up", self.up[e], xa)  # (n, n_ff_exp)
@@ -248,6 +301,12 @@ class MoeFFN:
             z = (h * self.shared_gate).sum(axis=1)  # (T,) row by row (the same value at any batch size)
             y *= (np.float32(1.0) / (np.float32(1.0) + np.exp(-z)))[:, None]
         return y
+
+
+def _glu():
+    from ..kernels.layer_ops import glu
+
+    return glu
 
 
 def load_moe_weights(cls, gf, args: ModelArgs, **moe) -> Weights:
