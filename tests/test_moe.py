@@ -494,3 +494,21 @@ def test_expert_usage_heat_map(files, tmp_path):
     usage = expert_usage(model, _ids(model, 20))
     usage.save_png(str(tmp_path / "usage.png"))
     assert (tmp_path / "usage.png").stat().st_size > 1000
+
+
+def test_lookup_and_perplexity_run_on_moe(files, tmp_path, int8_mode):
+    """Prompt-lookup decoding (drafts verified in one batch) gives plain greedy's text; the
+    perplexity command runs (its batches group tokens by expert like any prompt)."""
+    int8_mode(True)
+    path = files("qwen3moe-q4k")
+    model = qllama.load(path, n_ctx=256)
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat"
+    plain = model.complete(prompt, max_tokens=24, temperature=0)
+    looked = model.complete(prompt, max_tokens=24, temperature=0, lookup=4)
+    assert looked == plain
+    txt = tmp_path / "t.txt"
+    txt.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    out = subprocess.run([sys.executable, "-m", "qllama", "perplexity", path, str(txt), "-c", "64", "--json"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ppl"] > 1
