@@ -63,17 +63,24 @@ def test_type_send_and_see_the_answer_stream_in(page):
 
 
 def test_stop_and_new_chat(page):
-    page.click("#new")
-    assert page.inner_html("#log") == ""
+    page.goto(page.server.url + "/#max_tokens=900")  # a long answer, stopped while it streams
+    page.reload()
+    page.wait_for_function("document.getElementById('model').textContent.includes('shakespeare')")
     page.fill("#input", "Speak at length.")
     page.press("#input", "Enter")
-    page.wait_for_selector(".msg.assistant[data-state=streaming]", state="attached")
-    page.wait_for_function("!document.getElementById('stop').disabled")
+    page.wait_for_function("document.querySelector('.msg.assistant') && "
+                           "document.querySelector('.msg.assistant').textContent.length > 20", timeout=120_000)
     page.click("#stop")
     page.wait_for_selector(".msg.assistant[data-state=done]", state="attached", timeout=60_000)
+    stopped = page.inner_text(".msg.assistant")
+    page.wait_for_timeout(1000)
+    assert page.inner_text(".msg.assistant") == stopped  # nothing more came
     assert page.evaluate("document.getElementById('stop').disabled") is True
     assert page.query_selector(".msg.error") is None  # a stop is no error
     assert page.server.alive()
+    page.click("#new")
+    assert page.inner_html("#log") == ""
+    assert "context 0 /" in page.inner_text("#ctx")
 
 
 def test_markdown_and_code_render(page):
