@@ -15,8 +15,10 @@ Attention follows llama.cpp's CPU flash attention (`ggml_compute_forward_flash_a
 which is how llama.cpp runs a quantized cache:
 - each query head is converted to K's vec_dot type: q8_0 for q8_0/q4_0/q5_0/iq4_nl keys, q8_1
   for q4_1/q5_1 (`act_quant.q8_0_row` / `q8_1_row`, as ggml's x86 quantize_row_q8_0/q8_1), f16
-  for f16 keys; a score is the type's vec_dot: per block an exact int32 sum of products, times
-  d_k * d_q (plus m_k * s_q for q4_1/q5_1), summed over the blocks in float32;
+  for f16 keys; a score is the type's vec_dot, d_k d_q sum(q_k q_q) (+ m_k s_q for q4_1/q5_1)
+  per block, computed as a float32 dot of the dequantized key row with the dequantized query
+  (each factor exact in float32; the products round: ~1e-7 relative to ggml's int32 sums),
+  four query heads per pass over a key row, as `layer_ops._attend_jobs`;
 - scores times the scale (with `q_scaled`, Q was multiplied by it before the conversion, as the
   graphs that scale Q themselves have it), softcap, window mask;
 - softmax in float32 and the values dequantized row by row to float32 (ggml's to_float) and
@@ -46,6 +48,7 @@ BLOCK_BYTES = {T_F32: 128, T_F16: 64, T_Q4_0: 18, T_Q4_1: 20, T_Q5_0: 22, T_Q5_1
 
 # the 16 values of an iq4_nl quant (ggml-common.h kvalues_iq4nl)
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
+KVALUES_IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
@@ -99,7 +102,7 @@ def _roundf(v):
     return t
 
 
-@kernel(boundscheck=False)
+@kernel(fastmath=False, boundscheck=False)
 def _best_index(x, vals):
     """ggml's best_index_int8(16, kvalues_iq4nl, x): the index of the table value nearest to x."""
     if x <= np.float32(vals[0]):
@@ -117,7 +120,7 @@ def _best_index(x, vals):
     return mu - 1 if x - np.float32(vals[mu - 1]) < np.float32(vals[mu]) - x else mu
 
 
-@kernel(boundscheck=False)
+@kernel(fastmath=False, boundscheck=False)
 def quantize_block(typ, x, xo, row, o, vals, lbuf):
     """x[xo:xo+32] (float32) -> one block of type `typ` at row[o:] (uint8), as ggml's reference
     quantizer of that type writes it. vals: KVALUES_IQ4NL; lbuf: int32 (32,) scratch."""
@@ -224,7 +227,7 @@ def quantize_block(typ, x, xo, row, o, vals, lbuf):
         row[o + 4 + i] = np.uint8((qh >> np.uint32(8 * i)) & np.uint32(0xFF))
 
 
-@kernel(boundscheck=False)
+@kernel(fastmath=False, boundscheck=False)
 def quantize_rows(typ, x, out):
     """x float32 (n, D) -> out uint8 (n, D/32 * block bytes): every row by `quantize_block` (for tests)."""
     vals = KVALUES_IQ4NL
@@ -239,52 +242,11 @@ def quantize_rows(typ, x, out):
 # -- reading blocks -----------------------------------------------------------------------------
 
 @kernel(inline="always", boundscheck=False)
-def _unpack(typ, row, o, qi, vals):
-    """The 32 integer quants of the block at row[o:] into qi (int32), as the type's vec_dot
-    multiplies them (q4_0, q5_0: offset removed; iq4_nl: table values); returns (d, m), m the
-    minimum of q4_1/q5_1 (else 0)."""
-    d = _f16_load(row, o)
-    m = _F0
-    if typ == T_Q8_0:
-        for j in range(QK):
-            qi[j] = np.int32(np.int8(row[o + 2 + j]))
-    elif typ == T_Q4_0:
-        for j in range(16):
-            b = np.int32(row[o + 2 + j])
-            qi[j] = (b & 0xF) - 8
-            qi[j + 16] = (b >> 4) - 8
-    elif typ == T_IQ4_NL:
-        for j in range(16):
-            b = np.int32(row[o + 2 + j])
-            qi[j] = vals[b & 0xF]
-            qi[j + 16] = vals[b >> 4]
-    elif typ == T_Q4_1:
-        m = _f16_load(row, o + 2)
-        for j in range(16):
-            b = np.int32(row[o + 4 + j])
-            qi[j] = b & 0xF
-            qi[j + 16] = b >> 4
-    else:  # q5_0 (qh at 2, qs at 6), q5_1 (m at 2, qh at 4, qs at 8)
-        qo = 6 if typ == T_Q5_0 else 8
-        ho = qo - 4
-        if typ == T_Q5_1:
-            m = _f16_load(row, o + 2)
-        qh = (np.uint32(row[o + ho]) | (np.uint32(row[o + ho + 1]) << np.uint32(8))
-              | (np.uint32(row[o + ho + 2]) << np.uint32(16)) | (np.uint32(row[o + ho + 3]) << np.uint32(24)))
-        off = 16 if typ == T_Q5_0 else 0
-        for j in range(16):
-            b = np.int32(row[o + qo + j])
-            h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
-            h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
-            qi[j] = ((b & 0xF) | h0) - off
-            qi[j + 16] = ((b >> 4) | h1) - off
-    return d, m
-
-
-@kernel(inline="always", boundscheck=False)
-def _to_float(typ, row, out, qi, vals):
-    """One cache row (D/32 blocks at row) -> out float32 (D,), as ggml's to_float of the type
-    (quantized: value = q * d (+ m); f16: converted; f32: as is)."""
+def _to_float(typ, row, out, vals):
+    """One cache row (D/32 blocks at row) -> out float32 (D,), as ggml's to_float of the type:
+    q8_0, q4_0, q5_0, iq4_nl q * d; q4_1, q5_1 q * d + m; f16 converted; f32 as is. (One loop
+    nest per type, the type tested once per row; the 32-element loops have constant bounds.)
+    vals: KVALUES_IQ4NL_F (an argument: indexing a global array here was 3x slower)."""
     nb = out.shape[0] // QK
     if typ == T_F32:
         for i in range(out.shape[0]):
@@ -292,29 +254,80 @@ def _to_float(typ, row, out, qi, vals):
             bits = (np.uint32(row[o]) | (np.uint32(row[o + 1]) << np.uint32(8)) | (np.uint32(row[o + 2]) << np.uint32(16))
                     | (np.uint32(row[o + 3]) << np.uint32(24)))
             out[i] = u32_as_f32(bits)
-        return
-    if typ == T_F16:
+    elif typ == T_F16:
         for i in range(out.shape[0]):
             out[i] = _f16_load(row, 2 * i)
-        return
-    bb = row.shape[0] // nb
-    for b in range(nb):
-        d, m = _unpack(typ, row, b * bb, qi, vals)
-        if typ == T_Q4_1 or typ == T_Q5_1:
+    elif typ == T_Q8_0:
+        for b in range(nb):
+            o = b * 34
+            d = _f16_load(row, o)
             for j in range(QK):
-                out[b * QK + j] = np.float32(qi[j]) * d + m
-        else:
-            for j in range(QK):
-                out[b * QK + j] = np.float32(qi[j]) * d
+                out[b * QK + j] = np.float32(np.int8(row[o + 2 + j])) * d
+    elif typ == T_Q4_0:
+        for b in range(nb):
+            o = b * 18
+            d = _f16_load(row, o)
+            for j in range(16):
+                x = np.int32(row[o + 2 + j])
+                out[b * QK + j] = np.float32((x & 0xF) - 8) * d
+                out[b * QK + 16 + j] = np.float32((x >> 4) - 8) * d
+    elif typ == T_IQ4_NL:
+        for b in range(nb):
+            o = b * 18
+            d = _f16_load(row, o)
+            for j in range(16):
+                x = np.int32(row[o + 2 + j])
+                out[b * QK + j] = vals[x & 0xF] * d
+                out[b * QK + 16 + j] = vals[x >> 4] * d
+    elif typ == T_Q4_1:
+        for b in range(nb):
+            o = b * 20
+            d = _f16_load(row, o)
+            m = _f16_load(row, o + 2)
+            for j in range(16):
+                x = np.int32(row[o + 4 + j])
+                out[b * QK + j] = np.float32(x & 0xF) * d + m
+                out[b * QK + 16 + j] = np.float32(x >> 4) * d + m
+    else:  # q5_0 (d, qh at 2, qs at 6), q5_1 (d, m at 2, qh at 4, qs at 8)
+        five_one = typ == T_Q5_1
+        bb = 24 if five_one else 22
+        qo = 8 if five_one else 6
+        off = 0 if five_one else 16
+        for b in range(nb):
+            o = b * bb
+            d = _f16_load(row, o)
+            m = _f16_load(row, o + 2) if five_one else _F0
+            qh = (np.int32(row[o + qo - 4]) | (np.int32(row[o + qo - 3]) << 8)
+                  | (np.int32(row[o + qo - 2]) << 16) | (np.int32(row[o + qo - 1]) << 24))
+            for j in range(16):
+                x = np.int32(row[o + qo + j])
+                h0 = ((qh >> j) & 1) << 4
+                h1 = ((qh >> (j + 16)) & 1) << 4
+                out[b * QK + j] = np.float32(((x & 0xF) | h0) - off) * d + m
+                out[b * QK + 16 + j] = np.float32(((x >> 4) | h1) - off) * d + m
 
 
 @kernel(boundscheck=False)
 def dequantize_rows(typ, rows, out):
-    """rows uint8 (n, row bytes) -> out float32 (n, D): each row by the type's to_float (for tests and the NumPy path)."""
-    qi = np.empty(QK, np.int32)
-    vals = KVALUES_IQ4NL
+    """rows uint8 (n, row bytes) -> out float32 (n, D): each row by the type's to_float (for tests)."""
+    vals = KVALUES_IQ4NL_F
     for i in range(rows.shape[0]):
-        _to_float(typ, rows[i], out[i], qi, vals)
+        _to_float(typ, rows[i], out[i], vals)
+
+
+@kernel(fastmath=False, boundscheck=False)
+def _query_q8(qf, r, qq, qd, qsi, qsf, q8_1):
+    """Row r of qf in q8_0 (q8_1 when q8_1) form, by act_quant's row quantizers.
+
+    fastmath=False explicitly: Numba compiles a callee that sets no fastmath option with its
+    caller's flags, and caches it so. Called from the fast-math attention body directly,
+    act_quant's fp16 rounding of d (an add-and-subtract of 2^52) was folded away, and that
+    cached copy then served every q8_0 activation of the process. This function sets the flag,
+    so the quantizers it calls compile exactly."""
+    if q8_1:
+        q8_1_row(qf, r, qq, qd, qsf)
+    else:
+        q8_0_row(qf, r, qq, qd, qsi)
 
 
 # -- storing new keys and values ------------------------------------------------------------------
@@ -325,8 +338,8 @@ def rope_store_quant(q, k, v, start, cos_table, sin_table, k_cache, v_cache, neo
 
     As `layer_ops.rope_store` (the same rotation, with its fast-math flags: the same bits), but
     k_cache and v_cache are uint8 (Hkv, ring, D/32 * block bytes) of types type_k and type_v
-    (ggml ids), both row-major. (`quantize_block` is compiled on its own without fast-math, so
-    its bytes stay ggml's.)
+    (ggml ids), both row-major. (`quantize_block` sets fastmath=False itself, so it compiles
+    without the fast-math flags of this caller and its bytes stay ggml's.)
     """
     n_tok, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
@@ -377,7 +390,13 @@ def rope_store_quant(q, k, v, start, cos_table, sin_table, k_cache, v_cache, neo
 def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled,
                        out, first, step):
     """Attention over a block cache for the jobs first, first + step, ... of (token t, KV head)
-    job t * Hkv + kvh (see the module docstring for the arithmetic; shapes as `attention_quant_serial`)."""
+    job t * Hkv + kvh (see the module docstring for the arithmetic; shapes as `attention_quant_serial`).
+
+    A score is computed as the dot of the dequantized key row (d * q, as ggml's to_float) with
+    the dequantized q8 query (fp16 d times the int8 quants, exact in float32), plus, for
+    q4_1/q5_1 keys, m * (s - d * sum q) per block: that is ggml's vec_dot, d_k d_q sum(q_k q_q) +
+    m_k s_q, up to float32 rounding of the products (~1e-7 relative), in long vector loops.
+    """
     n_tok = q.shape[0]
     head_dim = q.shape[2]
     n_kv = k_cache.shape[0]
@@ -385,14 +404,14 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
     nb = head_dim // QK
     bk = k_cache.shape[2] // nb
     n_max = min(start_pos + n_tok, ring)
-    vals = KVALUES_IQ4NL
-    qf = np.empty((n_rep, head_dim), np.float32)  # the queries (scaled when q_scaled), as float32
-    qq = np.empty((n_rep, head_dim), np.int8)  # ... converted to q8_0 / q8_1 (quantized keys)
+    qf = np.empty((n_rep, head_dim), np.float32)  # the queries (scaled when q_scaled), as K's vec_dot type holds them
+    qq = np.empty((n_rep, head_dim), np.int8)  # q8_0 / q8_1 quants (quantized keys)
     qd = np.empty((n_rep, nb), np.float32)
-    qsi = np.empty((n_rep, nb), np.int32)  # q8_0 sums (unused by the dot)
-    qsf = np.empty((n_rep, nb), np.float32)  # q8_1 s = d * sum
-    qi = np.empty(QK, np.int32)
-    kf = np.empty(head_dim, np.float32)  # a float key row (f16/f32 keys)
+    qsi = np.empty((n_rep, nb), np.int32)  # q8_0 sums
+    qsf = np.empty((n_rep, nb), np.float32)  # q8_1 s = fp16(d * sum)
+    corr = np.empty((n_rep, nb), np.float32)  # q4_1/q5_1 keys: s - d * sum, the min term's correction
+    vals = KVALUES_IQ4NL_F
+    kf = np.empty(head_dim, np.float32)  # a key row as float32
     vrow = np.empty(head_dim, np.float32)  # a value row as float32
     acc = np.empty((n_rep, head_dim), np.float32)
     scores = np.empty((n_rep, n_max), np.float32)
@@ -401,9 +420,8 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
     fbits = bits.view(np.float32)
     k_quant = type_k != T_F32 and type_k != T_F16
     k_min = type_k == T_Q4_1 or type_k == T_Q5_1
-    pre = q_scaled
-    q_mul = scale if pre else _F1
-    dot_scale = _F1 if pre else scale
+    q_mul = scale if q_scaled else _F1
+    dot_scale = _F1 if q_scaled else scale
     for job in range(first, n_tok * n_kv, step):
         t = job // n_kv
         kvh = job % n_kv
@@ -417,36 +435,50 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
                 if type_k == T_F16:  # Q as f16, as ggml's from_float for an f16 K
                     x = f16_value(np.int32(_f16_round_bits(x)))
                 qf[r, d] = x
-        if k_quant:
+        if k_quant:  # Q as q8_0 (q8_1), then its values: fp16 d times the quants, exact in float32
             for r in range(n_rep):
-                if k_min:
-                    q8_1_row(qf, r, qq, qd, qsf)
-                else:
-                    q8_0_row(qf, r, qq, qd, qsi)
-        # scores
+                _query_q8(qf, r, qq, qd, qsi, qsf, k_min)
+                for b in range(nb):
+                    isum = 0
+                    for i in range(QK):
+                        qf[r, b * QK + i] = np.float32(qq[r, b * QK + i]) * qd[r, b]
+                        isum += np.int32(qq[r, b * QK + i])
+                    corr[r, b] = qsf[r, b] - qd[r, b] * np.float32(isum) if k_min else _F0
+        # scores: each key row converted once, dotted with four query heads at a time (as layer_ops)
         for j in range(n_keys):
             slot = s0 + j if j < n1 else j - n1
             krow = k_cache[kvh, slot]
-            if k_quant:
-                for r in range(n_rep):
-                    scores[r, j] = _F0
+            _to_float(type_k, krow, kf, vals)
+            r = 0
+            while r + 4 <= n_rep:
+                q0, q1, q2, q3 = qf[r], qf[r + 1], qf[r + 2], qf[r + 3]
+                a0 = _F0
+                a1 = _F0
+                a2 = _F0
+                a3 = _F0
+                for d in range(head_dim):
+                    kd = kf[d]
+                    a0 += q0[d] * kd
+                    a1 += q1[d] * kd
+                    a2 += q2[d] * kd
+                    a3 += q3[d] * kd
+                scores[r, j] = a0
+                scores[r + 1, j] = a1
+                scores[r + 2, j] = a2
+                scores[r + 3, j] = a3
+                r += 4
+            while r < n_rep:
+                qr = qf[r]
+                a = _F0
+                for d in range(head_dim):
+                    a += qr[d] * kf[d]
+                scores[r, j] = a
+                r += 1
+            if k_min:
                 for b in range(nb):
-                    dk, mk = _unpack(type_k, krow, b * bk, qi, vals)
+                    mk = _f16_load(krow, b * bk + 2)
                     for r in range(n_rep):
-                        isum = np.int32(0)
-                        for i in range(QK):
-                            isum += qi[i] * np.int32(qq[r, b * QK + i])
-                        a = (dk * qd[r, b]) * np.float32(isum)
-                        if k_min:
-                            a += mk * qsf[r, b]
-                        scores[r, j] += a
-            else:
-                _to_float(type_k, krow, kf, qi, vals)
-                for r in range(n_rep):
-                    a = _F0
-                    for d in range(head_dim):
-                        a += qf[r, d] * kf[d]
-                    scores[r, j] = a
+                        scores[r, j] += mk * corr[r, b]
         for r in range(n_rep):
             sr = scores[r]
             for j in range(n_keys):
@@ -466,7 +498,7 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
         # values: each row converted to float32 once, accumulated for the n_rep heads
         for j in range(n_keys):
             slot = s0 + j if j < n1 else j - n1
-            _to_float(type_v, v_cache[kvh, slot], vrow, qi, vals)
+            _to_float(type_v, v_cache[kvh, slot], vrow, vals)
             for r in range(n_rep):
                 w = scores[r, j]
                 for d in range(head_dim):
