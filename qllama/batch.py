@@ -287,8 +287,11 @@ class Stats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     t0: float = field(default_factory=time.monotonic)
+    t_first: float | None = None  # when the first result came (a Ray job: after its replicas started)
 
     def add(self, line: dict) -> None:
+        if self.t_first is None:
+            self.t_first = time.monotonic()
         self.done += 1
         resp = line.get("response") or {}
         if resp.get("status_code") == 200:
@@ -314,7 +317,7 @@ class BatchEngine:
         self.in_flight = in_flight or 2 * parallel  # slots busy + the next prompts already tokenized
         forward, new_cache, self.batched = model_forward(llm)
         self.scheduler = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=parallel,
-                                   max_queue=self.in_flight, chunk=chunk, n_threads=llm.n_threads)
+                                   max_queue=self.in_flight, chunk=chunk)
         self.app = create_app(ServerState(llm, self.scheduler, model_name, chat_template=chat_template))
 
     async def answer(self, req: BatchRequest) -> dict:
@@ -391,10 +394,6 @@ class BatchEngine:
         """The scheduler's worker loop on this thread, until `finished` (as Scheduler._loop, which
         runs until the server closes)."""
         s = self.scheduler
-        if s.n_threads is not None:
-            from .qtensor import set_threads
-
-            set_threads(s.n_threads)  # Numba's thread count is per calling thread
         while not finished.is_set():
             try:
                 worked = s.step()
@@ -471,6 +470,8 @@ def summary(stats: Stats, plan_: JobPlan, output: str) -> str:
     text = (f"{stats.done} requests in {elapsed:.1f} s ({rate:.2f} requests/s, "
             f"{stats.completion_tokens / elapsed if elapsed > 0 else 0.0:.1f} generated tokens/s): "
             f"{stats.ok} ok, {stats.errors} errors")
+    if stats.t_first is not None and stats.done > 1 and stats.t_first - stats.t0 > 0.2 * elapsed:
+        text += f"; the first result came after {stats.t_first - stats.t0:.1f} s"  # Ray's start, a long prompt
     if plan_.skipped:
         text += f"; {plan_.skipped} already in {output} were skipped"
     return text + f"; results in {output}"
@@ -498,10 +499,11 @@ def run_job(engine_run: Callable[[list[BatchRequest], Callable[[BatchRequest, di
     bar.update(stats, force=True)
     try:
         engine_run(p.todo, on_result)
-    except BaseException:
+    except BaseException as e:
         results.close()  # from now on nothing is written: every finished line is on disk
         bar.clear()
-        echo(f"interrupted: {summary(stats, p, results.path)}; run the same command again to continue")
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped"
+        echo(f"{why}: {summary(stats, p, results.path)}; run the same command again to continue")
         raise
     results.close()
     bar.clear()

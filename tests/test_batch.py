@@ -86,7 +86,7 @@ def test_results_are_the_servers_answers_and_batched(engine, llm, tmp_path):
     from qllama.server.scheduler import Scheduler
 
     forward, new_cache, _ = model_forward(llm)
-    sched = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=2, n_threads=1)
+    sched = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=2)
     sched.start()
     try:
         client = TestClient(create_app(ServerState(llm, sched, "demo", chat_template="chatml")))
@@ -331,6 +331,13 @@ def ray_head(tmp_path_factory, ray_env):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+        current = "/tmp/ray/ray_current_cluster"  # left behind by the stopped head: ray.init() would look for it
+        try:
+            with open(current) as f:
+                if f.read().strip() == f"127.0.0.1:{port}":
+                    os.remove(current)
+        except OSError:
+            pass
 
 
 def texts(path):

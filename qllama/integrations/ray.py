@@ -53,10 +53,9 @@ def init(address: str, *, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     kw: dict = {"logging_level": "WARNING", "log_to_driver": True}
+    kw["address"] = address  # "local": always a new local instance, never a cluster found on the machine
     if address == "local":
         kw.update(include_dashboard=False, num_cpus=num_cpus or os.cpu_count() or 1)
-    else:
-        kw["address"] = address
     if _loopback(address):
         kw["_node_ip_address"] = LOOPBACK
     try:
@@ -158,7 +157,7 @@ class ServeReplica:
         llm.warmup()
         forward, new_cache, _ = model_forward(llm)
         self.scheduler = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=parallel,
-                                   max_queue=max_queue, chunk=chunk, n_threads=llm.n_threads)
+                                   max_queue=max_queue, chunk=chunk)
         self.scheduler.start()
         self._app = create_app(ServerState(llm, self.scheduler, model_name or os.path.basename(model),
                                            api_key=api_key, chat_template=chat_template))
