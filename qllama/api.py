@@ -13,7 +13,7 @@ from .generation.sampling import Sampler, SamplingParams, sampling_params
 from .generation.session import Chunk, Session, Timings, stream_generate
 from .gguf.reader import GGUFFile
 from .models import build_model, read_args
-from .qtensor import get_threads, set_threads
+from .qtensor import resolve_threads
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported where used: the chat package is not needed to load a model
@@ -74,8 +74,7 @@ class Model:
         from .runtime.memory import check_context
 
         check_context(self.args, n_ctx, batch_size, kv_types=self.kv_types)  # before anything n_ctx-sized is allocated
-        set_threads(n_threads)  # None: the physical cores
-        self.n_threads = get_threads()
+        self.n_threads = resolve_threads(n_threads)  # None: the physical cores
         from .runtime import compile_pool
 
         if warmup_next and compile_pool.default_workers() > 0 and not self.kernels_cached():
@@ -87,6 +86,7 @@ class Model:
             compile_pool.stop_prestarted()
             raise
         self._model.kv_types = self.kv_types
+        self._model.n_threads = self.n_threads  # every forward round's count unless its caller names one
         self.weights = self._model.weights
         self.session = Session(self._model, batch_size=batch_size, adapt_threads=n_threads is None)  # default: adaptive decode threads
         self.load_s = time.perf_counter() - t0
@@ -134,7 +134,6 @@ class Model:
             check_cache_dir()
         except CacheDirError as exc:
             raise QllamaError(str(exc)) from None
-        set_threads(self.n_threads)
         self.compile_s = warm_up(self._model)
         mark_warm(self.kernel_types(), self.n_threads)
         return self.compile_s
@@ -161,7 +160,6 @@ class Model:
             raise QllamaError("logits() needs at least one token")
         if len(ids) > self.n_ctx:
             raise QllamaError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
-        set_threads(self.n_threads)
         cache = self._model.new_cache()
         out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
         bs = self.session.batch_size
@@ -255,7 +253,6 @@ class Model:
             sampler = constrained_sampler(params, constraint)
         timings = Timings(load_s=self.load_s, compile_s=self.compile_s)
         self.last_timings = timings
-        set_threads(self.n_threads)
         return stream_generate(self.session, self.tokenizer, ids, sampler, max_tokens, stop, timings, lookup=lookup)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Iterator[str]:

@@ -140,10 +140,10 @@ def test_batches_are_whole_token_groups_and_no_match_takes_the_decode_step(model
         s, fm = model.session, model.forward_model
         decode, forward = s.decode, fm.forward
 
-        def verify(toks, cache, all_logits=False):  # the prompt and decode steps want the last row only
+        def verify(toks, cache, all_logits=False, n_threads=None):  # the prompt and decode steps want the last row only
             if all_logits:
                 batches.append(len(toks))
-            return forward(toks, cache, all_logits)
+            return forward(toks, cache, all_logits, n_threads)
 
         monkeypatch.setattr(s, "decode", lambda t: decodes.append(t) or decode(t))
         monkeypatch.setattr(fm, "forward", verify)

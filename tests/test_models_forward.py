@@ -243,6 +243,7 @@ def test_fused_decode_equals_unfused_bit_for_bit(quant_files, name, n_threads, i
     set_threads(n_threads)
     try:
         m = _model(quant_files[name], batch=16)
+        m.n_threads = n_threads
         ids = _ids(12, m.args.n_vocab, seed=5)
         fused = _decode_steps(m, ids, 5)
         m.execution = Plain(fused=False)

@@ -118,7 +118,7 @@ def serve(path, *, parallel=2, chunk=16, max_queue=8, api_key=None, n_ctx=None, 
     llm = qllama.load(path, n_ctx=n_ctx, n_threads=1)
     forward, new_cache, _ = model_forward(llm)
     sched = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=parallel, max_queue=max_queue,
-                      chunk=chunk, n_threads=1)
+                      chunk=chunk)
     app = create_app(ServerState(llm, sched, "test-model", api_key=api_key, chat_template=chat_template))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

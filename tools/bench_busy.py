@@ -67,10 +67,8 @@ class QllamaSessionRunner:
     def tg(self, n: int) -> tuple[float, float]:
         """(wall seconds, CPU seconds of this process) of n decode steps; the prompt is not counted."""
         from qllama.bench.runner import random_tokens
-        from qllama.qtensor import set_threads
 
         s = self.session
-        set_threads(self.llm.n_threads)  # as Model.stream does: the prompt runs on every thread
         s.reset()
         s.prefill(random_tokens(PROMPT_TOKENS, self.llm.n_vocab, seed=99))
         ids = random_tokens(n, self.llm.n_vocab, seed=4321)

@@ -98,11 +98,11 @@ class BenchRunner:
     # -- threads -------------------------------------------------------------------------
 
     def set_threads(self, n: int) -> int:
-        """Use n threads; returns the count actually used (capped by Numba's pool size)."""
-        from ..qtensor import get_threads, set_threads
+        """Run the model's rounds on n threads; returns the count actually used (capped by Numba's pool size)."""
+        from ..qtensor import resolve_threads
 
-        set_threads(n)
-        return get_threads()
+        self.model.n_threads = resolve_threads(n)
+        return self.model.n_threads
 
     # -- primitives ------------------------------------------------------------------------
 

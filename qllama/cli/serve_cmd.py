@@ -97,7 +97,7 @@ def command(model, host, port, ctx_size, threads, parallel, batch_size, max_queu
         pass  # llguidance is not installed: a request that needs it gets a 400 saying so
     forward, new_cache, batched = model_forward(llm)
     scheduler = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=parallel,
-                          max_queue=max_queue, chunk=batch_size, n_threads=llm.n_threads)
+                          max_queue=max_queue, chunk=batch_size)
     name = alias or os.path.basename(model)
     app = create_app(ServerState(llm, scheduler, name, api_key=api_key, chat_template=chat_template))
     sock = bind_socket(host, port)

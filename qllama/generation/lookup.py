@@ -249,13 +249,12 @@ class LookupSteps:
         session = self.session
         if len(batch) == 1:
             return session.decode(batch[0]).reshape(1, -1)
-        from ..qtensor import set_threads
 
-        def step():
-            return session.model.forward(batch, session.cache, all_logits=True)
+        def step(n_threads=None):
+            return session.model.forward(batch, session.cache, all_logits=True, n_threads=n_threads)
 
         threads = getattr(session, "threads", None)
-        rows = step() if threads is None else threads.run_batch(len(batch), step, set_threads)
+        rows = step() if threads is None else threads.run_batch(len(batch), step)
         session.tokens.extend(batch)
         return rows
 

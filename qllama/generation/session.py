@@ -13,7 +13,6 @@ import numpy as np
 
 from ..errors import ContextOverflowError, QllamaError
 from ..models import KVCache, Transformer
-from ..qtensor import get_threads, set_threads
 from ..runtime.threads import ThreadAdapter, adapter_for
 from .sampling import Sampler
 from .text import TextOutput
@@ -103,7 +102,8 @@ class Session:
             raise QllamaError("batch size must be >= 1")
         self.model = model
         self.batch_size = batch_size
-        self.threads: ThreadAdapter | None = adapter_for(get_threads()) if adapt_threads else None
+        # the decode session owns the thread count of its steps: the model's (fixed), or adapted
+        self.threads: ThreadAdapter | None = adapter_for(model.n_threads) if adapt_threads else None
         self.cache: KVCache = model.new_cache()
         self.tokens: list[int] = []  # what positions [0, cache.n_past) hold
         # progress(done, total) of a prompt's evaluation: (0, total) first, then after each batch
@@ -143,7 +143,7 @@ class Session:
             if self.threads is None:
                 logits = self.model.forward(batch, self.cache)
             else:  # a short batch's regions are as short as a decode step's: it runs at decode's count
-                logits = self.threads.run_batch(len(batch), lambda: self.model.forward(batch, self.cache), set_threads)
+                logits = self.threads.run_batch(len(batch), lambda n: self.model.forward(batch, self.cache, n_threads=n))
             self.tokens.extend(batch)
             if progress is not None:
                 progress(start + len(batch) - common, len(ids) - common)
@@ -155,7 +155,7 @@ class Session:
         if self.threads is None:
             logits = self.model.forward([token], self.cache)
         else:
-            logits = self.threads.run(lambda: self.model.forward([token], self.cache), set_threads)
+            logits = self.threads.run(lambda n: self.model.forward([token], self.cache, n_threads=n))
         self.tokens.append(int(token))
         return logits[-1]
 

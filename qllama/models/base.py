@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
 from ..gguf.reader import GGUFFile
-from ..qtensor import QTensor, get_threads, int8_enabled, quantize_activation
+from ..qtensor import QTensor, int8_enabled, quantize_activation, resolve_threads, set_threads
 from .args import ModelArgs, read_common_args
 from .kvcache import SWA_BATCH, KVCache
 from .nonfinite import locate as locate_nonfinite
@@ -221,6 +221,7 @@ class Transformer:
         # set through `executing` or by the hooks' registry (points.Probe)
         self.execution: Execution = PLAIN
         self.step: Step | None = None  # the running round's Step (None between rounds)
+        self.n_threads = resolve_threads(None)  # a round's threads when its caller names none (qllama.load sets it)
         self._plan = None  # decode.DecodePlan, built on the first fused step (False: the model has none)
         self._scale = np.float32(args.attn_scale)  # kernel arguments, converted once
         self._softcap = np.float32(args.attn_softcap)
@@ -279,15 +280,16 @@ class Transformer:
         windows = [a.n_swa if a.is_swa(il) else 0 for il in range(a.n_layer)]
         return KVCache(a.n_layer, a.n_head_kv, a.head_dim, self.n_ctx, windows, self.batch, *self.kv_types)
 
-    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        """Run `tokens` at positions cache.n_past.. and append them to the cache.
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False, n_threads: int | None = None) -> np.ndarray:
+        """Run `tokens` at positions cache.n_past.. and append them to the cache, on `n_threads`
+        threads (None: `self.n_threads`).
 
         Returns logits float32: (T, n_vocab) if all_logits, else (1, n_vocab) for the last token.
         """
         tokens = self._check(tokens, cache)
         if tokens.shape[0] <= cache.max_batch:  # the common case, without forward_many's bookkeeping
-            return self._forward_round([(tokens, cache)], [True], all_logits)[0]
-        return self.forward_many([(tokens, cache)], all_logits)[0]
+            return self._forward_round([(tokens, cache)], [True], all_logits, n_threads)[0]
+        return self.forward_many([(tokens, cache)], all_logits, n_threads)[0]
 
     def _check(self, tokens, cache: KVCache) -> np.ndarray:
         """Token ids as an int64 array, checked against the vocabulary and the cache's room."""
@@ -300,7 +302,8 @@ class Transformer:
             raise QllamaError(f"token id out of range [0, {self.args.n_vocab})")
         return tokens
 
-    def forward_many(self, segments: Sequence[tuple[Sequence[int], KVCache]], all_logits: bool = False) -> list[np.ndarray]:
+    def forward_many(self, segments: Sequence[tuple[Sequence[int], KVCache]], all_logits: bool = False,
+                     n_threads: int | None = None) -> list[np.ndarray]:
         """Run several token runs, each at its own cache's n_past, in one pass over the weights.
 
         Returns one logits array per segment: (T_i, n_vocab) if all_logits, else (1, n_vocab).
@@ -317,16 +320,18 @@ class Transformer:
             if not part:
                 break
             want = [all_logits or done[i] + len(t) == len(runs[i][0]) for i, t, _ in part]
-            logits = self._forward_round([(t, c) for _, t, c in part], want, all_logits)
+            logits = self._forward_round([(t, c) for _, t, c in part], want, all_logits, n_threads)
             for (i, t, _), lg in zip(part, logits):
                 done[i] += len(t)
                 if lg is not None:
                     outs[i].append(lg)
         return [o[0] if len(o) == 1 else np.concatenate(o) for o in outs]
 
-    def _forward_round(self, runs, want: list[bool], all_logits: bool) -> list[np.ndarray | None]:
+    def _forward_round(self, runs, want: list[bool], all_logits: bool, n_threads: int | None) -> list[np.ndarray | None]:
         one_token = len(runs) == 1 and runs[0][0].shape[0] == 1
-        step = self.execution.step(self, get_threads(), one_token)  # the way this round runs
+        n_threads = n_threads or self.n_threads
+        set_threads(n_threads)  # Numba's count for this calling thread; kernels also receive it explicitly
+        step = self.execution.step(self, n_threads, one_token)  # the way this round runs
         self.step = step
         try:
             return self._round(runs, want, all_logits, step)

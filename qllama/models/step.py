@@ -35,12 +35,12 @@ if TYPE_CHECKING:
     from .decode import DecodeState, KernelClock
 
 
-def project(w: QTensor, act) -> np.ndarray:
+def project(w: QTensor, act, n_threads: int | None = None) -> np.ndarray:
     """(T, in) activations (an Activation, quantized once when shared) -> (T, out) float32.
     One token takes the mat-vec (decode) kernel, a batch the mat-mat (prefill) kernel."""
     if act.n_tok == 1:
-        return w.matvec(act).reshape(1, -1)
-    return w.matmul(act)
+        return w.matvec(act, n_threads=n_threads).reshape(1, -1)
+    return w.matmul(act, n_threads=n_threads)
 
 
 class Step:
@@ -61,7 +61,7 @@ class Step:
         return fn(*args)
 
     def project(self, kind: str, w: QTensor, act) -> np.ndarray:
-        return project(w, act)
+        return project(w, act, self.n_threads)
 
     def point(self, name: str, x: np.ndarray) -> np.ndarray:
         return x
@@ -94,7 +94,7 @@ class TimedStep(Step):
         form = TYPES[w.type_id].int8_form
         if int8_enabled() and w.type_id in INT8_TYPES and form not in act._forms:  # once per shared activation
             self.clock.run("quantize x", self.il, act.quantized, form)
-        return self.clock.run(kind, self.il, project, w, act)
+        return self.clock.run(kind, self.il, project, w, act, self.n_threads)
 
 
 # one-token steps on the int8 path use the fused kernels (models/decode.py); QLLAMA_FUSED=0 turns

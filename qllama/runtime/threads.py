@@ -298,16 +298,9 @@ class ThreadAdapter:
             self._check_start()
         return self.current if n_tok <= self.small_batch else self.max_threads
 
-    def run_batch(self, n_tok: int, step: Callable[[], object], set_threads: Callable[[int], None]):
-        """Run a batch (not timed: its cost is not a decode step's) at `batch_threads(n_tok)`."""
-        n = self.batch_threads(n_tok)
-        if n == self.max_threads:
-            return step()
-        set_threads(n)
-        try:
-            return step()
-        finally:
-            set_threads(self.max_threads)
+    def run_batch(self, n_tok: int, step: Callable[[int], object]):
+        """step(n) for a batch (not timed: its cost is not a decode step's), n = `batch_threads(n_tok)`."""
+        return step(self.batch_threads(n_tok))
 
     def describe(self) -> str:
         """One line for timings, e.g. "1 (adaptive among 2, 1; 3 probes, 1 switch)"."""
@@ -318,19 +311,12 @@ class ThreadAdapter:
 
     # -- the timed wrapper -----------------------------------------------------------------
 
-    def run(self, step: Callable[[], object], set_threads: Callable[[int], None],
-            clock: Callable[[], float] = time.perf_counter):
-        """Run one decode step at the chosen count, time it, and restore the largest count
-        (so that prefill and anything else keep every thread). Returns step()'s result."""
+    def run(self, step: Callable[[int], object], clock: Callable[[], float] = time.perf_counter):
+        """step(n) for one decode step at the chosen count n, timed; returns its result."""
         n = self.choose()
-        set_threads(n)
-        try:
-            t0 = clock()
-            out = step()
-            self.observe(n, clock() - t0)
-        finally:
-            if n != self.max_threads:
-                set_threads(self.max_threads)
+        t0 = clock()
+        out = step(n)
+        self.observe(n, clock() - t0)
         return out
 
 

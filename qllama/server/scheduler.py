@@ -159,7 +159,7 @@ class Scheduler:
     """
 
     def __init__(self, forward, new_cache, tokenizer, n_ctx: int, *, n_parallel: int = 4,
-                 max_queue: int = 64, chunk: int = 128, n_threads: int | None = None):
+                 max_queue: int = 64, chunk: int = 128):
         if n_parallel < 1 or chunk < 1 or max_queue < 0:
             raise ValueError("n_parallel and chunk must be >= 1, max_queue >= 0")
         self.forward = forward
@@ -168,7 +168,6 @@ class Scheduler:
         self.n_ctx = n_ctx
         self.chunk = chunk
         self.max_queue = max_queue
-        self.n_threads = n_threads
         self.slots = [Slot(i, new_cache()) for i in range(n_parallel)]
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -234,10 +233,6 @@ class Scheduler:
     # -- the worker ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self.n_threads is not None:
-            from ..qtensor import set_threads
-
-            set_threads(self.n_threads)  # Numba's thread count is per calling thread
         while True:
             with self._cond:
                 while not self._closing and not self._queue and not self.n_busy:
