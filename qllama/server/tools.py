@@ -7,14 +7,16 @@ Formats, picked from the chat template's source as llama.cpp does:
     llama3   Llama 3.x:            {"name": ..., "parameters": {...}}  (or after <|python_tag|>)
     mistral  Mistral Nemo/Small:   [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]
     phi4     Phi-4-mini:           functools[{"name": ..., "arguments": {...}}]
+    harmony  gpt-oss:              <|channel|>commentary to=functions.NAME ...<|message|>{...}<|call|>
+             (parsed, not constrained; its analysis channel is the reasoning)
     generic  templates without tool support (llama-server's fallback): the tools are described in
              the system message and the whole answer is JSON, {"tool_calls": [...]} or
              {"response": "..."}, always constrained to that schema.
 
 With `tool_choice` "required" or a named function, decoding is constrained to a valid call
 (`call_grammar`: the family's syntax around each function's JSON schema, through llguidance);
-with "auto" a native format decodes freely and the output is parsed, the generic one stays
-constrained. `ChatPost` splits a reply (whole or streamed) into reasoning, content and calls.
+with "auto" a native format is a lazy grammar (free text until the family's trigger, then only a
+valid call: `lazy_grammar`), the generic one stays constrained. `ChatPost` splits a reply (whole or streamed) into reasoning, content and calls.
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ def lazy_grammar(fmt: str, req: ToolRequest, tokenizer=None) -> tuple[str, Any] 
     """"auto" in a native format, as llama.cpp's lazy grammars: free text, but from the family's
     trigger on, only valid calls. One llguidance Lark grammar: free text is a lexeme that never
     contains the trigger; the text up to and including the trigger is another lexeme, so the two
-    part where the trigger appears (Hermes); formats whose calls open the answer (Llama 3 JSON,
+    split where the trigger appears (Hermes); formats whose calls open the answer (Llama 3 JSON,
     Mistral, Phi-4-mini) take either free text not starting like a call, or the calls."""
     from ..generation.constrained import JSON_DEFAULTS
 
