@@ -39,6 +39,15 @@ class GrammarError(QllamaError):
     """A grammar or schema that cannot be compiled, or a constraint that cannot go on."""
 
 
+def available() -> bool:
+    """Whether llguidance can be imported (constrained decoding is possible)."""
+    try:
+        _llguidance()
+        return True
+    except GrammarError:
+        return False
+
+
 def _llguidance():
     try:
         import llguidance  # noqa: F401

@@ -224,7 +224,9 @@ def chat_post(body: dict, req, template, tokenizer):
     req.params.special = harmony or fmt in ("llama3", "mistral")
     post.messages = prepare_messages(req.messages, fmt or "", treq) if treq is not None else req.messages
     post.template_tools = treq.tools if treq is not None and fmt != "generic" else None
-    if treq is not None and req.params.grammar is None:
+    from ..generation.constrained import available
+
+    if treq is not None and req.params.grammar is None and available():  # without llguidance: parsed, not constrained
         req.params.grammar = call_grammar(fmt, treq, tokenizer)
         req.params.grammar_param = "tools"
     return post
