@@ -330,3 +330,35 @@ def test_generic_response_streams_as_it_decodes():
     assert "".join(d.get("content", "") for d in deltas + last) == 'Hello, "world" \u00e9t\u00e9\nmore.' and not calls
     post = ChatPost(fmt="generic")
     assert post.message('{"response": "cut off \\u00') == (None, "cut off ", [])
+
+
+@pytest.mark.parametrize("name, fmt, call_text, result_text", [
+    ("Qwen-Qwen2.5-7B-Instruct.jinja", "hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+     "<tool_response>\nsunny\n</tool_response>"),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3", '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+     '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny"'),
+    ("meta-llama-Llama-3.2-3B-Instruct.jinja", "llama3", '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+     '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny"'),
+    ("microsoft-Phi-3.5-mini-instruct.jinja", "generic", '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}',
+     '{"tool_response": {"tool": "get_weather", "response": "sunny"}}'),
+])
+def test_real_templates_render_tools_calls_and_results(name, fmt, call_text, result_text):
+    """The published templates receive `tools`, the assistant's call (arguments as an object) and the
+    tool's result, and write them in their own syntax; a template without tool support gets the
+    generic fallback's system message."""
+    from qllama.chat import ChatTemplate
+    from qllama.server.tools import prepare_messages
+
+    path = os.path.join(TEMPLATES, name)
+    if not os.path.exists(path):
+        pytest.skip("../shared/templates is not here")
+    t = ChatTemplate.from_spec(path)
+    assert detect_format(t.source) == fmt
+    req = parse_tools({"tools": [WEATHER]})
+    msgs = [{"role": "user", "content": "Weather in Rome?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}]
+    out = t.render(prepare_messages(msgs, fmt, req), add_generation_prompt=True, bos_token="<s>", eos_token="</s>",
+                   tools=req.tools if fmt != "generic" else None)
+    assert call_text in out and result_text in out and "get_weather" in out.split(call_text)[0]
