@@ -115,6 +115,10 @@ def _weight_bytes(weights) -> int:
         for name in ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
             w = getattr(layer, name, None)  # fused families (phi3) have attn_qkv and no ffn_gate
             total += w.nbytes if w is not None else 0
+        moe = getattr(layer, "moe", None)
+        if moe is not None:  # a mixture of experts: the router, k of the n experts' slices, the shared expert
+            total += moe.router.nbytes + sum(w.nbytes for w in (moe.shared or ()))
+            total += sum(t.nbytes for t in (moe.gate, moe.up, moe.down) if t is not None) * moe.n_used // len(moe.up)
     return total
 
 
