@@ -21,7 +21,7 @@ RAY_HINT = "pip install 'qllama[ray]'"
 
 
 @click.command("batch")
-@click.argument("model", type=ModelRef(dir_okay=False))
+@click.argument("model", metavar="MODEL")
 @click.option("-i", "--input", "input_path", required=True, type=click.Path(dir_okay=False),
               help="Requests, one JSON object a line (OpenAI's Batch input format).")
 @click.option("-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False),
@@ -49,7 +49,8 @@ RAY_HINT = "pip install 'qllama[ray]'"
               help="With --ray: requests handed to an actor at a time (Ray Data's batch_size); results are "
                    "written as each such group finishes.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (it is drawn only on a terminal anyway).")
-def command(model, input_path, output_path, parallel, ctx_size, threads, batch_size, alias, chat_template,
+@click.pass_context
+def command(ctx, model, input_path, output_path, parallel, ctx_size, threads, batch_size, alias, chat_template,
             type_k, type_v, ray_address, replicas, cpus_per_replica, rows_per_call, no_progress):
     """Run an OpenAI Batch file (-i) against MODEL, writing OpenAI Batch results (-o).
 
@@ -75,6 +76,10 @@ def command(model, input_path, output_path, parallel, ctx_size, threads, batch_s
         raise click.UsageError("--replicas needs --ray ADDRESS (one machine runs one model: raise --parallel)")
     if os.path.exists(output_path) and os.path.exists(input_path) and os.path.samefile(input_path, output_path):
         raise QllamaError("the output file is the input file")
+    ref = model  # as given: with --ray, each replica resolves it on its own node (a Hub reference: its cache)
+    model = ModelRef(dir_okay=False).convert(model, None, ctx)  # checked (and a Hub file fetched) here too
+    if ray_address and hub_kind(ref) == "local":
+        ref = os.path.abspath(model)  # the same path must exist on every node
     requests = batch.read_input(input_path)
     results = batch.ResultsFile(output_path)
     if results.repaired:
@@ -84,7 +89,7 @@ def command(model, input_path, output_path, parallel, ctx_size, threads, batch_s
 
     if ray_address:
         def engine_run(todo, on_result):
-            ray_integration.run_on_ray(todo, on_result, address=ray_address, model=model, model_name=name, replicas=replicas,
+            ray_integration.run_on_ray(todo, on_result, address=ray_address, model=ref, model_name=name, replicas=replicas,
                        cpus_per_replica=cpus_per_replica, n_threads=threads, parallel=parallel, n_ctx=ctx_size or None,
                        chunk=batch_size, chat_template=chat_template, type_k=type_k, type_v=type_v,
                        rows_per_call=rows_per_call, echo=err)
@@ -107,3 +112,9 @@ def command(model, input_path, output_path, parallel, ctx_size, threads, batch_s
     err(f"loaded {llm!r}, {llm.n_threads} threads; {parallel} slots of {llm.n_ctx} tokens; "
         f"{len(todo)} requests to run")
     batch.run_job(engine.run, requests, results, progress=show, echo=err)
+
+
+def hub_kind(ref: str) -> str:
+    from ..hub import refs
+
+    return refs.parse(ref)[0]
