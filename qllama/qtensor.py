@@ -88,20 +88,25 @@ class TypeOps(NamedTuple):
 
 
 class TensorType(NamedTuple):
-    """The entry of one supported type. Holds no kernel: `bind()` imports them (and numba)."""
+    """The record of one supported type: every fact the runtime keeps about it. Holds no kernel:
+    `bind()` imports them (and numba). Block size and bytes come from `ggml`; the sets below
+    (`SUPPORTED_TYPES`, `INT8_TYPES`, `FUSED_TYPES`, `GEMM_TYPES`) are derived from these records."""
 
     ggml: GGMLType  # id, name, elements and bytes per block (`qllama.gguf.types`)
     view: type | None  # dtype the float types' kernels read rows as (float32, or uint16 bits); None: blocks
     int8_form: str | None  # how x is rounded for the int8 path: "q8_K", "q8_0" or "q8_1" (`Activation`); None: none
     bind: Callable[[], TypeOps]
+    fused: bool = False  # one-token steps run it in the fused decode kernels (kernels/fused.py)
+    gemm: bool = False  # batches take its int8 gemm (kernels/_x86_gemm.py) instead of the row kernel
 
 
 TYPES: dict[int, TensorType] = {}
 
 
-def _register(type_id: int, view: type | None, int8_form: str | None, bind: Callable[[], TypeOps]) -> None:
+def _register(type_id: int, view: type | None, int8_form: str | None, bind: Callable[[], TypeOps], *,
+              fused: bool = False, gemm: bool = False) -> None:
     assert type_id not in TYPES, type_name(type_id)
-    TYPES[type_id] = TensorType(GGML_TYPES[type_id], view, int8_form, bind)
+    TYPES[type_id] = TensorType(GGML_TYPES[type_id], view, int8_form, bind, fused, gemm)
 
 
 def _fp16_table() -> np.ndarray:
@@ -148,7 +153,7 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, ge
     for batches of at least GEMM_MIN_TOKENS tokens, if it has one."""
     import importlib
 
-    from . import dequantize_np as numpy_rows
+    from .dequant import rows as numpy_rows
     from .kernels import floats, int8
     from .kernels._x86 import HAVE_AVX2
     from .kernels.dequantize import dequantize_rows
@@ -204,11 +209,11 @@ def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, ge
 
 def _iquant_ops(type_id: int) -> TypeOps:
     """An i-quant or ternary type. Rows decode in NumPy for the embedding lookup
-    (`dequantize_iq_np`); iq4_nl / iq4_xs have Numba decoders for the float path's tiles and an
+    (`dequant/iq_rows.py`); iq4_nl / iq4_xs have Numba decoders for the float path's tiles and an
     int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid and ternary types an
     int8 kernel (`kernels/iquants_grid.py`, also ggml's bits) and a float path on NumPy-decoded
     tiles."""
-    from . import dequantize_iq_np as numpy_rows
+    from .dequant import iq_rows as numpy_rows
     from .kernels import floats
     from .kernels._x86 import HAVE_AVX2
 
@@ -260,30 +265,35 @@ _register(F16, np.uint16, None, partial(_half_ops, False))
 _register(BF16, np.uint16, None, partial(_half_ops, True))
 # quantized types: kernel module of the float path, int8 activation form, int8 mat-mat kernel
 # (kernels/int8.py), whether that kernel serves several types (then it takes the type id first),
-# and its gemm for batches (or None)
-for _tid, _family, _form, _kernel, _shared, _gemm in (
-    (Q4_0, "legacy", "q8_0", "matmul_rows", True, "gemm"),
-    (Q4_1, "legacy", "q8_1", "matmul_rows", True, None),
-    (Q5_0, "legacy", "q8_0", "matmul_rows", True, "gemm"),
-    (Q5_1, "legacy", "q8_1", "matmul_rows", True, None),
-    (Q8_0, "legacy", "q8_0", "matmul_rows", True, "gemm"),
-    (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
-    (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None),
-    (Q4_K, "kquants", "q8_K", "matmul_rows", True, "gemm"),
-    (Q5_K, "kquants", "q8_K", "matmul_rows", True, None),
-    (Q6_K, "kquants", "q8_K", "matmul_rows", True, "gemm"),
+# its gemm for batches (or None), and whether the fused one-token kernels run it
+for _tid, _family, _form, _kernel, _shared, _gemm, _fused in (
+    (Q4_0, "legacy", "q8_0", "matmul_rows", True, "gemm", True),
+    (Q4_1, "legacy", "q8_1", "matmul_rows", True, None, True),
+    (Q5_0, "legacy", "q8_0", "matmul_rows", True, "gemm", True),
+    (Q5_1, "legacy", "q8_1", "matmul_rows", True, None, True),
+    (Q8_0, "legacy", "q8_0", "matmul_rows", True, "gemm", True),
+    (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None, False),
+    (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None, False),
+    (Q4_K, "kquants", "q8_K", "matmul_rows", True, "gemm", True),
+    (Q5_K, "kquants", "q8_K", "matmul_rows", True, None, True),
+    (Q6_K, "kquants", "q8_K", "matmul_rows", True, "gemm", True),
 ):
-    _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm))
-del _tid, _family, _form, _kernel, _shared, _gemm
-# i-quants (kernels/iquants.py, dequantize_iq_np.py): int8 activation form, or None (float path only)
+    _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm),
+              fused=_fused, gemm=_gemm is not None)
+del _tid, _family, _form, _kernel, _shared, _gemm, _fused
+# i-quants (kernels/iquants.py, dequant/iq_rows.py): int8 activation form, or None (float path only)
 for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K"), (IQ3_S, "q8_K"), (IQ3_XXS, "q8_K"), (IQ2_XXS, "q8_K"),
                     (IQ2_XS, "q8_K"), (IQ2_S, "q8_K"), (IQ1_S, "q8_K"), (IQ1_M, "q8_K"), (TQ1_0, "q8_K"), (TQ2_0, "q8_K")):
-    _register(_tid, None, _form, partial(_iquant_ops, _tid))
+    _register(_tid, None, _form, partial(_iquant_ops, _tid), fused=_tid in (IQ4_NL, IQ4_XS))
 del _tid, _form
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(TYPES)
 # types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)
 INT8_TYPES: frozenset[int] = frozenset(t for t, e in TYPES.items() if e.int8_form)
+# types the fused one-token decode kernels run (models/decode.py plans a step with them)
+FUSED_TYPES: frozenset[int] = frozenset(t for t, e in TYPES.items() if e.fused)
+# types whose batches take an int8 gemm (kernels/int8.GEMM_ROWS; tests check the two agree)
+GEMM_TYPES: frozenset[int] = frozenset(t for t, e in TYPES.items() if e.gemm)
 
 _OPS: dict[int, TypeOps] = {}  # type id -> its bound operations (filled on first use)
 _state = {"int8": True}  # the int8 path's switch (`set_int8_activations`)
@@ -408,7 +418,7 @@ class Activation:
         if q is None:
             from .kernels import act_quant
 
-            per_d, per_sum, quantize, sum_dtype = _ACTIVATION_FORMS[form]
+            per_d, per_sum, quantize, sum_dtype = ACTIVATION_FORMS[form]
             t, n = self.x.shape
             q = (np.empty((t, n), np.int8), np.empty((t, n // per_d), np.float32), np.empty((t, n // per_sum), sum_dtype))
             getattr(act_quant, quantize)(self.x, *q)
@@ -424,9 +434,20 @@ class Activation:
         return self.quantized("q8_0")
 
 
-# form -> (elements per d, elements per sum, quantizer in kernels/act_quant.py, dtype of the sums)
-_ACTIVATION_FORMS = {"q8_K": (256, 16, "quantize_q8_k", np.int32), "q8_0": (32, 32, "quantize_q8_0", np.int32),
-                     "q8_1": (32, 32, "quantize_q8_1", np.float32)}
+class ActivationForm(NamedTuple):
+    """How x is rounded to int8 for a type's int8 kernels (as ggml's vec_dot_type)."""
+
+    per_d: int  # elements per scale d
+    per_sum: int  # elements per sum of quants
+    quantizer: str  # its function in kernels/act_quant.py
+    sum_dtype: type  # dtype of the sums (q8_1: float32 s = fp16(d * sum))
+
+
+ACTIVATION_FORMS: dict[str, ActivationForm] = {
+    "q8_K": ActivationForm(256, 16, "quantize_q8_k", np.int32),
+    "q8_0": ActivationForm(32, 32, "quantize_q8_0", np.int32),
+    "q8_1": ActivationForm(32, 32, "quantize_q8_1", np.float32),
+}
 
 
 def quantize_activation(x: np.ndarray) -> Activation:

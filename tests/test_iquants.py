@@ -44,7 +44,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("tid", IQ4)
 def test_dequantize_equals_gguf_bit_for_bit(tid):
-    from qllama import dequantize_iq_np
+    from qllama.dequant import iq_rows as dequantize_iq_np
     from qllama.kernels import iquants
     from qllama.kernels._fp16 import FP16_TO_F32
 
@@ -83,7 +83,7 @@ def test_grid_types_dequantize_equal_gguf(tid):
     """Random bytes are valid blocks of every grid type (each grid has 2^bits entries; ternary
     bytes decode by ggml's formula, wrapping products included); iq1_m's fp16 d is spread over its
     scales, so random blocks include NaN / Inf / subnormal d: NaN where gguf-py has NaN."""
-    from qllama import dequantize_iq_np
+    from qllama.dequant import iq_rows as dequantize_iq_np
 
     rng = np.random.default_rng(100 + tid)
     raw = random_blocks(tid, 9, 1024, rng, scale=2.0)
@@ -231,7 +231,7 @@ def _lanes(p: np.ndarray) -> np.ndarray:
 def _ggml_iq4_nl(raw_row, xq, xd) -> np.float32:
     """ggml_vec_dot_iq4_nl_q8_0 (AVX2): blocks in pairs into two 8-lane accumulators, then the
     scalar tail block with `sumf += d * sumi` (an fma)."""
-    from qllama import dequantize_iq_np as dn
+    from qllama.dequant import iq_rows as dn
 
     nb = raw_row.size // 18
     blocks = raw_row.reshape(nb, 18)
@@ -254,7 +254,7 @@ def _ggml_iq4_nl(raw_row, xq, xd) -> np.float32:
 def _ggml_iq4_xs(raw_row, xq, xd) -> np.float32:
     """ggml_vec_dot_iq4_xs_q8_K (AVX2): per super-block the int32 lanes of sum_j ls_j * pairs,
     one fma of d * dx into 8 lanes; hsum_float_8 at the end."""
-    from qllama import dequantize_iq_np as dn
+    from qllama.dequant import iq_rows as dn
 
     nb = raw_row.size // 136
     blocks = raw_row.reshape(nb, 136)

@@ -145,9 +145,9 @@ def test_dequantize_special_blocks(tid):
 
 @pytest.mark.parametrize("tid", K_TYPES + LEGACY_TYPES, ids=tname)
 def test_numpy_row_decoders_equal_the_kernels(tid):
-    """The embedding lookup's NumPy decoders (qllama/dequantize_np.py) and the Numba row kernels
+    """The embedding lookup's NumPy decoders (qllama/dequant/rows.py) and the Numba row kernels
     (serial and parallel, used by the float mat-mat) give the same bits, special blocks included."""
-    from qllama import dequantize_np
+    from qllama.dequant import rows as dequantize_np
     from qllama.kernels.dequantize import dequantize_rows
     from qllama.qtensor import _fp16_table
 

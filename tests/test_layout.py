@@ -30,3 +30,19 @@ def test_function_level_imports_count(tmp_path):
 def test_few_modules_at_the_top_level():
     top = sorted(p.name for p in ROOT.glob("*.py"))
     assert len(top) <= 8, top
+
+
+def test_one_record_per_tensor_type_and_the_sets_derive_from_it():
+    """Every per-type set comes from qtensor.TYPES, and the kernels' own tables agree with the records."""
+    from qllama.gguf.types import GGML_TYPES
+    from qllama.kernels import int8
+    from qllama.qtensor import ACTIVATION_FORMS, FUSED_TYPES, GEMM_TYPES, INT8_TYPES, SUPPORTED_TYPES, TYPES
+
+    assert SUPPORTED_TYPES == set(TYPES)
+    for tid, rec in TYPES.items():
+        assert rec.ggml is GGML_TYPES[tid]  # block size and bytes from the one table
+        assert rec.int8_form is None or rec.int8_form in ACTIVATION_FORMS
+        assert not rec.fused or tid in INT8_TYPES  # the fused kernels are int8 kernels
+    assert GEMM_TYPES == set(int8.GEMM_TYPES)  # a record's gemm flag <=> the kernel packs that type
+    assert FUSED_TYPES >= GEMM_TYPES
+    assert all(int8._BLOCK_BYTES[t] == GGML_TYPES[t].type_size for t in int8._BLOCK_BYTES)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gguf.types import GGML_TYPES
+from ..gguf.types import GGML_TYPES
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)  # (16,)
 

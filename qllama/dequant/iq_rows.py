@@ -3,15 +3,15 @@ float path's decoded tiles of the grid types).
 
 The same float32 operations in the same order as ggml's `dequantize_row_*` and gguf-py (and the
 Numba decoders of `kernels/iquants.py`): the block scale d times the sub-block scale first, then
-times the value. Tables: `qllama.iq_tables`.
+times the value. Tables: `qllama.dequant.iq_grids`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .gguf.types import GGML_TYPES
-from .iq_tables import KSIGNS_IQ2XS, KVALUES_IQ4NL, grid
+from ..gguf.types import GGML_TYPES
+from .iq_grids import KSIGNS_IQ2XS, KVALUES_IQ4NL, grid
 
 F32 = np.float32
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35

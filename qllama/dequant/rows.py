@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gguf.types import GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 F32 = np.float32
 

@@ -1,6 +1,6 @@
 """x86 intrinsics of the i-quants' int8 dot products (iq4_nl, iq4_xs), as ggml's AVX2 vec_dot.
 
-Both types hold 4-bit indices into the 16 values `kvalues_iq4nl` (`qllama.iq_tables`), looked up
+Both types hold 4-bit indices into the 16 values `kvalues_iq4nl` (`qllama.dequant.iq_grids`), looked up
 32 at a time with `vpshufb` (the table in both 128-bit lanes). As ggml (`mul_add_epi8`): the
 products of the signed values q and activations x are `pmaddubsw(|q|, sign(x, q))` (pair sums at
 most 2 * 127 * 127: no saturation), lanes of 4 products each summed exactly in int32:
@@ -23,7 +23,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ..iq_tables import KVALUES_IQ4NL
+from ..dequant.iq_grids import KVALUES_IQ4NL
 from ._x86 import (_I8, _I16, _I32, _I64, _call, _dot4, _gep8, _hsum, _is_arr, _lanes, _loop, _madd_add, _maddubs, _pack,
                    _psign, _ptr, _row_ptrs, _row_sig, _splat, _vec)
 

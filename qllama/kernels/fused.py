@@ -25,7 +25,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload, register_jitable
 
-from ..gguf.types import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from ._x86 import (
     row2_dot_q4_legacy,
     row2_dot_q5_legacy,
@@ -46,7 +46,7 @@ from .layer_ops import glu
 _NOPY = dict(boundscheck=False)
 _OVERLOAD = dict(boundscheck=False, error_model="numpy")  # as every kernel (kernels/jit.py)
 
-FUSED_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS))
+# (which types these kernels run: qtensor.FUSED_TYPES, from the type records)
 
 
 # -- rows of one matrix, by type (picked at run time, once per chunk of rows: the loop around

@@ -28,7 +28,7 @@ from numba import prange
 
 from .jit import Variants, address_of, call_address, kernel
 
-from ..gguf.types import Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import GGML_TYPES, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._fp16 import f16_at
 from ._x86 import (
     dot_q2_k,
@@ -178,7 +178,7 @@ def gemm(type_id, raw, xq, xd, xs, tab, out, n_threads):
     _over_threads(GEMM_ROWS[type_id], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
 
 
-_BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24}
+_BLOCK_BYTES = {t: GGML_TYPES[t].type_size for t in (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)}  # (gguf.types)
 
 
 def _rows_of(type_id: int):

@@ -1,7 +1,7 @@
 """The i-quants' kernels: iq4_nl and iq4_xs block decoders (bit-exact, equal to gguf-py and ggml's
 dequantize_row_*) and their int8 mat-muls (the row intrinsics of `_x86_iq.py`, equal to ggml's
 vec_dot bit for bit). The grid types (iq2/iq3/iq1, tq1_0/tq2_0) decode in NumPy
-(`qllama.dequantize_iq_np`) and run the float path.
+(`qllama.dequant.iq_rows`) and run the float path.
 
 Families of kernels, one per type (`jit.Variants`; type ids: iq4_nl 20, iq4_xs 23):
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ..iq_tables import KVALUES_IQ4NL
+from ..dequant.iq_grids import KVALUES_IQ4NL
 from ._fp16 import f16_at
 from ._x86_iq import row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
 from .jit import Variants, kernel

@@ -24,13 +24,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..qtensor import TYPES, QTensor
+from ..qtensor import ACTIVATION_FORMS, FUSED_TYPES, TYPES, QTensor
 
 if TYPE_CHECKING:
     from .base import Weights
 
-# form -> (elements per scale d, elements per sum, dtype of the sums), as qtensor's Activation
-_FORM_SHAPES = {"q8_K": (256, 16, np.int32), "q8_0": (32, 32, np.int32), "q8_1": (32, 32, np.float32)}
+
+
+def form_buffers(form: str, n_tok: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Empty (xq int8 (n_tok, n), d float32 (n_tok, n / per_d), sums (n_tok, n / per_sum)) for an
+    activation of `form` (qtensor.ACTIVATION_FORMS), as the fused kernels fill them."""
+    f = ACTIVATION_FORMS[form]
+    return (np.empty((n_tok, n), np.int8), np.empty((n_tok, n // f.per_d), np.float32),
+            np.empty((n_tok, n // f.per_sum), f.sum_dtype))
 
 
 class KernelClock:
@@ -69,8 +75,6 @@ class DecodePlan:
 
     @classmethod
     def build(cls, weights: "Weights", n_embd: int, q_dim: int, kv_dim: int, n_ff: int) -> "DecodePlan | None":
-        from ..kernels.fused import FUSED_TYPES
-
         for lw in weights.layers:
             mats = [lw.attn_q, lw.attn_k, lw.attn_v, lw.attn_qkv, lw.attn_output, lw.ffn_gate, lw.ffn_up, lw.ffn_down]
             if any(w is not None and w.type_id not in FUSED_TYPES for w in mats):
@@ -116,15 +120,13 @@ class DecodeState:
             self.out_calls.append(self._calls([(lw.attn_output, self.attn_out)]))
             self.ffn_calls.append(self._ffn_call(lw, n_ff) if lw.moe is None else None)  # (MoE: models/moe.py)
         self._out_w = plan.weights.output
-        self._out_ok = plan.weights.output.type_id in fused.FUSED_TYPES
+        self._out_ok = plan.weights.output.type_id in FUSED_TYPES
         self._logits_addresses = [0, 0]  # the output matrix's chunk and quantizer addresses, found on first use
 
     def _qbuf(self, form: str, n: int):
         key = (form, n)
         if key not in self._quant:
-            per_d, per_sum, sum_dtype = _FORM_SHAPES[form]
-            self._quant[key] = (np.empty((1, n), np.int8), np.empty((1, n // per_d), np.float32),
-                                np.empty((1, n // per_sum), sum_dtype))
+            self._quant[key] = form_buffers(form, 1, n)
         return self._quant[key]
 
     def _calls(self, mats: list[tuple[QTensor, np.ndarray]]) -> list[list]:

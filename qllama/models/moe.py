@@ -238,12 +238,12 @@ class MoeFFN:
         """A function e -> expert e's output (1, n_embd) through one kernels.fused.ffn call, or None
         when a matrix type has no fused kernel (or the kernels' addresses are not there yet)."""
         from ..kernels import fused
-        from ..qtensor import TYPES
-        from .decode import _FORM_SHAPES
+        from ..qtensor import FUSED_TYPES, TYPES
+        from .decode import form_buffers
 
         if self._fusable is None:  # decided once: the types are the same for every expert
             g, u, d = self.gate, self.up, self.down
-            self._fusable = (g is not None and all(t.type_id in fused.FUSED_TYPES for t in (g, u, d))
+            self._fusable = (g is not None and all(t.type_id in FUSED_TYPES for t in (g, u, d))
                              and TYPES[g.type_id].int8_form == TYPES[u.type_id].int8_form)
         if not self._fusable:
             return None
@@ -251,8 +251,7 @@ class MoeFFN:
         n_embd, n_ff = self.gate.shape  # (ne0, ne1) of each expert's gate
 
         def qbuf(form: str, n: int):
-            per_d, per_sum, dt = _FORM_SHAPES[form]
-            return np.empty((1, n), np.int8), np.empty((1, n // per_d), np.float32), np.empty((1, n // per_sum), dt)
+            return form_buffers(form, 1, n)
 
         xq = qbuf(fg, n_embd)  # h quantized (each call quantizes it again: n_embd values, nothing next to the rows)
         gq = qbuf(fd, n_ff)
