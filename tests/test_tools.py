@@ -362,3 +362,32 @@ def test_real_templates_render_tools_calls_and_results(name, fmt, call_text, res
     out = t.render(prepare_messages(msgs, fmt, req), add_generation_prompt=True, bos_token="<s>", eos_token="</s>",
                    tools=req.tools if fmt != "generic" else None)
     assert call_text in out and result_text in out and "get_weather" in out.split(call_text)[0]
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("hermes", 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro\\"me", "n": [1, {"a": "}"}]}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
+    ("generic", '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Ro\\"me", "n": [1, {"a": "}"}]}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]}'),
+])
+def test_streamed_arguments_come_as_they_are_written(fmt, text):
+    """OpenAI's streamed calls: the id and name first, then the arguments in pieces; assembled as a
+    client does, they equal the parsed calls (same ids)."""
+    post = ChatPost(fmt=fmt)
+    deltas = []
+    for ch in text:
+        deltas += post.feed(ch)
+    last, calls = post.finish()
+    deltas += last
+    acc: dict = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            e = acc.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
+            e["id"] = tc.get("id") or e["id"]
+            e["name"] += tc.get("function", {}).get("name", "")
+            e["arguments"] += tc.get("function", {}).get("arguments", "")
+    assert sum("tool_calls" in d for d in deltas) > 20  # in pieces, not whole at the end
+    assert [e["name"] for e in acc.values()] == ["get_weather", "get_time"]
+    assert [e["id"] for e in acc.values()] == [c["id"] for c in calls]
+    assert [json.loads(e["arguments"]) for e in acc.values()] == [args_of(c) for c in calls]
+    assert args_of(calls[0]) == {"city": 'Ro"me', "n": [1, {"a": "}"}]}

@@ -133,16 +133,14 @@ class ResponseBuilder:
         return [self._chunk(d, None, self._logprobs(lps) if k == 0 else None) for k, d in enumerate(deltas)]
 
     def closing_chunks(self) -> list[dict]:
-        """With a ChatPost: what it held back, then the tool calls (`delta.tool_calls`, one entry per call
-        with its id, name and whole arguments)."""
+        """With a ChatPost: what it held back, and the rest of the tool calls (`delta.tool_calls`: a
+        call's id and name first, then its arguments as they came; calls it could not follow are
+        sent whole)."""
         if self.post is None:
             return []
-        deltas, calls = self.post.finish()
-        out = [self._chunk(d, None, None) for d in deltas]
-        if calls:
-            self.calls_made = True
-            out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, None, None))
-        return out
+        deltas, calls = self.post.finish()  # with the calls not streamed yet as tool_calls deltas
+        self.calls_made = bool(calls)
+        return [self._chunk(d, None, None) for d in deltas]
 
     def final_chunk(self, finish_reason: str, usage: Usage) -> dict:
         if self.calls_made:

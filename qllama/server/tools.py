@@ -256,7 +256,11 @@ def lazy_grammar(fmt: str, req: ToolRequest, tokenizer=None) -> tuple[str, Any] 
 
 # -- replies ---------------------------------------------------------------------------------------
 
-def new_call_id() -> str:
+def new_call_id(fmt: str | None = None) -> str:
+    """A call id: Mistral's templates want 9 letters and digits, others take OpenAI's call_... form."""
+    if fmt == "mistral":
+        alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+        return "".join(secrets.choice(alphabet) for _ in range(9))
     return "call_" + secrets.token_hex(12)
 
 
@@ -359,6 +363,34 @@ def _held(text: str, stops) -> int:
     return held_back(text, stops)
 
 
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _json_end(text: str, start: int) -> int:
+    """The index just past the JSON object or array that starts at text[start], or -1 while it is
+    not complete (strings and escapes respected)."""
+    if start >= len(text) or text[start] not in "{[":
+        return -1
+    depth, i, n, in_str = 0, start, len(text), False
+    while i < n:
+        ch = text[i]
+        if in_str:
+            if ch == "\\":
+                i += 1
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return -1
+
+
 _RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')
 
 
@@ -413,6 +445,7 @@ class ChatPost:
     _capture: int = -1  # where a call starts in _content (-1: none yet)
     _resp_text: str = ""  # generic format: the response string decoded so far (sent)
     _resp_sent: int = 0
+    _streamed: list = field(default_factory=list)  # calls sent as they came: {"id", "name", "sent" (argument chars)}
     reasoning_text: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -470,9 +503,9 @@ class ChatPost:
             self._sent = len(self._content)
             return [{"content": part}] if part else []
         if self.fmt == "generic":
-            return self._generic_response()
+            return self._generic_response() + self._call_deltas()
         if self._capture >= 0:
-            return []
+            return self._call_deltas()
         c = self._content
         s = c.lstrip()
         if not s:
@@ -482,7 +515,7 @@ class ChatPost:
             return []  # could still open a call
         if self._sent == 0 and any(s.startswith(t) for t in starts):
             self._capture = len(c) - len(s)
-            return []
+            return self._call_deltas()
         triggers = TRIGGERS.get(self.fmt, [])
         hits = [i for i in (c.find(t, self._sent) for t in triggers) if i >= 0]
         if hits:
@@ -492,7 +525,39 @@ class ChatPost:
             end = len(c) - _held(c, triggers)
         delta = c[self._sent:end]
         self._sent = max(self._sent, end)
-        return [{"content": delta}] if delta else []
+        return ([{"content": delta}] if delta else []) + (self._call_deltas() if self._capture >= 0 else [])
+
+    def _call_region(self) -> str | None:
+        """The text holding the calls (from the trigger on), or None while there is none."""
+        if self.fmt == "generic":
+            s = self._content.lstrip()
+            return s if re.match(r'\{\s*"tool_calls?"', s) else None
+        return self._content[self._capture:] if self._capture >= 0 else None
+
+    def _call_deltas(self, final: bool = False) -> list[dict]:
+        """OpenAI's streamed calls: a call's id and name as soon as its name is known, then its
+        arguments as they come (the model's JSON text). Calls whose JSON puts "name" first (every
+        constrained call does); the others are sent whole at the end."""
+        region = self._call_region()
+        if region is None:
+            return []
+        out = []
+        for k, m in enumerate(_CALL_HEAD.finditer(region)):
+            if k >= len(self._streamed):
+                try:
+                    name = json.loads('"' + m.group(1) + '"')
+                except ValueError:
+                    break
+                self._streamed.append({"id": new_call_id(self.fmt), "name": name, "sent": 0})
+                out.append({"tool_calls": [{"index": k, "id": self._streamed[k]["id"], "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            end = _json_end(region, m.end())
+            args = region[m.end():end] if end >= 0 else region[m.end():]
+            new = args[self._streamed[k]["sent"]:]
+            if new:
+                self._streamed[k]["sent"] += len(new)
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": new}}]})
+        return out
 
     def _harmony(self, text: str, final: bool = False) -> list[dict]:
         """gpt-oss: <|channel|>NAME[ to=RECIPIENT][<|constrain|>json]<|message|>TEXT(<|end|>|<|call|>)
@@ -571,6 +636,13 @@ class ChatPost:
                 content = content[self._resp_sent:] if content.startswith(self._resp_text) else ""
         if content:
             out.append({"content": content})
+        out += self._call_deltas(final=True)
+        streamed = len(self._streamed)
+        for k, call in enumerate(calls):
+            if k < streamed:  # sent as it came: the reply keeps the id the client has
+                call["id"] = self._streamed[k]["id"]
+            else:
+                out.append({"tool_calls": [{"index": k, **call}]})
         return out, calls
 
     def _generic_response(self) -> list[dict]:
