@@ -11,14 +11,14 @@ iq1_s adds 0.125 * (a scalar fma chain of d * the delta term from the activation
 sums); iq1_m keeps its delta term in a second 8-lane accumulator (0.125 * its hsum).
 
 Scalar Numba code (not vector intrinsics yet): correct and bit-exact, a few times slower than
-ggml's. Grids: `qllama.iq_tables.grid` (frozen into the compiled code as constants).
+ggml's. Grids: `qllama.dequant.iq_grids.grid` (frozen into the compiled code as constants).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..iq_tables import KSIGNS_IQ2XS, grid
+from ..dequant.iq_grids import KSIGNS_IQ2XS, grid
 from ._fp16 import f16_at
 from ._x86_iq import fma32
 from .jit import Variants, kernel
@@ -36,6 +36,13 @@ _G3XXS = grid(IQ3_XXS)  # (256, 4)
 _G3S = grid(IQ3_S)  # (512, 4)
 _G1S = grid(IQ1_S)  # (2048, 8), values -1, 0, 1
 _KS = KSIGNS_IQ2XS  # (128,) uint8
+# the grids as one uint64 (8 values) or uint32 (4 values) per entry, so an entry is copied at once
+_G2XXS64 = np.ascontiguousarray(_G2XXS).view(np.uint64).reshape(-1)  # (256,)
+_G2XS64 = np.ascontiguousarray(_G2XS).view(np.uint64).reshape(-1)  # (512,)
+_G2S64 = np.ascontiguousarray(_G2S).view(np.uint64).reshape(-1)  # (1024,)
+_G1S64 = np.ascontiguousarray(_G1S).view(np.uint64).reshape(-1)  # (2048,)
+_G3XXS32 = np.ascontiguousarray(_G3XXS).view(np.uint32).reshape(-1)  # (256,)
+_G3S32 = np.ascontiguousarray(_G3S).view(np.uint32).reshape(-1)  # (512,)
 
 
 @kernel(**_NOPY)
@@ -49,14 +56,6 @@ def _u32(row, o):
 
 
 @kernel(**_NOPY)
-def _put8(w, e, g, idx, signs):
-    """w[e:e+8] = grid row idx of g (8 values) times the sign bits of the byte `signs` (bit j: minus)."""
-    for j in range(8):
-        v = np.int64(g[idx, j])
-        w[e + j] = -v if (signs >> j) & 1 else v
-
-
-@kernel(**_NOPY)
 def _tq1_digit(b, p):
     """Base-3 digit of byte b at power p (1, 3, 9, 27, 81) as ggml's AVX2 code extracts it: q = b * p
     mod 256, q' = q -sat 1, the top 2 bits of avg(q', avg(q', 0)) (3q/4 without a multiply)."""
@@ -67,15 +66,18 @@ def _tq1_digit(b, p):
 
 
 @kernel(**_NOPY)
-def decode_block(type_id, row, o, tab, w, sc, dl):
-    """The super-block at row[o:] -> w int64 (256) signed weights, sc int64 (16) scales per 16
-    elements, dl int64 (32) iq1 delta signs per 8 elements (+1 / -1); returns fp16 d as float32."""
+def decode_block(type_id, row, o, tab, wb, w64, w32, sb, sc, dl):
+    """The super-block at row[o:] -> wb int8 (256) grid values (w64 / w32: the same bytes as uint64 /
+    uint32, a grid entry copied at once), sb uint8 (32) sign bits per 8 elements (bit j: element j
+    negative; `apply_signs` applies them), sc int32 (16) scales per 16 elements, dl int32 (32) iq1
+    delta signs per 8 elements (+1 / -1). Returns the block's fp16 d as float32."""
     if type_id == IQ2_XXS:
         for c in range(8):
             a0, a1 = _u32(row, o + 2 + 8 * c), _u32(row, o + 6 + 8 * c)
             sc[2 * c] = sc[2 * c + 1] = 2 * (a1 >> 28) + 1
             for k in range(4):
-                _put8(w, 32 * c + 8 * k, _G2XXS, (a0 >> (8 * k)) & 255, np.int64(_KS[(a1 >> (7 * k)) & 127]))
+                w64[4 * c + k] = _G2XXS64[(a0 >> (8 * k)) & 255]
+                sb[4 * c + k] = _KS[(a1 >> (7 * k)) & 127]
         return f16_at(row, o, tab)
     if type_id == IQ2_XS:
         for c in range(8):
@@ -84,7 +86,8 @@ def decode_block(type_id, row, o, tab, w, sc, dl):
             sc[2 * c + 1] = 2 * (s >> 4) + 1
             for k in range(4):
                 q = _u16(row, o + 2 + 8 * c + 2 * k)
-                _put8(w, 32 * c + 8 * k, _G2XS, q & 511, np.int64(_KS[q >> 9]))
+                w64[4 * c + k] = _G2XS64[q & 511]
+                sb[4 * c + k] = _KS[q >> 9]
         return f16_at(row, o, tab)
     if type_id == IQ2_S:
         for c in range(8):
@@ -93,20 +96,17 @@ def decode_block(type_id, row, o, tab, w, sc, dl):
             sc[2 * c + 1] = 2 * (s >> 4) + 1
             qh = np.int64(row[o + 66 + c])
             for k in range(4):
-                idx = np.int64(row[o + 2 + 4 * c + k]) | (((qh >> (2 * k)) & 3) << 8)
-                _put8(w, 32 * c + 8 * k, _G2S, idx, np.int64(row[o + 34 + 4 * c + k]))
+                w64[4 * c + k] = _G2S64[np.int64(row[o + 2 + 4 * c + k]) | (((qh >> (2 * k)) & 3) << 8)]
+                sb[4 * c + k] = row[o + 34 + 4 * c + k]
         return f16_at(row, o, tab)
     if type_id == IQ3_XXS:
         for c in range(8):
             a = _u32(row, o + 66 + 4 * c)
             sc[2 * c] = sc[2 * c + 1] = 2 * (a >> 28) + 1
             for k in range(4):
-                signs = np.int64(_KS[(a >> (7 * k)) & 127])
-                for h in range(2):
-                    idx = np.int64(row[o + 2 + 8 * c + 2 * k + h])
-                    for j in range(4):
-                        v = np.int64(_G3XXS[idx, j])
-                        w[32 * c + 8 * k + 4 * h + j] = -v if (signs >> (4 * h + j)) & 1 else v
+                sb[4 * c + k] = _KS[(a >> (7 * k)) & 127]
+            for k in range(8):
+                w32[8 * c + k] = _G3XXS32[row[o + 2 + 8 * c + k]]
         return f16_at(row, o, tab)
     if type_id == IQ3_S:
         for c in range(8):
@@ -114,31 +114,29 @@ def decode_block(type_id, row, o, tab, w, sc, dl):
             sc[2 * c] = sc[2 * c + 1] = 2 * s + 1
             qh = np.int64(row[o + 66 + c])
             for k in range(4):
-                signs = np.int64(row[o + 74 + 4 * c + k])
-                for h in range(2):
-                    idx = np.int64(row[o + 2 + 8 * c + 2 * k + h]) | (((qh >> (2 * k + h)) & 1) << 8)
-                    for j in range(4):
-                        v = np.int64(_G3S[idx, j])
-                        w[32 * c + 8 * k + 4 * h + j] = -v if (signs >> (4 * h + j)) & 1 else v
+                sb[4 * c + k] = row[o + 74 + 4 * c + k]
+            for k in range(8):
+                w32[8 * c + k] = _G3S32[np.int64(row[o + 2 + 8 * c + k]) | (((qh >> k) & 1) << 8)]
         return f16_at(row, o, tab)
-    if type_id == TQ2_0:  # w: the unsigned 2-bit values (ggml subtracts 1 through the activations' sums)
+    sb[:] = 0  # (iq1, tq: no sign bits)
+    if type_id == TQ2_0:  # wb: the unsigned 2-bit values (ggml subtracts 1 through the activations' sums)
         sc[:] = 1
         for h in range(2):
             for s in range(4):
                 for l in range(32):
-                    w[128 * h + 32 * s + l] = (np.int64(row[o + 32 * h + l]) >> (2 * s)) & 3
+                    wb[128 * h + 32 * s + l] = (np.int64(row[o + 32 * h + l]) >> (2 * s)) & 3
         return f16_at(row, o + 64, tab)
-    if type_id == TQ1_0:  # w: the unsigned base-3 digits
+    if type_id == TQ1_0:  # wb: the unsigned base-3 digits
         sc[:] = 1
         p = 1
         for n in range(5):
             for l in range(32):
-                w[32 * n + l] = _tq1_digit(np.int64(row[o + l]), p)
+                wb[32 * n + l] = _tq1_digit(np.int64(row[o + l]), p)
             for l in range(16):
-                w[160 + 32 * (n // 2) + 16 * (n % 2) + l] = _tq1_digit(np.int64(row[o + 32 + l]), p)
+                wb[160 + 32 * (n // 2) + 16 * (n % 2) + l] = _tq1_digit(np.int64(row[o + 32 + l]), p)
             p *= 3
         for m in range(16):
-            w[240 + m] = _tq1_digit(np.int64(row[o + 48 + m % 4]), (1, 3, 9, 27)[m // 4])
+            wb[240 + m] = _tq1_digit(np.int64(row[o + 48 + m % 4]), (1, 3, 9, 27)[m // 4])
         return f16_at(row, o + 52, tab)
     if type_id == IQ1_S:
         for c in range(8):
@@ -146,7 +144,7 @@ def decode_block(type_id, row, o, tab, w, sc, dl):
             sc[2 * c] = sc[2 * c + 1] = 2 * ((qh >> 12) & 7) + 1
             for k in range(4):
                 dl[4 * c + k] = -1 if qh & 0x8000 else 1
-                _put8(w, 32 * c + 8 * k, _G1S, np.int64(row[o + 2 + 4 * c + k]) | (((qh >> (3 * k)) & 7) << 8), 0)
+                w64[4 * c + k] = _G1S64[np.int64(row[o + 2 + 4 * c + k]) | (((qh >> (3 * k)) & 7) << 8)]
         return f16_at(row, o, tab)
     # IQ1_M: qs[32], qh[16], scales: 4 uint16 (3-bit scales; top nibbles: the fp16 d)
     s0, s1, s2, s3 = _u16(row, o + 48), _u16(row, o + 50), _u16(row, o + 52), _u16(row, o + 54)
@@ -157,8 +155,16 @@ def decode_block(type_id, row, o, tab, w, sc, dl):
     for g in range(32):
         h = (np.int64(row[o + 32 + g // 2]) >> (4 * (g & 1))) & 15
         dl[g] = -1 if h & 8 else 1
-        _put8(w, 8 * g, _G1S, np.int64(row[o + g]) | ((h & 7) << 8), 0)
+        w64[g] = _G1S64[np.int64(row[o + g]) | ((h & 7) << 8)]
     return tab[dbits]
+
+
+@kernel(**_NOPY)
+def apply_signs(wb, sb):
+    """wb[e] negated where bit e % 8 of sb[e // 8] is set (branch-free: (w ^ m) - m, m = 0 or -1)."""
+    for e in range(256):
+        m = -((np.int32(sb[e >> 3]) >> (e & 7)) & 1)
+        wb[e] = (np.int32(wb[e]) ^ m) - m
 
 
 @kernel(**_NOPY)
@@ -176,9 +182,13 @@ def _rows_of(type_id: int):
 
     def rows(raw, xq, xd, xs, tab, out, r0, r1):
         n_tok, nb = xq.shape[0], raw.shape[1] // bb
-        w = np.empty(256, np.int64)  # one super-block's signed weights
-        sc = np.empty(16, np.int64)  # its scales per 16
-        dl = np.empty(32, np.int64)  # iq1 delta signs per 8
+        wb = np.empty(256, np.int8)  # one super-block's signed weights
+        w64, w32 = wb.view(np.uint64), wb.view(np.uint32)  # (the same bytes)
+        sb = np.empty(32, np.uint8)  # its sign bits per 8 elements
+        sc = np.empty(16, np.int32)  # its scales per 16
+        dl = np.empty(32, np.int32)  # iq1 delta signs per 8
+        p4 = np.empty(64, np.int32)  # per token: sums of 4 products (a lane's share of one 32-chunk)
+        x4 = np.empty(64, np.int32)  # iq1_m: sums of 4 activations
         acc = np.empty((TOKEN_TILE, 8), np.float32)  # (tokens, lanes)
         acc2 = np.empty((TOKEN_TILE, 8), np.float32)  # iq1_m: the delta lanes
         s1 = np.empty(TOKEN_TILE, np.float32)  # iq1_s: the scalar delta chain
@@ -190,24 +200,26 @@ def _rows_of(type_id: int):
                 acc2[:] = 0
                 s1[:] = 0
                 for b in range(nb):
-                    dw = decode_block(type_id, row, b * bb, tab, w, sc, dl)
+                    dw = decode_block(type_id, row, b * bb, tab, wb, w64, w32, sb, sc, dl)
+                    apply_signs(wb, sb)
                     for t in range(t0, t1):
-                        x = xq[t]
+                        x = xq[t, 256 * b:256 * b + 256]
                         d = dw * xd[t, b]  # (ggml: fp16(x.d) * y.d; iq1: y.d * fp16(x.d), the same product)
+                        for q in range(64):  # (exact int32: |w x| <= 62 * 127, 4 of them)
+                            e = 4 * q
+                            p4[q] = (np.int32(wb[e]) * np.int32(x[e]) + np.int32(wb[e + 1]) * np.int32(x[e + 1])
+                                     + np.int32(wb[e + 2]) * np.int32(x[e + 2]) + np.int32(wb[e + 3]) * np.int32(x[e + 3]))
+                        if iq1m:
+                            for q in range(64):
+                                e = 4 * q
+                                x4[q] = np.int32(x[e]) + np.int32(x[e + 1]) + np.int32(x[e + 2]) + np.int32(x[e + 3])
                         for l in range(8):
-                            isum = 0
-                            isum2 = 0
-                            for c in range(8):
-                                e = 32 * c + 4 * l
-                                p = 0
-                                for k in range(4):
-                                    p += w[e + k] * np.int64(x[256 * b + e + k])
-                                isum += sc[2 * c + l // 4] * p
+                            isum = np.int32(0)
+                            isum2 = np.int32(0)
+                            for c in range(8):  # lane l of chunk c: elements 32c+4l..+3, scale of sub-block 2c + l // 4
+                                isum += sc[2 * c + l // 4] * p4[8 * c + l]
                                 if iq1m:
-                                    px = 0
-                                    for k in range(4):
-                                        px += np.int64(x[256 * b + e + k])
-                                    isum2 += sc[2 * c + l // 4] * dl[(e >> 3)] * px
+                                    isum2 += sc[2 * c + l // 4] * dl[4 * c + l // 2] * x4[8 * c + l]
                             if tq:  # ggml: (q - 1) . x as q . x - the 16-element sums, lane l taking sums 2l, 2l+1
                                 isum -= xs[t, 16 * b + 2 * l] + xs[t, 16 * b + 2 * l + 1]
                             # (tq: ggml's mul + add, which its compiler contracts to this fma)
