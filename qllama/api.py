@@ -299,23 +299,27 @@ class Model:
         return template
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
-                            chat_template: str | os.PathLike | None = None, tools: list | None = None) -> str:
+                            chat_template: str | os.PathLike | None = None, tools: list | None = None,
+                            template_vars: dict | None = None) -> str:
         """Render messages ([{"role": ..., "content": ...}]) with the chat template (see `chat_template`);
-        `tools` (OpenAI's function list) goes to the template as its `tools` variable."""
+        `tools` (OpenAI's function list) goes to the template as its `tools` variable, `template_vars`
+        as more variables (e.g. Qwen3's `enable_thinking`)."""
         return self._require_chat_template(chat_template).render(
             list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self._special_text(self.tokenizer.bos_id),
             eos_token=self._special_text(self.tokenizer.eos_id),
             tools=tools,
+            **{k: v for k, v in (template_vars or {}).items()
+               if k not in ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")},
         )
 
     def chat_tokens(self, messages: Sequence[dict], *, chat_template: str | os.PathLike | None = None,
-                    add_bos: bool = True, tools: list | None = None) -> list[int]:
+                    add_bos: bool = True, tools: list | None = None, template_vars: dict | None = None) -> list[int]:
         """Token ids of a rendered conversation: special tokens parsed, BOS exactly once."""
         from .chat import strip_leading_bos
 
-        text = self.apply_chat_template(messages, chat_template=chat_template, tools=tools)
+        text = self.apply_chat_template(messages, chat_template=chat_template, tools=tools, template_vars=template_vars)
         text, had_bos = strip_leading_bos(text, self._special_text(self.tokenizer.bos_id))
         bos = add_bos and (self.tokenizer.add_bos or had_bos) and self.tokenizer.bos_id is not None
         ids = self.tokenizer.encode(text, add_bos=False, parse_special=True)

@@ -391,3 +391,35 @@ def test_streamed_arguments_come_as_they_are_written(fmt, text):
     assert [e["id"] for e in acc.values()] == [c["id"] for c in calls]
     assert [json.loads(e["arguments"]) for e in acc.values()] == [args_of(c) for c in calls]
     assert args_of(calls[0]) == {"city": 'Ro"me', "n": [1, {"a": "}"}]}
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """llama-server's chat_template_kwargs (e.g. Qwen3's enable_thinking) are template variables."""
+    from starlette.testclient import TestClient
+
+    import qllama
+    from qllama.server.app import ServerState, create_app
+    from qllama.server.engine import model_forward
+    from qllama.server.scheduler import Scheduler
+
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}{{ m.content }}{% endfor %}"
+                   "{% if enable_thinking is defined and not enable_thinking %} no-think{% endif %}")
+    llm = qllama.load("demo", n_threads=1)
+    forward, new_cache, _ = model_forward(llm)
+    sched = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=1)
+    sched.start()
+    try:
+        with TestClient(create_app(ServerState(llm, sched, "demo", chat_template=str(tpl)))) as c:
+            def n_prompt(extra):
+                r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ROMEO:"}],
+                                                         "max_tokens": 1, **extra})
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]["prompt_tokens"]
+            assert n_prompt({"chat_template_kwargs": {"enable_thinking": False}}) > n_prompt({})
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                     "chat_template_kwargs": "yes"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    finally:
+        sched.close()
+        sched.join(10)

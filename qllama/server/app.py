@@ -106,7 +106,7 @@ def create_app(state: ServerState) -> Starlette:
         post = chat_post(body, req, template, llm.tokenizer)  # tools and reasoning (qllama.server.tools)
         try:
             ids = await off_loop(size, llm.chat_tokens, post.messages, chat_template=state.chat_template,
-                                 tools=post.template_tools)
+                                 tools=post.template_tools, template_vars=post.template_vars)
         except QllamaError as e:  # the template refused the conversation (raise_exception...)
             raise bad_request(f"chat template: {e}", "messages") from None
         if post.reasoning and llm.tokenizer.decode(ids[-4:], special=True).rstrip().endswith("<think>"):
@@ -214,6 +214,9 @@ def chat_post(body: dict, req, template, tokenizer):
     rf = body.get("reasoning_format")
     if rf is not None and rf not in ("none", "auto", "deepseek", "deepseek-legacy"):
         raise bad_request("'reasoning_format' must be 'none', 'auto' or 'deepseek'", "reasoning_format")
+    kwargs = body.get("chat_template_kwargs")  # llama-server's: more template variables, e.g. enable_thinking
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     treq = parse_tools(body)
     if treq is not None and treq.choice == "none":
         treq = None
@@ -224,6 +227,7 @@ def chat_post(body: dict, req, template, tokenizer):
     req.params.special = harmony or fmt in ("llama3", "mistral")
     post.messages = prepare_messages(req.messages, fmt or "", treq) if treq is not None else req.messages
     post.template_tools = treq.tools if treq is not None and fmt != "generic" else None
+    post.template_vars = kwargs
     from ..generation.constrained import available
 
     if treq is not None and req.params.grammar is None and available():  # without llguidance: parsed, not constrained
