@@ -48,6 +48,11 @@ CASES = {
     "qwen3moe-q4k": moe_spec("qwen3moe", n_head_kv=2, head_dim=64, n_ff_exp=256, n_expert=8, n_used=3, seed=8, **_Q),
     "llama-q4k": moe_spec("llama", n_head_kv=2, n_ff=256, seed=9, **_Q),
     "qwen2moe-q4k": moe_spec("qwen2moe", n_head_kv=2, n_ff_exp=256, n_ff_shexp=256, seed=10, **_Q),
+    "olmoe-q4k": moe_spec("olmoe", n_head_kv=4, n_ff=256, seed=11, **_Q),
+    # untied (the tied q8_0 embedding times embedding_scale made logits of std ~20, NLL ~60 nats),
+    # with an output 4x the default: the logit scale (4) divides it back to the other files' scale
+    "granitemoe-q4k": moe_spec("granitemoe", n_head_kv=2, n_ff=256, n_ff_shexp=256, tied=False, output_std=0.25,
+                               seed=12, **_Q),
 }
 QUANT = [n for n in CASES if n.endswith("-q4k")]
 

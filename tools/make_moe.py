@@ -66,6 +66,7 @@ class MoeSpec:
     expert_used_key: int | None = None
     expert_tensor_count: int | None = None  # experts in the 3-D tensors only (router keeps n_expert rows)
     direct: bool = False  # quantized weights as random packed blocks, no float copies (real shapes, speed runs)
+    output_std: float | None = None  # std of output.weight (None: 1/sqrt(n_embd)); sets the logits' scale
 
 
 def _zero_mean_q4_k(packed: np.ndarray) -> np.ndarray:
@@ -211,7 +212,7 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
             add(p + "ffn_down_shexp.weight", d, fs, 1.0 / np.sqrt(fs), "ffn_down_shexp")
     vec("output_norm.weight", norm(d))
     if not spec.tied:
-        add("output.weight", n_vocab, d, 1.0 / np.sqrt(d), "output")
+        add("output.weight", n_vocab, d, spec.output_std or 1.0 / np.sqrt(d), "output")
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
