@@ -500,3 +500,32 @@ def test_llama_cpp_files_match_llama_cpp(llama_cpp_files, name, tmp_path):
     j = first_departure(lc, toks, margins, out.stdout)
     print(f"GREEDY {name}: " + (f"all {len(toks)} tokens equal" if j is None else f"departs at {j}, margin {margins[j]:.3f}"))
     assert j is None or margins[j] < MARGIN
+
+
+@pytest.mark.parametrize("wtype", ["iq4_xs", "iq4_nl"])
+def test_inspect_names_the_types_and_check_finds_a_nan_scale(tmp_path, wtype):
+    """`qllama inspect` names the i-quant types; `--check` finds a NaN in a block's fp16 d (the
+    scale fields of gguf/types.py) and names the tensor."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from qllama.gguf.reader import GGUFFile
+    from tools.make_model import ModelSpec, write_model
+
+    path = tmp_path / f"{wtype}.gguf"
+    write_model(path, ModelSpec(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=1, weight_type=wtype, seed=5))
+    r = subprocess.run([sys.executable, "-m", "qllama", "inspect", str(path)], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and wtype in r.stdout, r.stderr
+    gf = GGUFFile(path)
+    t = GGML_TYPES[gf.tensors["blk.0.ffn_up.weight"].type_id]
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find(gf.tensor_bytes("blk.0.ffn_up.weight").tobytes()[:4096])
+    del gf
+    f = at + 5 * t.type_size + t.scale_fields[0]  # block 5's d
+    data[f:f + 2] = np.array([0x7E00], np.uint16).tobytes()  # NaN
+    path.write_bytes(bytes(data))
+    r = subprocess.run([sys.executable, "-m", "qllama", "inspect", str(path), "--check"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and "blk.0.ffn_up.weight" in r.stderr + r.stdout, (r.stdout, r.stderr)
