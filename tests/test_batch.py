@@ -225,8 +225,8 @@ def test_cli_runs_resumes_and_names_the_ray_extra(tmp_path):
 
 
 def test_ctrl_c_keeps_every_finished_result_then_the_rerun_completes(tmp_path):
-    n = 48
-    inp = write_lines(tmp_path / "in.jsonl", [completion(f"c{i}", PROMPTS[i % len(PROMPTS)] + " " * (i // 8), mt=40)
+    n = 32
+    inp = write_lines(tmp_path / "in.jsonl", [completion(f"c{i}", PROMPTS[i % len(PROMPTS)] + " " * (i // 8), mt=32)
                                               for i in range(n)])
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
