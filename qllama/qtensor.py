@@ -42,7 +42,7 @@ import numpy as np
 
 from .errors import QllamaError, UnsupportedError
 from .gguf.types import (BF16, F16, F32, GGML_TYPES, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS,
-                          TQ1_0, TQ2_0, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name)
+                          MXFP4, TQ1_0, TQ2_0, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGMLType, type_name)
 
 if TYPE_CHECKING:
     from .gguf.reader import GGUFFile
@@ -218,8 +218,13 @@ def _iquant_ops(type_id: int) -> TypeOps:
     from .kernels._x86 import HAVE_AVX2
 
     tab = _fp16_table()
-    kernels = int8_kernel = None  # Numba row decoders (iq4); the int8 mat-mul
-    if type_id in (IQ4_NL, IQ4_XS):
+    kernels = int8_kernel = None  # Numba row decoders (iq4, mxfp4); the int8 mat-mul
+    if type_id == MXFP4:  # its own decoders and int8 kernel (dequant/mxfp4_rows.py, kernels/mxfp4.py)
+        from .dequant import mxfp4_rows as numpy_rows
+        from .kernels import mxfp4 as kernels
+
+        int8_kernel = kernels.matmul_int8
+    elif type_id in (IQ4_NL, IQ4_XS):
         from .kernels import iquants as kernels
 
         int8_kernel = kernels.matmul_int8
@@ -286,6 +291,7 @@ for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K"), (IQ3_S, "q8_K"), (IQ3_XX
                     (IQ2_XS, "q8_K"), (IQ2_S, "q8_K"), (IQ1_S, "q8_K"), (IQ1_M, "q8_K"), (TQ1_0, "q8_K"), (TQ2_0, "q8_K")):
     _register(_tid, None, _form, partial(_iquant_ops, _tid), fused=_tid in (IQ4_NL, IQ4_XS))
 del _tid, _form
+_register(MXFP4, None, "q8_0", partial(_iquant_ops, MXFP4))  # gpt-oss's experts: e8m0 scale, e2m1 values
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(TYPES)
 # types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)

@@ -44,7 +44,7 @@ FLOAT_TYPES = [gt.F32, gt.F16, gt.BF16]
 IQ4_TYPES = [gt.IQ4_NL, gt.IQ4_XS]  # every bit pattern a valid block (more in test_iquants.py)
 ALL_TYPES = K_TYPES + LEGACY_TYPES + FLOAT_TYPES + IQ4_TYPES
 # the grid i-quants' int8 kernels are tested in test_iquants.py (random blocks need their own care)
-INT8_TESTED = sorted(INT8_TYPES - {gt.IQ3_S, gt.IQ3_XXS, gt.IQ2_XXS, gt.IQ2_XS, gt.IQ2_S, gt.IQ1_S, gt.IQ1_M, gt.TQ1_0, gt.TQ2_0})
+INT8_TESTED = sorted(INT8_TYPES - {gt.IQ3_S, gt.IQ3_XXS, gt.IQ2_XXS, gt.IQ2_XS, gt.IQ2_S, gt.IQ1_S, gt.IQ1_M, gt.TQ1_0, gt.TQ2_0, gt.MXFP4})  # (mxfp4: test_mxfp4.py)
 # byte offsets of the fp16 fields (d, dmin / m) inside one block
 FP16_FIELDS = {
     gt.Q2_K: (80, 82), gt.Q3_K: (108,), gt.Q4_K: (0, 2), gt.Q5_K: (0, 2), gt.Q6_K: (208,),
@@ -482,7 +482,8 @@ def test_set_threads_validates():
 def test_supported_types():
     assert {tname(t) for t in SUPPORTED_TYPES} == {
         "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K",
-        "iq4_nl", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0"}
+        "iq4_nl", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0",
+        "mxfp4"}
 
 
 def test_from_bytes_validates():

@@ -1,0 +1,99 @@
+"""MXFP4's kernels (ggml type 39): the block decoder (bit-exact, equal to gguf-py's and ggml's
+dequantize_row_mxfp4) and the int8 mat-mul (the row intrinsics of `_x86_mxfp4.py`, equal to
+ggml's `ggml_vec_dot_mxfp4_q8_0` bit for bit; activations in q8_0 form).
+
+- `dequantize_rows`: rows -> float32 (the float path's tiles; the embedding lookup uses NumPy,
+  `qllama.dequant.mxfp4_rows`).
+- `matmul_int8`: rows over the threads, tokens in tiles of TOKEN_TILE, 4 tokens per intrinsic
+  call (weights unpacked once), each token exactly the one-token value (a prompt's rows equal
+  decode's bit for bit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ..dequant.mxfp4_rows import BLOCK, BLOCK_BYTES, E8M0_HALF, KVALUES_MXFP4
+from ._x86_mxfp4 import row_dot4_mxfp4, row_dot_mxfp4, tail_mxfp4
+from .jit import kernel
+
+TOKEN_TILE = 64
+_NOPY = dict(boundscheck=False)
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_KV = KVALUES_MXFP4  # (16,) int8, constants of the compiled code
+_E = E8M0_HALF  # (256,) float32
+
+
+@kernel(**_NOPY)
+def decode_mxfp4(row, bo, out, oo):
+    """The mxfp4 block at row[bo:] (e, qs[16]) -> out[oo:oo + 32]: E8M0_HALF[e] * kvalue."""
+    d = _E[row[bo]]
+    for l in range(16):
+        b = row[bo + 1 + l]
+        out[oo + l] = d * np.float32(_KV[b & 15])
+        out[oo + 16 + l] = d * np.float32(_KV[b >> 4])
+
+
+@kernel(parallel=True, **_NOPY)
+def _rows(raw, rows, out):
+    nb = out.shape[1] // BLOCK
+    for i in prange(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(nb):
+            decode_mxfp4(row, b * BLOCK_BYTES, o, b * BLOCK)
+
+
+@kernel(**_NOPY)
+def _rows_serial(raw, rows, out):
+    nb = out.shape[1] // BLOCK
+    for i in range(rows.shape[0]):
+        row = raw[rows[i]]
+        o = out[i]
+        for b in range(nb):
+            decode_mxfp4(row, b * BLOCK_BYTES, o, b * BLOCK)
+
+
+def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) -> None:
+    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, row bytes); rows: int64 (n,);
+    tab: unused (the signature of the other decoders); out: float32 (n, ne0)."""
+    (_rows if parallel else _rows_serial)(raw, rows, out)
+
+
+@kernel(fastmath=FASTMATH, **_NOPY)
+def rows_int8(raw, xq, xd, xs, tab, out, r0, r1):
+    """out[t, r] = row r . x[t] for rows r0..r1-1, every token; x in q8_0 form (xq (n_tok, ne0)
+    int8, xd (n_tok, ne0/32) float32, xs unused)."""
+    n_tok, nb = xq.shape[0], raw.shape[1] // BLOCK_BYTES
+    odd = nb % 2 == 1
+    nbe = nb - 1 if odd else nb  # blocks the intrinsic takes (pairs)
+    for t0 in range(0, n_tok, TOKEN_TILE):
+        t1 = min(n_tok, t0 + TOKEN_TILE)
+        for r in range(r0, r1):
+            row = raw[r]
+            t = t0
+            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
+                y = row_dot4_mxfp4(row, nbe, xq, xd, xs, t)
+                if odd:
+                    out[t, r] = tail_mxfp4(row, nb, xq[t], xd[t], y[0])
+                    out[t + 1, r] = tail_mxfp4(row, nb, xq[t + 1], xd[t + 1], y[1])
+                    out[t + 2, r] = tail_mxfp4(row, nb, xq[t + 2], xd[t + 2], y[2])
+                    out[t + 3, r] = tail_mxfp4(row, nb, xq[t + 3], xd[t + 3], y[3])
+                else:
+                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
+                t += 4
+            while t < t1:
+                v = row_dot_mxfp4(row, nbe, xq[t], xd[t], xs[t])
+                if odd:
+                    v = tail_mxfp4(row, nb, xq[t], xd[t], v)
+                out[t, r] = v
+                t += 1
+
+
+def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
+    """The int8 mat-mul of mxfp4 rows (decode and prompts): rows over the threads, each chunk by
+    `rows_int8` (`int8._over_threads`)."""
+    from .int8 import _over_threads
+
+    _over_threads(rows_int8, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
