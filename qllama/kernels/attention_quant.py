@@ -17,8 +17,9 @@ which is how llama.cpp runs a quantized cache:
   for q4_1/q5_1 (`act_quant.q8_0_row` / `q8_1_row`, as ggml's x86 quantize_row_q8_0/q8_1), f16
   for f16 keys; a score is the type's vec_dot, d_k d_q sum(q_k q_q) (+ m_k s_q for q4_1/q5_1)
   per block, computed as a float32 dot of the dequantized key row with the dequantized query
-  (each factor exact in float32; the products round: ~1e-7 relative to ggml's int32 sums),
-  four query heads per pass over a key row, as `layer_ops._attend_jobs`;
+  (both exact in float32 but for q4_1/q5_1's q * d + m; the products and sums round: ~1e-7
+  relative to ggml's int32 sums), four query heads per pass over a key row, as
+  `layer_ops._attend_jobs`;
 - scores times the scale (with `q_scaled`, Q was multiplied by it before the conversion, as the
   graphs that scale Q themselves have it), softcap, window mask;
 - softmax in float32 and the values dequantized row by row to float32 (ggml's to_float) and
