@@ -528,7 +528,7 @@ def test_from_gguf_rejects_unsupported_type(tmp_path):
     path = tmp_path / "t.gguf"
     w = GGUFWriter(str(path), "llama")
     w.add_tensor("ok.weight", np.zeros((2, 34), np.uint8), raw_shape=(2, 34), raw_dtype=GQ.Q8_0)
-    w.add_tensor("iq.weight", np.zeros((2, 17), np.uint8), raw_shape=(2, 17), raw_dtype=GQ.MXFP4)
+    w.add_tensor("iq.weight", np.zeros((2, 18), np.uint8), raw_shape=(2, 18), raw_dtype=GQ.Q1_0)  # (a type qllama lacks)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -536,7 +536,7 @@ def test_from_gguf_rejects_unsupported_type(tmp_path):
     gf = GGUFFile(path)
     q = QTensor.from_gguf(gf, "ok.weight")
     assert q.shape == (32, 2) and q.type_id == gt.Q8_0
-    with pytest.raises(UnsupportedError, match="tensor iq.weight has type mxfp4, which qllama cannot run yet"):
+    with pytest.raises(UnsupportedError, match="tensor iq.weight has type q1_0, which qllama cannot run yet"):
         QTensor.from_gguf(gf, "iq.weight")
 
 
