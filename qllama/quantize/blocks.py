@@ -20,9 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
-
-IQ4_NL = 20  # ggml type id
+from ..gguf.types import BF16, F16, F32, GGML_TYPES, IQ4_NL, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
 
 _F32 = np.float32
 
