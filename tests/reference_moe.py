@@ -128,3 +128,117 @@ class MoeReference:
         if self.granite:
             out = out / self.logit_scale
         return tap("logits", out)
+
+
+# -- gpt-oss (llama.cpp's src/models/openai-moe-iswa.cpp) ----------------------------------------
+
+
+def yarn_rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, factor: float, n_ctx_orig: int,
+              beta_fast: float = 32.0, beta_slow: float = 1.0) -> np.ndarray:
+    """NeoX RoPE with ggml's rope_yarn (ext_factor 1), element by element as ggml_rope_cache_init:
+    theta_extrap = p base^(-2i/n_rot), theta_interp = theta_extrap / factor, mixed by the ramp
+    between the correction dims; cos and sin scaled by 1 + 0.1 ln(factor). x (T, heads, D)."""
+    half = n_rot // 2
+
+    def corr_dim(n):
+        return n_rot * np.log(n_ctx_orig / (n * 2 * np.pi)) / (2 * np.log(base))
+
+    lo, hi = max(0.0, np.floor(corr_dim(beta_fast))), min(n_rot - 1.0, np.ceil(corr_dim(beta_slow)))
+    cos = np.empty((len(pos), half))
+    sin = np.empty((len(pos), half))
+    mscale = 1.0 + 0.1 * np.log(factor)
+    for t, p in enumerate(pos):
+        for i in range(half):
+            extrap = p * base ** (-2.0 * i / n_rot)
+            interp = extrap / factor
+            ramp = (1 - min(1.0, max(0.0, (i - lo) / max(0.001, hi - lo))))
+            theta = interp * (1 - ramp) + extrap * ramp
+            cos[t, i], sin[t, i] = np.cos(theta) * mscale, np.sin(theta) * mscale
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = x.copy()
+    a, b = x[..., :half], x[..., half:n_rot]
+    out[..., :half] = a * cos - b * sin
+    out[..., half:n_rot] = a * sin + b * cos
+    return out
+
+
+class GptOssReference:
+    """gpt-oss in float64: Q/K/V/O biases, YaRN NeoX RoPE, attention sinks (a per-head logit in
+    the softmax denominator), a window on even layers, post_attention_norm before the MoE; the
+    router biased, top-k on its logits, softmax over the k; experts biased, swiglu_oai."""
+
+    def __init__(self, path: str | Path):
+        g = read_gguf(path)
+        md = g.metadata
+        a = lambda k, d=None: md.get(f"gpt-oss.{k}", d)  # noqa: E731
+        self.n_layer, self.n_head = int(a("block_count")), int(a("attention.head_count"))
+        self.n_head_kv, self.d = int(a("attention.head_count_kv")), int(a("attention.key_length"))
+        self.eps, self.base = float(a("attention.layer_norm_rms_epsilon")), float(a("rope.freq_base"))
+        self.k, self.n_swa = int(a("expert_used_count")), int(a("attention.sliding_window"))
+        self.yarn = a("rope.scaling.type") == "yarn"
+        self.factor = float(a("rope.scaling.factor", 1.0))
+        self.n_orig = int(a("rope.scaling.original_context_length", a("context_length")))
+        self.w = {name: tensor_f64(g, name) for name in g.tensors}
+
+    def rope(self, x, pos):
+        if self.yarn:
+            return yarn_rope(x, pos, self.d, self.base, self.factor, self.n_orig)
+        return rope(x, pos, self.d, self.base, 1.0, None, 1.0, True)
+
+    def moe(self, p: str, cur: np.ndarray, tap) -> np.ndarray:
+        w, k = self.w, self.k
+        logits = tap("ffn_moe_logits", cur @ w[p + "ffn_gate_inp.weight"].T + w[p + "ffn_gate_inp.bias"])
+        sel = np.asarray(tap("ffn_moe_experts", np.argsort(-logits, axis=1, kind="stable")[:, :k].astype(np.float64)),
+                         dtype=np.int64)
+        z = np.take_along_axis(logits, sel, axis=1)
+        wt = np.exp(z - z.max(axis=1, keepdims=True))
+        wt = tap("ffn_moe_weights", wt / wt.sum(axis=1, keepdims=True))
+        out = np.zeros_like(cur)
+        for t in range(cur.shape[0]):
+            for j in range(k):
+                e = sel[t, j]
+                g = w[p + "ffn_gate_exps.weight"][e] @ cur[t] + w[p + "ffn_gate_exps.bias"][e]
+                u = w[p + "ffn_up_exps.weight"][e] @ cur[t] + w[p + "ffn_up_exps.bias"][e]
+                x = np.minimum(g, 7.0)
+                act = x / (1.0 + np.exp(-1.702 * x)) * (np.clip(u, -7.0, 7.0) + 1.0)
+                out[t] += wt[t, j] * (w[p + "ffn_down_exps.weight"][e] @ act + w[p + "ffn_down_exps.bias"][e])
+        return out
+
+    def logits(self, ids, hook=None) -> np.ndarray:
+        w = self.w
+        ids = np.asarray(ids, dtype=np.int64)
+        T, d, H, Hkv = len(ids), self.d, self.n_head, self.n_head_kv
+        pos = np.arange(T, dtype=np.float64)
+
+        def tap(name, arr, il=None):
+            if hook is None:
+                return arr
+            r = hook(name if il is None else f"blk.{il}.{name}", arr, il)
+            return arr if r is None else np.asarray(r, dtype=np.float64)
+
+        x = w["token_embd.weight"][ids]
+        for il in range(self.n_layer):
+            p = f"blk.{il}."
+            cur = rmsnorm(x, w[p + "attn_norm.weight"], self.eps)
+            q, k, v = (cur @ w[p + f"attn_{n}.weight"].T + w[p + f"attn_{n}.bias"] for n in "qkv")
+            q = self.rope(q.reshape(T, H, d), pos)
+            k = self.rope(k.reshape(T, Hkv, d), pos)
+            v = v.reshape(T, Hkv, d)
+            rep = H // Hkv
+            kk, vv = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+            s = np.einsum("thd,shd->ths", q, kk) / np.sqrt(d)  # (T, H, T)
+            diff = pos[:, None] - pos[None, :]
+            masked = diff < 0
+            if il % 2 == 0 and self.n_swa:  # window on even layers
+                masked = masked | (diff >= self.n_swa)
+            s = np.where(masked[:, None, :], -np.inf, s)
+            sink = w[p + "attn_sinks.weight"][None, :, None]  # (1, H, 1)
+            m = np.maximum(s.max(axis=2, keepdims=True), sink)
+            e = np.exp(s - m)
+            prob = e / (e.sum(axis=2, keepdims=True) + np.exp(sink - m))
+            att = np.einsum("ths,shd->thd", prob, vv).reshape(T, H * d)
+            x = x + att @ w[p + "attn_output.weight"].T + w[p + "attn_output.bias"]
+            cur = rmsnorm(x, w[p + "post_attention_norm.weight"], self.eps)
+            x = tap("resid", x + self.moe(p, cur, lambda name, a: tap(name, a, il)), il)
+        x = rmsnorm(x, w["output_norm.weight"], self.eps)
+        return tap("logits", x @ w["output.weight"].T)

@@ -157,7 +157,7 @@ def _run_into(model, ids, cache):
 
 def test_registry_lists_the_families():
     assert set(SUPPORTED_ARCHITECTURES) == {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
-                                            "qwen3moe", "olmoe", "qwen2moe", "granite", "granitemoe"}
+                                            "qwen3moe", "olmoe", "qwen2moe", "granite", "granitemoe", "gpt-oss"}
     with pytest.raises(UnsupportedError) as e:
         read_args({"general.architecture": "mamba"})
     msg = str(e.value)

@@ -30,8 +30,8 @@ if str(REPO) not in sys.path:
 
 from tools.make_model import _gw_type, random_tensor, tiny_vocab, vocab_from_gguf  # noqa: E402
 
-MOE_FAMILIES = ("qwen3moe", "llama", "olmoe", "qwen2moe", "granitemoe", "granite")
-NEOX = {"qwen3moe", "olmoe", "qwen2moe"}
+MOE_FAMILIES = ("qwen3moe", "llama", "olmoe", "qwen2moe", "granitemoe", "granite", "gpt-oss")
+NEOX = {"qwen3moe", "olmoe", "qwen2moe", "gpt-oss"}
 
 
 @dataclass
@@ -67,6 +67,11 @@ class MoeSpec:
     expert_tensor_count: int | None = None  # experts in the 3-D tensors only (router keeps n_expert rows)
     direct: bool = False  # quantized weights as random packed blocks, no float copies (real shapes, speed runs)
     output_std: float | None = None  # std of output.weight (None: 1/sqrt(n_embd)); sets the logits' scale
+    # gpt-oss: window of the even layers, YaRN (factor 0: none), attention sinks' std
+    n_swa: int = 16
+    yarn_factor: float = 32.0
+    yarn_orig_ctx: int = 64
+    sink_std: float = 1.0
 
 
 def _zero_mean_q4_k(packed: np.ndarray) -> np.ndarray:
@@ -114,7 +119,13 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
     if moe:
         u32("expert_count", ne if spec.expert_count_key is None else spec.expert_count_key)
         u32("expert_used_count", spec.n_used if spec.expert_used_key is None else spec.expert_used_key)
-    if spec.n_ff_exp is not None and arch in ("qwen3moe", "qwen2moe"):
+    if arch == "gpt-oss":  # convert_hf_to_gguf.py GptOssModel
+        u32("attention.sliding_window", spec.n_swa)
+        if spec.yarn_factor:
+            w.add_string(f"{arch}.rope.scaling.type", "yarn")
+            f32("rope.scaling.factor", spec.yarn_factor)
+            u32("rope.scaling.original_context_length", spec.yarn_orig_ctx)
+    if spec.n_ff_exp is not None and arch in ("qwen3moe", "qwen2moe", "gpt-oss"):
         u32("expert_feed_forward_length", spec.n_ff_exp)
     if spec.n_ff_shexp:
         u32("expert_shared_feed_forward_length", spec.n_ff_shexp)
@@ -153,7 +164,13 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
     def add_experts(name: str, rows: int, cols: int, std: float, kind: str) -> None:
         """n_expert matrices (rows, cols) stacked expert-major: GGUF shape [cols, rows, n_expert]."""
         t = tname(kind, cols)
-        parts = [random_tensor(rng, t, rows, cols, std, direct=spec.direct) for _ in range(spec.expert_tensor_count or ne)]
+        if t == "mxfp4":  # (gpt-oss's experts) Gaussian weights through gguf-py's quantizer
+            qt = gguf.GGMLQuantizationType.MXFP4
+            packed = [gguf.quants.quantize((rng.standard_normal((rows, cols)) * std).astype(np.float32), qt)
+                      for _ in range(spec.expert_tensor_count or ne)]
+            parts = [((q, qt), gguf.quants.dequantize(q, qt).astype(np.float32)) for q in packed]
+        else:
+            parts = [random_tensor(rng, t, rows, cols, std, direct=spec.direct) for _ in range(spec.expert_tensor_count or ne)]
         if spec.direct and t == "q4_K":
             parts = [((_zero_mean_q4_k(p[0][0]), p[0][1]), p[1]) for p in parts]
         if isinstance(parts[0][0], tuple):
@@ -179,7 +196,7 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
         add(p + "attn_q.weight", q_dim, d, s, "attn_q")
         add(p + "attn_k.weight", kv_dim, d, s, "attn_k")
         add(p + "attn_v.weight", kv_dim, d, s, "attn_v")
-        if arch == "qwen2moe":
+        if arch in ("qwen2moe", "gpt-oss"):
             vec(p + "attn_q.bias", 0.2 * rng.standard_normal(q_dim))
             vec(p + "attn_k.bias", 0.2 * rng.standard_normal(kv_dim))
             vec(p + "attn_v.bias", 0.2 * rng.standard_normal(kv_dim))
@@ -190,7 +207,12 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
             vec(p + "attn_q_norm.weight", norm(q_dim))
             vec(p + "attn_k_norm.weight", norm(kv_dim))
         add(p + "attn_output.weight", d, q_dim, 1.0 / np.sqrt(q_dim), "attn_output")
-        vec(p + "ffn_norm.weight", norm(d))
+        if arch == "gpt-oss":  # output bias, sinks, and post_attention_norm as the FFN's norm
+            vec(p + "attn_output.bias", 0.2 * rng.standard_normal(d))
+            vec(p + "attn_sinks.weight", spec.sink_std * rng.standard_normal(spec.n_head))
+            vec(p + "post_attention_norm.weight", norm(d))
+        else:
+            vec(p + "ffn_norm.weight", norm(d))
         if not moe:
             add(p + "ffn_gate.weight", spec.n_ff, d, s, "ffn_gate")
             add(p + "ffn_up.weight", spec.n_ff, d, s, "ffn_up")
@@ -200,6 +222,11 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
         router = (rng.standard_normal((ne, d)) * spec.router_std * s).astype(np.float32)
         w.add_tensor(p + "ffn_gate_inp.weight", router)
         stored[p + "ffn_gate_inp.weight"] = router
+        if arch == "gpt-oss":  # router and expert biases (expert-major 2-D: [width, n_expert])
+            vec(p + "ffn_gate_inp.bias", 0.5 * rng.standard_normal(ne))
+            vec(p + "ffn_gate_exps.bias", 0.2 * rng.standard_normal((ne, ff_exp)))
+            vec(p + "ffn_up_exps.bias", 0.2 * rng.standard_normal((ne, ff_exp)))
+            vec(p + "ffn_down_exps.bias", 0.2 * rng.standard_normal((ne, d)))
         add_experts(p + "ffn_gate_exps.weight", ff_exp, d, s, "ffn_gate_exps")
         add_experts(p + "ffn_up_exps.weight", ff_exp, d, s, "ffn_up_exps")
         add_experts(p + "ffn_down_exps.weight", d, ff_exp, 1.0 / np.sqrt(ff_exp), "ffn_down_exps")
@@ -230,6 +257,7 @@ def moe_spec(arch: str, **kw) -> MoeSpec:
         "qwen2moe": dict(rope_base=1000000.0, n_ff_exp=64, n_ff_shexp=128),
         "granitemoe": dict(rms_eps=1e-6, tied=True, n_ff_shexp=0),
         "granite": dict(rms_eps=1e-6, tied=True),
+        "gpt-oss": dict(head_dim=16, rope_base=150000.0, rms_eps=1e-5, n_ff_exp=64, n_expert=8, n_used=4),
     }[arch]
     return MoeSpec(arch=arch, **{**defaults, **kw})
 
@@ -243,6 +271,10 @@ PRESETS = {
     # OLMoE-1B-7B-0924: hidden 2048, 16 layers, 16 heads, 64 experts, 8 used, intermediate 1024
     "olmoe-1b-7b": dict(arch="olmoe", n_embd=2048, n_head=16, n_head_kv=16, n_ff=1024, n_expert=64, n_used=8,
                         n_ctx=4096),
+    # gpt-oss-20b: hidden 2880, 24 layers, 64 heads, 8 KV heads, head_dim 64, 32 experts, 4 used,
+    # intermediate 2880, window 128, YaRN factor 32 over 4096, experts in MXFP4
+    "gpt-oss-20b": dict(arch="gpt-oss", n_embd=2880, n_head=64, n_head_kv=8, head_dim=64, n_ff=2880, n_expert=32,
+                        n_used=4, n_ff_exp=2880, n_ctx=4096, n_swa=128, yarn_factor=32.0, yarn_orig_ctx=4096),
 }
 
 

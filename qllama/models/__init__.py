@@ -16,6 +16,7 @@ from .base import Transformer
 from .kvcache import SWA_BATCH, KVCache
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
+from .gptoss import GptOss
 from .granite import Granite, GraniteMoe
 from .llama import Llama
 from .olmoe import Olmoe
@@ -27,7 +28,7 @@ from .qwen3moe import Qwen3Moe
 
 ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (
     Llama, Qwen2, Qwen3, Gemma2, Gemma3, Phi3,
-    Qwen3Moe, Olmoe, Qwen2Moe, Granite, GraniteMoe,  # mixtures of experts (models/moe.py; granite also dense)
+    Qwen3Moe, Olmoe, Qwen2Moe, Granite, GraniteMoe, GptOss,  # mixtures of experts (models/moe.py; granite also dense)
 )}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

@@ -297,7 +297,8 @@ def probe_of(model) -> Probe:
 
 
 def attention_numpy(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, vt_cache: np.ndarray, start: int,
-                    n_rep: int, scale: float, window: int, softcap: float, q_scaled: bool = False) -> np.ndarray:
+                    n_rep: int, scale: float, window: int, softcap: float, q_scaled: bool = False,
+                    sinks: np.ndarray | None = None) -> np.ndarray:
     """Attention of one segment as `kernels.layer_ops.attention` computes it, with the scores and
     probabilities fired as points. q: (T, H, D) roped; caches of one layer (Hkv, ring, D) and
     (Hkv, D, ring), float32 or f16 bits, already holding positions start..start+T-1. As the
@@ -305,7 +306,9 @@ def attention_numpy(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, v
     q_scaled) and the probabilities after the hooks (f16 values) are rounded to f16 for the
     products. A quantized cache (both arrays (Hkv, ring, D/32) blocks, see models.kvcache):
     keys and values dequantized, the queries as its kernel converts them (`query_as_keys`), the
-    probabilities not rounded (llama.cpp's flash attention). Returns (T, H, D) float32."""
+    probabilities not rounded (llama.cpp's flash attention). sinks: (H,) float32 attention sinks
+    (gpt-oss): one more logit per head in the softmax's max and denominator, with no value (ggml's
+    soft_max with sinks). Returns (T, H, D) float32."""
     n_tok, n_head, head_dim = q.shape
     ring = k_cache.shape[1]
     n_pos = start + n_tok
@@ -336,8 +339,15 @@ def attention_numpy(probe: Probe, il: int, q: np.ndarray, k_cache: np.ndarray, v
     scores[:, :, first:] = np.where(masked[:, None, :], np.float32(-np.inf), s.transpose(1, 0, 2))
     scores = probe.fire("attn_scores", il, scores)
     best = scores.max(axis=2, keepdims=True)
-    e = np.exp(scores - best)
-    probs = (e / e.sum(axis=2, keepdims=True)).astype(np.float32)
+    if sinks is None:
+        e = np.exp(scores - best)
+        probs = (e / e.sum(axis=2, keepdims=True)).astype(np.float32)
+    else:  # the sink joins the max and the sum, and takes no value
+        sk = sinks.astype(np.float32)[None, :, None]  # (1, H, 1)
+        best = np.maximum(best, sk)
+        e = np.exp(scores - best)
+        total = e.sum(axis=2, keepdims=True, dtype=np.float64) + np.exp(sk - best)
+        probs = (e * (1.0 / total)).astype(np.float32)
     probs = probe.fire("attn_probs", il, probs)
     if vt_cache.dtype == np.uint16:
         probs = to_f32(from_f32(probs, vt_cache))
