@@ -275,7 +275,6 @@ def test_idle_meter_others_excludes_own_cpu(tmp_path, monkeypatch):
 
 def test_a_short_first_prompt_already_starts_low():
     a = ThreadAdapter([2, 1], idle=FakeMeter(1.0), small_batch=16)
-    assert a.batch_threads(512) == 2  # a long prompt keeps every thread, and does not consult the meter
     assert a.batch_threads(5) == 1  # a short one: others hold a CPU, so 1 thread, and decoding starts there
     assert drive(a, BUSY, 3) == [1, 1, 1]
 
@@ -327,3 +326,199 @@ def test_idle_meter_others_restarts_after_a_pause(tmp_path, monkeypatch):
     stat.write_text("cpu  350 0 0 150 0 0 0 0 0 0\n")  # then half busy, all of it this process's
     clock.update(cpu=0.5, wall=5.5)
     assert m.others_cpus(max_seconds=1.0) == pytest.approx(0.0)
+
+
+# -- every path: prompt batches, the server's steps, bench ---------------------------------------------
+
+
+@pytest.mark.parametrize("others, threads", [(1.0, 1), (0.5, 1), (0.3, 1), (0.2, 2), (0.0, 2), (None, 2)])
+def test_long_prompt_batches_run_on_the_cores_other_processes_left(others, threads):
+    meter = FakeMeter(others)
+    a = ThreadAdapter([2, 1], idle=meter, small_batch=16)
+    assert a.batch_threads(512) == threads and a.last_batch == threads
+    assert meter.reads == 1  # read before the batch: no probe, no wait
+
+
+def test_each_long_batch_reads_the_meter_again():
+    meter = FakeMeter(1.0)
+    a = ThreadAdapter([2, 1], idle=meter)
+    assert a.run_batch(512, lambda n: n) == 1
+    meter.others = 0.0  # the load went away
+    assert a.run_batch(512, lambda n: n) == 2
+    meter.others = 1.0
+    assert a.run_batch(512, lambda n: n) == 1
+
+
+class SharedMeter(FakeMeter):
+    """A meter that answers only when its window is long enough (every other read here), and
+    remembers its last answer, as IdleMeter does."""
+
+    def __init__(self, others, n_cpu=2):
+        super().__init__(others, n_cpu)
+        self.last_others = None
+
+    def others_cpus(self, min_seconds: float = 0.2, max_seconds: float | None = None):
+        self.reads += 1
+        if self.reads % 2 == 0:
+            return None  # too soon after the previous reading
+        self.last_others = self.others
+        return self.others
+
+
+def test_decoding_after_a_long_prompt_starts_from_the_prompts_reading():
+    """The prompt's batch read the meter just before; the first decode step's reading comes too
+    soon to tell, so it takes the meter's last value: the first token already runs at 1 thread."""
+    a = ThreadAdapter([2, 1], idle=SharedMeter(1.0))
+    assert a.batch_threads(512) == 1
+    assert drive(a, BUSY, 8) == [1] * 8
+
+
+def test_prompt_batches_pick_every_thread_on_an_idle_machine_and_tokens_need_no_probe():
+    a = ThreadAdapter([2, 1], idle=SharedMeter(0.0))
+    assert a.batch_threads(512) == 2
+    used = drive(a, IDLE, 20)
+    assert used[0] == 2 and a.current == 2
+
+
+def _fake_clock_step(cost, clock, used):
+    """A step that records its count and advances the fake clock by cost(n)."""
+    def step(n):
+        used.append(n)
+        clock["t"] += cost(n)
+        return n
+    return step
+
+
+def test_server_steps_adapt_per_number_of_requests_on_a_busy_machine():
+    from qllama.runtime.threads import StepThreads
+
+    meter = SharedMeter(1.0)
+    st = StepThreads([2, 1], idle=meter)
+    clock = {"t": 0.0}
+    now = lambda: clock["t"]  # noqa: E731
+    used = []
+    cost = lambda n: {2: 0.300, 1: 0.015}[n]  # noqa: E731
+    st.run(2, 2 * 40, _fake_clock_step(cost, clock, used), now)  # two prompts of 40 tokens: the meter decides
+    for _ in range(10):  # then both decode
+        st.run(2, 2, _fake_clock_step(cost, clock, used), now)
+    for _ in range(10):  # one finished; a third joins later
+        st.run(1, 1, _fake_clock_step(cost, clock, used), now)
+    st.run(3, 3, _fake_clock_step(cost, clock, used), now)
+    # each new adapter starts from the shared meter: its first steps at 1 thread (a probe of 2 threads
+    # comes only after the gap, 8 steps, and loses)
+    assert used[:9] == [1] * 9 and used[11:19] == [1] * 8 and used[21] == 1
+    assert set(st.adapters) == {1, 2, 3} and all(a.current == 1 for a in st.adapters.values())
+    assert "2 seq: 1 (adaptive among 2, 1" in st.describe()
+
+
+def test_server_steps_step_down_by_timing_when_the_meter_cannot_tell():
+    from qllama.runtime.threads import StepThreads
+
+    st = StepThreads([2, 1])  # no meter: timed probes only
+    clock = {"t": 0.0}
+    used = []
+    for _ in range(30):
+        st.run(4, 4, _fake_clock_step(lambda n: {2: 0.300, 1: 0.015}[n], clock, used), lambda: clock["t"])
+    assert used[:2] == [2, 1] and st.adapter(4).current == 1 and used[2:12] == [1] * 10
+
+
+def test_scheduler_asks_the_step_adapter_and_greedy_tokens_do_not_change():
+    """The server's steps at counts that alternate 1, 2, 1, ... give the same greedy tokens as each
+    request alone at a fixed count; each step's kernels run at the count it was given."""
+    import qllama
+    from qllama.server.engine import model_forward
+    from qllama.server.scheduler import Job, Scheduler
+    from qllama.server.schemas import GenParams
+
+    from dataclasses import replace
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("Numba's pool has a single thread")
+    prompts = ["ROMEO:", "JULIET: O Romeo", "First Citizen:\nBefore we proceed"]
+    ref_model = qllama.load("demo", n_ctx=128, n_threads=1)
+    ref = [ref_model.complete(p, max_tokens=24, temperature=0) for p in prompts]
+
+    llm = qllama.load("demo", n_ctx=128, n_threads=2)  # fixed: no adapter of its own ...
+    forward, new_cache, _ = model_forward(llm)
+    assert forward.threads is None
+
+    class Alternate:  # ... but this one hands each step the other count
+        def __init__(self):
+            self.calls, self.seen = 0, []
+
+        def run(self, n_seq, n_tok, step):
+            self.calls += 1
+            n = 1 + self.calls % 2
+            out = step(n)
+            self.seen.append((n, numba.get_num_threads()))
+            return out
+
+    forward.threads = Alternate()
+    sched = Scheduler(forward, new_cache, llm.tokenizer, llm.n_ctx, n_parallel=3, chunk=8)
+    events = [[] for _ in prompts]
+    for p, ev in zip(prompts, events):
+        greedy = GenParams(max_tokens=24, sampling=replace(GenParams().sampling, temperature=0.0))
+        sched.submit(Job(llm.tokenize(p, add_bos=True), greedy, ev.append))
+    while sched.step():
+        pass
+    got = ["".join(e.text for e in ev) for ev in events]
+    assert got == ref
+    seen = forward.threads.seen
+    assert {n for n, _ in seen} == {1, 2} and all(n == live for n, live in seen)
+
+
+def test_default_threads_give_the_server_a_step_adapter():
+    import qllama
+    from qllama.qtensor import physical_cores
+    from qllama.runtime.threads import StepThreads
+    from qllama.server.engine import model_forward
+
+    forward, _, _ = model_forward(qllama.load("demo", n_ctx=64))
+    if physical_cores() < 2:
+        assert forward.threads is None
+    else:
+        assert isinstance(forward.threads, StepThreads) and isinstance(forward.threads.idle, IdleMeter)
+    assert model_forward(qllama.load("demo", n_ctx=64, n_threads=1))[0].threads is None
+
+
+def test_bench_at_default_threads_adapts_and_an_explicit_count_stays(tmp_path):
+    from qllama.bench.runner import format_table, run_bench
+    from qllama.qtensor import physical_cores
+    from tools.make_model import ModelSpec, write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, ModelSpec(n_head=4, n_head_kv=2, weight_type="q8_0", seed=5, n_ctx=128))
+    doc = run_bench(path, n_prompt=32, n_gen=8, reps=1)
+    if physical_cores() >= 2:
+        assert all("adaptive among" in r["adaptive"] for r in doc["results"])
+        assert "auto (" in format_table(doc)
+    fixed = run_bench(path, n_prompt=32, n_gen=8, threads=[1], reps=1)
+    assert all("adaptive" not in r and r["threads"] == 1 for r in fixed["results"])
+
+
+def test_idle_meter_others_now_counts_running_threads_of_other_processes(tmp_path, monkeypatch):
+    stat, m, clock = _meter_on_fake_stat(tmp_path, monkeypatch)
+    stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\nprocs_running 3\nprocs_blocked 0\n")
+    monkeypatch.setattr(IdleMeter, "_own_running", staticmethod(lambda: 2))
+    assert m.others_now() == 1.0  # 3 runnable, 2 of them ours
+    stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\nprocs_running 9\n")
+    assert m.others_now() == 2.0  # at most every CPU
+    monkeypatch.setattr(IdleMeter, "_own_running", staticmethod(lambda: 0))
+    stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\nprocs_running 1\n")
+    assert m.others_now() == 0.0  # the reader itself is running
+    stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\n")
+    assert m.others_now() is None
+
+
+def test_a_meter_just_made_falls_back_to_the_running_count():
+    class Fresh(SharedMeter):
+        def others_cpus(self, min_seconds=0.2, max_seconds=None):
+            self.reads += 1
+            return None  # no window yet
+
+        def others_now(self):
+            return self.others
+
+    a = ThreadAdapter([2, 1], idle=Fresh(1.0))
+    assert a.batch_threads(512) == 1
+    assert ThreadAdapter([2, 1], idle=Fresh(0.0)).batch_threads(512) == 2

@@ -94,6 +94,8 @@ class BenchRunner:
         self.n_vocab = self.llm.n_vocab
         self._prefix: list[int] = []  # tokens at positions [0, len) of self.cache
         self.path = os.fspath(path)
+        # the default thread count: a ThreadAdapter picks each round's (as `qllama run`); None: fixed
+        self.threads = None
 
     # -- threads -------------------------------------------------------------------------
 
@@ -107,8 +109,13 @@ class BenchRunner:
     # -- primitives ------------------------------------------------------------------------
 
     def _eval(self, ids: Sequence[int]) -> None:
+        a = self.threads
         for start in range(0, len(ids), self.batch_size):
-            self.model.forward(ids[start : start + self.batch_size], self.cache)
+            batch = ids[start : start + self.batch_size]
+            if a is None:
+                self.model.forward(batch, self.cache)
+            else:
+                a.run_batch(len(batch), lambda n: self.model.forward(batch, self.cache, n_threads=n))
 
     def _ensure_prefix(self, depth: int) -> None:
         """Make the cache hold `depth` prefix tokens (evaluating only the missing ones)."""
@@ -154,10 +161,14 @@ class BenchRunner:
         """Seconds to decode n tokens one at a time after `depth` cached tokens."""
         self._ensure_prefix(depth)
         ids = random_tokens(n, self.n_vocab, seed=4321)
-        forward, cache = self.model.forward, self.cache
+        forward, cache, a = self.model.forward, self.cache, self.threads
         t0 = time.perf_counter()
-        for t in ids:
-            forward([t], cache)
+        if a is None:
+            for t in ids:
+                forward([t], cache)
+        else:
+            for t in ids:
+                a.run(lambda n: forward([t], cache, n_threads=n))
         dt = time.perf_counter() - t0
         self.cache.n_past = depth
         return dt
@@ -203,7 +214,9 @@ def run_bench(
         raise QllamaError("nothing to measure: both -p and -n are 0")
     from ..models.step import Plain
     from ..qtensor import physical_cores
+    from ..runtime.threads import adapter_for
 
+    adaptive = not threads  # the default: the thread count adapts to the machine, as `qllama run`'s
     threads = list(threads) or [physical_cores()]
     if any(t < 1 for t in threads):
         raise QllamaError("thread counts must be >= 1")
@@ -214,6 +227,8 @@ def run_bench(
     runner.model.execution = Plain(fused=fused)  # the fused one-token kernels, or the plain blocks
     say = progress or (lambda msg: None)
     compile_s = runner.warmup()
+    if adaptive:
+        runner.threads = adapter_for(runner.model.n_threads)  # None on one core: nothing to choose
     say(f"warm-up (Numba compile / cache load): {compile_s:.2f} s")
     results = []
     for n_thr in threads:
@@ -228,7 +243,12 @@ def run_bench(
                 samples.append(runner.run(test))
                 say(f"{test.name} t={used} rep {r + 1}/{reps}: {samples[-1]:.2f} tokens/s")
             m, sd = mean_sd(samples)
-            results.append({"test": test.name, "threads": used, "mean_tps": m, "sd_tps": sd, "reps": reps})
+            res = {"test": test.name, "threads": used, "mean_tps": m, "sd_tps": sd, "reps": reps}
+            a = runner.threads
+            if a is not None:  # the count the adapter ran the last repetition at, and its state
+                res["threads"] = a.last_batch if test.kind == "pp" else a.current
+                res["adaptive"] = a.describe()
+            results.append(res)
     doc = {
         "model": os.path.basename(os.fspath(path)),
         "n_threads": [r for r in dict.fromkeys(res["threads"] for res in results)],
@@ -248,7 +268,8 @@ def format_table(doc: dict, extra: dict | None = None) -> str:
         "| --- | ---: | --- | ---: |",
     ]
     for r in doc["results"]:
-        lines.append(f"| {doc['model']} | {r['threads']} | {r['test']} | {r['mean_tps']:.2f} ± {r['sd_tps']:.2f} |")
+        thr = f"auto ({r['threads']})" if r.get("adaptive") else str(r["threads"])
+        lines.append(f"| {doc['model']} | {thr} | {r['test']} | {r['mean_tps']:.2f} ± {r['sd_tps']:.2f} |")
     lines.append("")
     lines.append(f"Numba compile / cache load (warm-up, not timed above): {doc['compile_s']:.2f} s")
     return "\n".join(lines)

@@ -20,10 +20,13 @@ fewer threads fit beside them, it steps down at once, without a probe. (A probe 
 scheduler moves it.) Greedy tokens do not depend on
 the thread count (every kernel splits rows, never a sum), so switching changes speed only.
 
-Prefill keeps every thread (`ThreadAdapter.max_threads`): its parallel regions are long (a batch
-of tokens per matrix), so barrier waits matter little; only a short batch (a chat turn's few
-new tokens, `small_batch`) runs at the decode count, whose regions it resembles.
-An explicit thread count (`-t N`, `n_threads=N`) means no adapter: fixed N.
+Prompt batches read the meter before each batch and run on the cores other processes left
+free (`batch_threads`): a prompt's regions are longer than a decode step's, but with a core held
+elsewhere a thread still waits a scheduler slice at each of them (measured: 2 threads evaluated a
+prompt at 0.15x one thread beside a busy loop). A short batch (a chat turn's few new tokens,
+`small_batch`) runs at the decode count, whose regions it resembles. The server's steps (several
+requests per forward pass) use `StepThreads`: one adapter per number of requests in the step,
+on one shared meter. An explicit thread count (`-t N`, `n_threads=N`) means no adapter: fixed N.
 
 The decision logic (`choose`, `observe`) reads no clock (the idle meter is passed in), so tests
 drive it with made-up step times and a fake meter; `ThreadAdapter.run` is the timed wrapper the session uses.
@@ -37,7 +40,7 @@ import time
 from collections import deque
 from typing import Callable, Sequence
 
-__all__ = ["ThreadAdapter", "IdleMeter", "adapter_for"]
+__all__ = ["ThreadAdapter", "IdleMeter", "StepThreads", "adapter_for", "step_threads_for"]
 
 
 class IdleMeter:
@@ -49,6 +52,7 @@ class IdleMeter:
         self.n_cpu = os.cpu_count() or 1
         self._last = self._read()
         self._own = self._own_now()
+        self.last_others: float | None = None  # the last `others_cpus` value (shared by its readers)
 
     def _read(self) -> tuple[int, int] | None:
         """(idle ticks, all ticks) summed over CPUs, or None where /proc/stat is unreadable."""
@@ -64,6 +68,30 @@ class IdleMeter:
     def _own_now() -> tuple[float, float]:
         t = os.times()
         return t.user + t.system, time.monotonic()  # this process's CPU seconds (every thread), wall
+
+    def others_now(self) -> float | None:
+        """CPUs other processes want right now: the machine's runnable threads (`procs_running`)
+        less this process's running ones, at most every CPU (None: unknown). No window, so it
+        answers when `others_cpus` cannot yet (a meter just made); one instant, so it is noisier."""
+        try:
+            with open(self.path) as f:
+                running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+            own = self._own_running()
+        except (OSError, ValueError, IndexError, StopIteration):
+            return None
+        return float(min(self.n_cpu, max(0, running - max(1, own))))
+
+    @staticmethod
+    def _own_running() -> int:
+        """This process's threads in state R (running or runnable), the caller included."""
+        own = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/stat") as f:
+                    own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+            except (OSError, IndexError):
+                continue
+        return own
 
     def idle_cpus(self) -> float | None:
         """CPUs idle on average since the previous reading (None: unknown, or too short to tell)."""
@@ -87,7 +115,8 @@ class IdleMeter:
             return None
         self._last, self._own = now, (own, wall)
         busy = self.n_cpu * (1.0 - (now[0] - last[0]) / (now[1] - last[1]))
-        return max(0.0, busy - (own - own0) / (wall - wall0))
+        self.last_others = max(0.0, busy - (own - own0) / (wall - wall0))
+        return self.last_others
 
 
 class ThreadAdapter:
@@ -103,7 +132,9 @@ class ThreadAdapter:
         this factor, the next probe comes at once (load arrived; only while fewer threads are left
         to try: at the fewest, more threads would not help against more load).
     window: steps of the current count whose median is its estimate.
-    small_batch: prompt batches up to this many tokens run at the decode count (`batch_threads`).
+    small_batch: prompt batches up to this many tokens run at the decode count (`batch_threads`);
+        longer ones at the count that fits beside other processes, a CPU being free while they
+        hold less than `batch_slack` of it.
     idle: an `IdleMeter` (or anything with `idle_cpus() -> float | None`), read at most every
         `idle_every` seconds of decoding while below the largest count, and, if it also has
         `others_cpus` and `n_cpu`, as often at the largest count; None: not used.
@@ -124,6 +155,7 @@ class ThreadAdapter:
         idle_every: float = 0.25,
         idle_cpus: float = 0.5,
         small_batch: int = 16,
+        batch_slack: float = 0.25,
     ):
         cands = sorted({int(c) for c in candidates}, reverse=True)
         if not cands or cands[-1] < 1:
@@ -145,7 +177,8 @@ class ThreadAdapter:
         self._probe: int | None = None  # the count being probed, if a probe runs
         self._probe_times: list[float] = []
         self.idle, self.idle_every, self.idle_threshold = idle, idle_every, idle_cpus
-        self.small_batch = small_batch
+        self.small_batch, self.batch_slack = small_batch, batch_slack
+        self.last_batch = self.max_threads  # the count of the last long batch (for reports)
         self._idle_clock = 0.0  # decode seconds since the idle meter was last read
         self._started = False  # the first probe comes after one step (the load is unknown at start)
         self._checked_start = False  # whether the first step looked at the meter
@@ -225,8 +258,7 @@ class ThreadAdapter:
     def _start_low(self) -> bool:
         """At the first step: if other processes kept CPUs busy since the meter started (model
         load, warm-up, prompt), start at the largest count that fits beside them."""
-        others = getattr(self.idle, "others_cpus", None)
-        busy = others() if others is not None else None
+        busy = self._others()
         if busy is None:
             return False
         room = max(1, int(self.idle.n_cpu - busy + 0.5))
@@ -292,11 +324,39 @@ class ThreadAdapter:
 
     def batch_threads(self, n_tok: int) -> int:
         """Threads for a batch of n_tok tokens (a prompt): up to `small_batch` tokens its parallel
-        regions are short, like a decode step's, so it takes the decode count; longer batches
-        take every thread (their regions are long enough for a late thread to matter little)."""
+        regions are short, like a decode step's, so it takes the decode count; a longer batch reads
+        the meter before it runs and takes the largest count that fits beside the CPUs other
+        processes held (`batch_slack`: a CPU counts as free while others use less than that much
+        of it), every thread when the meter cannot tell. Reading the meter costs two small file
+        reads, no wait: a short request pays nothing for it."""
         if n_tok <= self.small_batch:
             self._check_start()
-        return self.current if n_tok <= self.small_batch else self.max_threads
+            return self.current
+        others = self._others(min_seconds=0.05)
+        if others is None:
+            self.last_batch = self.max_threads
+        else:
+            self.last_batch = self._fit(self.idle.n_cpu - others + self.batch_slack)
+        return self.last_batch
+
+    def _others(self, min_seconds: float = 0.2) -> float | None:
+        """CPUs other processes held since the meter's last reading; when that was too recent, the
+        meter's previous value (`last_others`, shared by every adapter on one meter), or before it
+        has one, the processes running at this instant (`others_now`); None: unknown."""
+        others = getattr(self.idle, "others_cpus", None)
+        if others is None:
+            return None
+        busy = others(min_seconds=min_seconds)
+        if busy is None:
+            busy = getattr(self.idle, "last_others", None)
+        if busy is None and hasattr(self.idle, "others_now"):  # a meter just made: the instant's count
+            busy = self.idle.others_now()
+        return busy
+
+    def _fit(self, room: float) -> int:
+        """The largest candidate count not above room (at least the fewest)."""
+        fits = [c for c in self.candidates if c <= max(1.0, room)]
+        return fits[0] if fits else self.candidates[-1]
 
     def run_batch(self, n_tok: int, step: Callable[[int], object]):
         """step(n) for a batch (not timed: its cost is not a decode step's), n = `batch_threads(n_tok)`."""
@@ -327,3 +387,41 @@ def adapter_for(n_threads: int) -> ThreadAdapter | None:
     if n_threads <= 1:
         return None
     return ThreadAdapter({n_threads, max(1, n_threads // 2), 1}, idle=IdleMeter())
+
+
+class StepThreads:
+    """Thread counts of the server's steps (`qllama.server.scheduler`): a step runs one segment per
+    busy request, and its time depends on how many there are, so each number of segments (up to
+    `max_group`; more count as that many) has its own `ThreadAdapter`, all on one meter (so a new
+    adapter starts from the load the others saw). A step whose segments are all one token is a
+    decode step (timed, `ThreadAdapter.run`); a step with prompt tokens is a batch
+    (`ThreadAdapter.run_batch`: the meter decides when it is long)."""
+
+    def __init__(self, candidates: Sequence[int], idle=None, max_group: int = 8, **kw):
+        self.candidates, self.idle, self.max_group, self.kw = list(candidates), idle, max_group, kw
+        self.adapters: dict[int, ThreadAdapter] = {}
+
+    def adapter(self, n_seq: int) -> ThreadAdapter:
+        k = max(1, min(n_seq, self.max_group))
+        a = self.adapters.get(k)
+        if a is None:
+            a = self.adapters[k] = ThreadAdapter(self.candidates, idle=self.idle, **self.kw)
+        return a
+
+    def run(self, n_seq: int, n_tok: int, step: Callable[[int], object], clock: Callable[[], float] = time.perf_counter):
+        """step(n) for a step of n_seq segments holding n_tok tokens in all, at the chosen count n."""
+        a = self.adapter(n_seq)
+        if n_tok == n_seq:  # one token each: a decode step
+            return a.run(step, clock)
+        return a.run_batch(n_tok, step)
+
+    def describe(self) -> str:
+        """e.g. "1 seq: 1 (adaptive among 2, 1; ...); 4 seq: 1 (...)"."""
+        return "; ".join(f"{k} seq: {a.describe()}" for k, a in sorted(self.adapters.items()))
+
+
+def step_threads_for(n_threads: int) -> StepThreads | None:
+    """The server's step adapter for a default thread count of `n_threads` (as `adapter_for`)."""
+    if n_threads <= 1:
+        return None
+    return StepThreads(sorted({n_threads, max(1, n_threads // 2), 1}), idle=IdleMeter())

@@ -163,6 +163,8 @@ class Scheduler:
         if n_parallel < 1 or chunk < 1 or max_queue < 0:
             raise ValueError("n_parallel and chunk must be >= 1, max_queue >= 0")
         self.forward = forward
+        # each step's thread count, adapted to the machine (engine.model_forward; None: the model's, fixed)
+        self.threads = getattr(forward, "threads", None)
         self.tokenizer = tokenizer
         self.eog = tokenizer.eog_ids
         self.n_ctx = n_ctx
@@ -309,7 +311,11 @@ class Scheduler:
         busy = step
         self.max_busy = max(self.max_busy, len(busy))
         try:
-            logits = self.forward(segments)
+            if self.threads is None:
+                logits = self.forward(segments)
+            else:
+                n_tok = sum(len(ids) for ids, _ in segments)
+                logits = self.threads.run(len(segments), n_tok, lambda n: self.forward(segments, n_threads=n))
         except Exception as e:  # noqa: BLE001 - reported to the clients of this step, the loop goes on
             for slot in busy:
                 _send(slot.run.job, Event("error", message=f"evaluation failed: {e}"))
