@@ -164,7 +164,15 @@ def write_moe(path: str | Path, spec: MoeSpec) -> dict[str, np.ndarray]:
     def add_experts(name: str, rows: int, cols: int, std: float, kind: str) -> None:
         """n_expert matrices (rows, cols) stacked expert-major: GGUF shape [cols, rows, n_expert]."""
         t = tname(kind, cols)
-        if t == "mxfp4":  # (gpt-oss's experts) Gaussian weights through gguf-py's quantizer
+        if t == "mxfp4" and spec.direct:  # random codes, exponents for the wanted std (rms of the codes' values 5.85)
+            qt = gguf.GGMLQuantizationType.MXFP4
+            e = int(round(128 + np.log2(std / 5.85)))
+            parts = []
+            for _ in range(spec.expert_tensor_count or ne):
+                q = rng.integers(0, 256, (rows, cols // 32, 17), dtype=np.uint8)
+                q[..., 0] = rng.integers(e - 1, e + 2, (rows, cols // 32), dtype=np.uint8)
+                parts.append(((q.reshape(rows, -1), qt), None))
+        elif t == "mxfp4":  # (gpt-oss's experts) Gaussian weights through gguf-py's quantizer
             qt = gguf.GGMLQuantizationType.MXFP4
             packed = [gguf.quants.quantize((rng.standard_normal((rows, cols)) * std).astype(np.float32), qt)
                       for _ in range(spec.expert_tensor_count or ne)]
