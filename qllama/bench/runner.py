@@ -214,7 +214,7 @@ def run_bench(
         raise QllamaError("nothing to measure: both -p and -n are 0")
     from ..models.step import Plain
     from ..qtensor import physical_cores
-    from ..runtime.threads import adapter_for
+    from ..runtime.threads import IdleMeter, adapter_for
 
     adaptive = not threads  # the default: the thread count adapts to the machine, as `qllama run`'s
     threads = list(threads) or [physical_cores()]
@@ -238,10 +238,15 @@ def run_bench(
         for test in bench_tests(n_prompt, n_gen, depths):
             # untimed: first calls at this shape (64 prompt tokens reach the parallel attention kernel)
             runner.run(BenchTest(test.kind, min(test.n, 64 if test.kind == "pp" else 4), test.depth))
+            meter = IdleMeter() if runner.threads is None and used > 1 else None  # a fixed count on a busy machine
             samples = []
             for r in range(reps):
                 samples.append(runner.run(test))
                 say(f"{test.name} t={used} rep {r + 1}/{reps}: {samples[-1]:.2f} tokens/s")
+            others = meter.others_cpus(min_seconds=0.0) if meter is not None else None
+            if others is not None and used > meter.n_cpu - others + 0.25:
+                say(f"note: other processes held {others:.1f} of {meter.n_cpu} CPUs during {test.name}: {used} fixed "
+                    f"threads wait for a scheduler slice at every parallel region (without -t the count adapts)")
             m, sd = mean_sd(samples)
             res = {"test": test.name, "threads": used, "mean_tps": m, "sd_tps": sd, "reps": reps}
             a = runner.threads

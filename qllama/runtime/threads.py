@@ -179,6 +179,7 @@ class ThreadAdapter:
         self.idle, self.idle_every, self.idle_threshold = idle, idle_every, idle_cpus
         self.small_batch, self.batch_slack = small_batch, batch_slack
         self.last_batch = self.max_threads  # the count of the last long batch (for reports)
+        self.long_batches = 0  # long batches run (their counts came from the meter)
         self._idle_clock = 0.0  # decode seconds since the idle meter was last read
         self._started = False  # the first probe comes after one step (the load is unknown at start)
         self._checked_start = False  # whether the first step looked at the meter
@@ -332,6 +333,7 @@ class ThreadAdapter:
         if n_tok <= self.small_batch:
             self._check_start()
             return self.current
+        self.long_batches += 1
         others = self._others(min_seconds=0.05)
         if others is None:
             self.last_batch = self.max_threads
@@ -367,7 +369,8 @@ class ThreadAdapter:
         among = ", ".join(str(c) for c in self.candidates)
         pr = "probe" if self.probes == 1 else "probes"
         sw = "switch" if self.switches == 1 else "switches"
-        return f"{self.current} (adaptive among {among}; {self.probes} {pr}, {self.switches} {sw})"
+        batches = f"; prompt batches at {self.last_batch}" if self.long_batches else ""
+        return f"{self.current} (adaptive among {among}; {self.probes} {pr}, {self.switches} {sw}{batches})"
 
     # -- the timed wrapper -----------------------------------------------------------------
 
