@@ -182,3 +182,71 @@ def test_oracle_logits_argmax_perplexity(tmp_path, name, kv):
     assert agree[sure].all(), f"argmax differs at {np.flatnonzero(sure & ~agree).tolist()}"
     assert d <= (1e-4 if name == "gpt-oss-f32" and kv == "f32" else 0.6)
     assert abs(ppl_q / ppl_l - 1) <= 0.01
+
+
+# -- llama.cpp's MXFP4_MOE quantize preset -------------------------------------------------------
+
+
+def test_mxfp4_quantizer_equals_gguf_py():
+    import gguf
+
+    from qllama.quantize import quantize_array
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((16, 320)) * rng.uniform(1e-4, 30, (16, 1))).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: e = 0
+    np.testing.assert_array_equal(quantize_array(x, 39), gguf.quants.quantize(x, gguf.GGMLQuantizationType.MXFP4))
+
+
+def _quantized_types(path) -> dict[str, str]:
+    from qllama.gguf.reader import GGUFFile
+
+    return {n: t.type_name for n, t in GGUFFile(str(path)).tensors.items()}
+
+
+def test_mxfp4_moe_preset(files, tmp_path):
+    """Experts (3-D) MXFP4, every other quantized matrix q8_0, norms/biases/sinks/router as they were."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    src, dst = files("gpt-oss-f32"), tmp_path / "mxfp4-moe.gguf"
+    out = subprocess.run([sys.executable, "-m", "qllama", "quantize", src, str(dst), "MXFP4_MOE"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    types = _quantized_types(dst)
+    assert types["blk.0.ffn_up_exps.weight"] == types["blk.1.ffn_down_exps.weight"] == "mxfp4"
+    assert types["blk.0.attn_q.weight"] == types["output.weight"] == types["token_embd.weight"] == "q8_0"
+    assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.attn_sinks.weight"] == "f32"
+    assert types["blk.0.ffn_up_exps.bias"] == "f32"
+    ids = list(range(3, 40))
+    a = qllama.load(src, n_ctx=64).logits(ids)
+    b = qllama.load(str(dst), n_ctx=64).logits(ids)
+    assert rel_err(b, a) < 0.5
+
+
+@pytest.mark.oracle
+def test_mxfp4_moe_preset_equals_llama_quantize(files, tmp_path):
+    """The same tensor types and the same bytes as llama.cpp's llama-quantize MXFP4_MOE (ftype 38)."""
+    import ctypes
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from qllama.gguf.reader import GGUFFile
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
+    src = files("gpt-oss-f32")
+    mine, theirs = tmp_path / "qllama.gguf", tmp_path / "llama.gguf"
+    out = subprocess.run([sys.executable, "-m", "qllama", "quantize", src, str(mine), "MXFP4_MOE"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 38
+    params.nthread = 1
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(theirs).encode(), ctypes.byref(params)) == 0
+    assert _quantized_types(mine) == _quantized_types(theirs)
+    gm, gt = GGUFFile(str(mine)), GGUFFile(str(theirs))
+    for name in gm.tensors:
+        np.testing.assert_array_equal(gm.tensor_bytes(name), gt.tensor_bytes(name), err_msg=name)

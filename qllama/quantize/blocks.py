@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import BF16, F16, F32, GGML_TYPES, IQ4_NL, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
+from ..gguf.types import BF16, F16, F32, GGML_TYPES, IQ4_NL, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
 
 _F32 = np.float32
 
@@ -155,6 +155,25 @@ def _quantize_iq4_nl(b: np.ndarray) -> np.ndarray:
     return np.concatenate([_fp16_bytes(dd), _pack_nibbles(idx)], axis=1)
 
 
+def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_mxfp4_ref: the exponent byte e = floor(log2(amax)) - 2 + 127 (0 for an
+    all-zero block), d = E8M0_HALF[e], each x to the doubled e2m1 value nearest x / d (the first of
+    equals: best_index_mxfp4 keeps the lower index), |k d - x| in float32."""
+    from ..dequant.mxfp4_rows import E8M0_HALF, KVALUES_MXFP4
+
+    amax = np.abs(b).max(axis=1)  # (n,)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)  # (n,)
+    d = E8M0_HALF[e][:, None]  # (n, 1)
+    idx = np.zeros(b.shape, np.uint8)  # (n, 32)
+    best = np.abs(d * _F32(KVALUES_MXFP4[0]) - b)
+    for i in range(1, 16):  # a strictly smaller error replaces: the first minimum wins, as the C loop
+        err = np.abs(d * _F32(KVALUES_MXFP4[i]) - b)
+        better = err < best
+        idx[better], best = i, np.where(better, err, best)
+    return np.concatenate([e[:, None], idx[:, :16] | (idx[:, 16:] << 4)], axis=1)
+
+
 # =============================================================================================
 # k-quants (super-blocks of 256): the kernels of qllama.kernels.quantize_k, run in threads
 # =============================================================================================
@@ -201,7 +220,7 @@ def _quantize_q6_K(b: np.ndarray) -> np.ndarray:
 # type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8
 _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     Q8_0: _quantize_q8_0, Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1,
-    Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1, IQ4_NL: _quantize_iq4_nl,
+    Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1, IQ4_NL: _quantize_iq4_nl, MXFP4: _quantize_mxfp4,
     Q4_K: partial(_quantize_q4_K_q5_K, type_id=Q4_K), Q5_K: partial(_quantize_q4_K_q5_K, type_id=Q5_K),
     Q6_K: _quantize_q6_K,
 }

@@ -9,7 +9,7 @@ import re
 from typing import Iterable, NamedTuple
 
 from ..errors import QllamaError
-from ..gguf.types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import BF16, F16, F32, GGML_TYPES, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from .blocks import FLOAT_TYPES
 
 
@@ -26,6 +26,7 @@ PRESETS: dict[str, Preset] = {name: Preset(name, ftype, t) for name, ftype, t in
     ("Q4_K_M", 15, Q4_K), ("Q5_K_M", 17, Q5_K), ("Q6_K", 18, Q6_K), ("Q8_0", 7, Q8_0), ("Q4_0", 2, Q4_0),
     ("Q4_K_S", 14, Q4_K), ("Q5_K_S", 16, Q5_K), ("Q4_1", 3, Q4_1), ("Q5_0", 8, Q5_0), ("Q5_1", 9, Q5_1),
     ("F16", 1, F16), ("BF16", 32, BF16), ("F32", 0, F32),
+    ("MXFP4_MOE", 38, MXFP4),  # experts (3-D tensors) MXFP4, every other quantized tensor q8_0
 )}
 
 
@@ -98,7 +99,10 @@ def choose_tensor_type(
         return new  # F16/BF16/F32 presets: no mix, no fallback
     ne0 = shape[0]
     i_layer = _layer_index(name)
-    if name == "output.weight" or (tied_embeddings and name == "token_embd.weight"):
+    if ft == "MXFP4_MOE":  # llama.cpp: output (and a tied embedding) q8_0; MoE tensors MXFP4, the rest q8_0
+        is_output = name == "output.weight" or (tied_embeddings and name == "token_embd.weight")
+        new = MXFP4 if not is_output and len(shape) > 2 and shape[2] > 1 else Q8_0
+    elif name == "output.weight" or (tied_embeddings and name == "token_embd.weight"):
         if ne0 % GGML_TYPES[new].block_size:
             new = Q8_0
         elif new != Q8_0:
