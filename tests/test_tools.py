@@ -423,3 +423,16 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     finally:
         sched.close()
         sched.join(10)
+
+
+def test_llama_3_1_builtin_tool_calls_parse():
+    """After <|python_tag|>, Llama 3.1's built-in tools write `name.call(key=value, ...)`: one call
+    with those arguments, as llama.cpp's common/chat.cpp reads it; anything else stays text."""
+    from qllama.server.tools import parse_calls
+
+    content, calls = parse_calls("llama3", '<|python_tag|>brave_search.call(query="weather in Paris", n=3)')
+    assert content == "" and len(calls) == 1
+    assert calls[0]["function"]["name"] == "brave_search"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"query": "weather in Paris", "n": 3}
+    text = "<|python_tag|>brave_search.call(query=open('x'))"  # not a literal: not a call
+    assert parse_calls("llama3", text) == (text, [])

@@ -283,6 +283,24 @@ def _as_call(obj: Any, args_keys=("arguments", "parameters")) -> dict | None:
             "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
 
 
+def _builtin_call(text: str) -> dict | None:
+    """Llama 3.1's built-in tool call after <|python_tag|>, `brave_search.call(query="...")`, as
+    an OpenAI call (llama.cpp's common/chat.cpp reads it the same way); None if it is not one."""
+    import ast
+
+    m = re.fullmatch(r"([A-Za-z_]\w*)\.call\((.*)\)\s*;?", text.strip(), re.S)
+    if m is None:
+        return None
+    try:
+        call = ast.parse(f"f({m.group(2)})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args:
+            return None
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg is not None}
+    except (SyntaxError, ValueError):
+        return None
+    return _as_call({"name": m.group(1), "arguments": args})
+
+
 def _json_values(text: str) -> list[Any] | None:
     """Every JSON value in text, one after another (separated by whitespace or ';'), or None."""
     dec = json.JSONDecoder()
@@ -331,15 +349,19 @@ def parse_calls(fmt: str, text: str) -> tuple[str, list[dict]]:
                 return "", calls
         return text, []
     body = text.strip()
-    head = ""
+    head, found = "", None
     for marker in ("<|python_tag|>", "[TOOL_CALLS]", "functools"):
         i = body.find(marker)
         if i >= 0 and (marker != "functools" or body[i + len(marker):].lstrip().startswith("[")):
-            head, body = body[:i].strip(), body[i + len(marker):].strip()
+            head, body, found = body[:i].strip(), body[i + len(marker):].strip(), marker
             break
     else:
         if not body.startswith(("{", "[")):
             return text, []
+    if found == "<|python_tag|>":
+        builtin = _builtin_call(body)  # Llama 3.1's built-in tools: name.call(key=value, ...)
+        if builtin is not None:
+            return head, [builtin]
     vals = _json_values(body)
     if not vals:
         return text, []
