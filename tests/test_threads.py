@@ -522,3 +522,22 @@ def test_a_meter_just_made_falls_back_to_the_running_count():
     a = ThreadAdapter([2, 1], idle=Fresh(1.0))
     assert a.batch_threads(512) == 1
     assert ThreadAdapter([2, 1], idle=Fresh(0.0)).batch_threads(512) == 2
+
+
+def test_a_low_start_pays_no_timed_probe_until_cpu_is_idle():
+    """Started at 1 thread by the meter: no probe of 2 threads (which would cost ~20 steps here)
+    while no CPU sits idle, however short or long the request; an idle CPU brings one soon."""
+    meter = FakeMeter(1.0)
+    a = ThreadAdapter([2, 1], idle=meter)
+    used = drive(a, BUSY, 200)
+    assert used == [1] * 200 and a.probes == 0
+    meter.others, meter.value = 0.0, 2.0  # the load went away: two idle CPUs
+    used = drive(a, IDLE, 40, start=200)
+    assert a.current == 2 and a.switches == 1 and used.index(2) < 25
+
+
+def test_a_low_start_still_probes_after_max_gap_without_a_meter_reading_idle():
+    meter = FakeMeter(1.0)  # idle_cpus stays 0: only the gap rule can bring a probe
+    a = ThreadAdapter([2, 1], idle=meter, max_gap=64)
+    used = drive(a, IDLE, 100)  # 2 threads would be faster after all
+    assert used[:64] == [1] * 64 and a.current == 2

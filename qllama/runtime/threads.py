@@ -184,6 +184,7 @@ class ThreadAdapter:
         self._started = False  # the first probe comes after one step (the load is unknown at start)
         self._checked_start = False  # whether the first step looked at the meter
         self._idle_probe = False  # the running probe was started by the idle meter
+        self._low_start = False  # started below the largest count by the meter, no switch since
         self._idle_misses = 0  # idle-started probes lost since the last switch
         self._best = 0.0  # the current count's fastest median since it was chosen
 
@@ -237,13 +238,19 @@ class ThreadAdapter:
         slowed = self._reference and len(self._recent) == self._recent.maxlen and est > self._reference * self.slowdown
         if slowed and self.current > self.candidates[-1]:  # load arrived: fewer threads may help, probe soon
             return self._time_since >= self._cooldown_s * 0.25  # (still bounded by the last losing probe)
-        if self._since < self._gap:
-            return False
-        if self._time_since >= self._cooldown_s:
-            return True
         # idle CPU seen: probe before the cooldown ends, but each such probe that loses (the meter
         # misled) doubles the share of the cooldown the next one waits: 1/8, 1/4, 1/2, all of it
         wait = self._cooldown_s * min(1.0, 0.125 * 2 ** self._idle_misses)
+        if self._since < self._gap:
+            # started low by the meter: no timed probe before max_gap steps (a probe of more
+            # threads beside a busy core can cost as much as ten steps, and a short request would
+            # pay for it), only an idle-CPU one, after first_gap steps
+            if self._low_start and self._since >= self.first_gap and self._time_since >= wait and self._spare_cpu():
+                self._idle_probe = True
+                return True
+            return False
+        if self._time_since >= self._cooldown_s:
+            return True
         if self.current < self.max_threads and self._time_since >= wait and self._spare_cpu():
             self._idle_probe = True
             return True
@@ -253,8 +260,9 @@ class ThreadAdapter:
         """Once, before the first step or short prompt batch: the start count from the meter."""
         if not self._checked_start:
             self._checked_start = True
-            if self._start_low():  # others hold CPUs: start with fewer threads, probe more by the gap rules
+            if self._start_low():  # others hold CPUs: start with fewer threads, probe more when CPU is idle
                 self._started = True
+                self._gap, self._low_start = self.max_gap, True
 
     def _start_low(self) -> bool:
         """At the first step: if other processes kept CPUs busy since the meter started (model
@@ -296,6 +304,7 @@ class ThreadAdapter:
         """Make n the current count; `times` are its steps measured so far (a probe's)."""
         self.current = n
         self.switches += 1
+        self._low_start = False
         self._since, self._time_since = 0, 0.0
         self._idle_misses = 0
         if self.idle is not None:  # the idle window starts now
