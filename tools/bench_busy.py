@@ -149,7 +149,8 @@ class QllamaSessionRunner:
         a = self.session.threads
         st = self.forward.threads
         out = {"threads": self.llm.n_threads} if a is None else {
-            "threads": a.current, "prompt_threads": a.last_batch, "switches": a.switches, "probes": a.probes}
+            "threads": a.current, "prompt_threads": a.last_batch if a.long_batches else None, "switches": a.switches,
+            "probes": a.probes}
         if st is not None:
             out["server_threads"] = {k: ad.current for k, ad in st.adapters.items()}
         return out
