@@ -250,3 +250,53 @@ def test_mxfp4_moe_preset_equals_llama_quantize(files, tmp_path):
     gm, gt = GGUFFile(str(mine)), GGUFFile(str(theirs))
     for name in gm.tensors:
         np.testing.assert_array_equal(gm.tensor_bytes(name), gt.tensor_bytes(name), err_msg=name)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "gpt-oss-mxfp4-q8"])
+def test_oracle_greedy_tokens(tmp_path, name):
+    """Greedy continuations (f16 caches, both defaults) past the window agree until a departure at a near-tie."""
+    from dataclasses import replace
+
+    path = tmp_path / f"{name}.gguf"
+    write_moe(path, replace(CASES[name], n_ctx=256, seed=CASES[name].seed + 200, router_std=4.0))
+    llm = _lcpp(path, 256, "f16")
+    tr = qllama.load(path, n_ctx=256).forward_model
+    prompt = np.random.default_rng(6).integers(0, tr.args.n_vocab, size=12).tolist()
+    llm.reset()
+    llm.eval(prompt)
+    theirs, margins = [], []
+    for _ in range(40):
+        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        top = np.sort(row)[-2:]
+        margins.append(float(top[1] - top[0]))
+        theirs.append(int(np.argmax(row)))
+        llm.eval([theirs[-1]])
+    cache = tr.new_cache()
+    row = tr.forward(prompt, cache)[0]
+    ours = []
+    for _ in range(40):
+        ours.append(int(np.argmax(row)))
+        row = tr.forward([ours[-1]], cache)[0]
+    j = next((i for i in range(40) if ours[i] != theirs[i]), None)
+    print(f"\nGREEDY-GPTOSS {name}: " + ("all 40 tokens equal" if j is None else
+                                        f"departs at token {j}, llama.cpp margin {margins[j]:.3f}"))
+    assert j is None or margins[j] < MARGIN
+
+
+def test_router_points_and_forced_experts(files, float_path):
+    """The router is a named point on gpt-oss too: forcing experts 0..k-1 everywhere changes the
+    logits exactly as the reference does with the same experts."""
+    path = files("gpt-oss-f32")
+    model = qllama.load(path, n_ctx=64, **EXACT_KV)
+    ids = _ids(model, 20)
+    k = model.args.n_expert_used
+    forced = np.tile(np.arange(k, dtype=np.float32), (len(ids), 1))
+    with model.hooks.add("blk.*.ffn_moe_experts", lambda name, a, il: forced):
+        got = model.logits(ids)
+    ref = GptOssReference(path).logits(ids, hook=lambda n, a, il: forced if n.endswith("ffn_moe_experts") else None)
+    assert rel_err(got, ref) <= 1e-4
+    with model.trace(capture="blk.0.ffn_moe_*") as t:
+        model.logits(ids)
+    assert t["blk.0.ffn_moe_logits"].shape == (len(ids), 8) and t["blk.0.ffn_moe_weights"].shape == (len(ids), k)
+    np.testing.assert_allclose(t["blk.0.ffn_moe_weights"].sum(axis=1), 1.0, rtol=1e-6)
