@@ -5,7 +5,7 @@ and biased experts with swiglu_oai; experts in f32 and in MXFP4 (as the publishe
 
 - qllama == the float64 reference (tests/reference_moe.GptOssReference) within 1e-4 (float path),
   and within 3e-2 on the int8 path given the experts qllama chose;
-- a prompt (batch) == token by token, bit for bit (int8 path), at contexts beyond the window;
+- a prompt (batch) == token by token: bit for bit without window layers, within 1e-5 with them;
 - `oracle`: against llama-cpp-python, logits, argmax at clear positions, perplexity, f32 and f16
   KV caches.
 """
@@ -81,16 +81,26 @@ def test_logits_match_reference(files, name, int8_mode):
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
-@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "gpt-oss-f32"])
-def test_prefill_equals_token_by_token_bit_for_bit(files, name, kv, int8_mode):
+@pytest.mark.parametrize("window", [0, 16])
+def test_prefill_equals_token_by_token(tmp_path, window, kv, int8_mode):
+    """Bit for bit without window layers (int8 path: experts, router and the attention kernel with
+    sinks). With them, the windowed layers' rings wrap at other positions for other batch sizes,
+    and the attention kernel's value sums split there (its fast-math vector sums then round
+    differently, as for gemma2/gemma3, tests/test_families.py): within 1e-5 of the largest logit."""
+    from dataclasses import replace
+
     int8_mode(True)
-    path = files(name)
+    path = tmp_path / "g.gguf"
+    write_moe(path, replace(CASES["gpt-oss-mxfp4"], n_swa=window))
     kw = dict(type_k=kv, type_v=kv)
     ids = _ids(qllama.load(path, n_ctx=128, **kw), seed=1)
     full = qllama.load(path, n_ctx=128, **kw).logits(ids)
     for bs in (1, 7):
         got = qllama.load(path, n_ctx=128, batch_size=bs, **kw).logits(ids)
-        np.testing.assert_array_equal(got, full, err_msg=f"batch {bs}")
+        if window == 0:
+            np.testing.assert_array_equal(got, full, err_msg=f"batch {bs}")
+        else:
+            np.testing.assert_allclose(got, full, rtol=0, atol=1e-5 * np.abs(full).max(), err_msg=f"batch {bs}")
 
 
 def test_swiglu_oai_and_yarn_tables_follow_ggml():
@@ -300,3 +310,32 @@ def test_router_points_and_forced_experts(files, float_path):
         model.logits(ids)
     assert t["blk.0.ffn_moe_logits"].shape == (len(ids), 8) and t["blk.0.ffn_moe_weights"].shape == (len(ids), k)
     np.testing.assert_allclose(t["blk.0.ffn_moe_weights"].sum(axis=1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_attention_kernel_sinks_equal_the_numpy_path(window):
+    """kernels.layer_ops.attention(sinks=) == points.attention_numpy(sinks=) (float32 ulps), its
+    parallel form == its serial form bit for bit, and sinks of -inf == no sinks."""
+    from qllama.kernels import layer_ops as ops
+    from qllama.models.points import attention_numpy
+
+    class NoProbe:
+        def fire(self, point, il, arr):
+            return arr
+
+    rng = np.random.default_rng(window)
+    T, H, Hkv, D, ring, start = 6, 8, 2, 16, 64, 20
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k = rng.standard_normal((Hkv, ring, D)).astype(np.float32)
+    vt = rng.standard_normal((Hkv, D, ring)).astype(np.float32)
+    sinks = (2 * rng.standard_normal(H)).astype(np.float32)
+    serial, par, none, minf = (np.empty((T, H, D), np.float32) for _ in range(4))
+    ops.attention_serial(q, k, vt, start, 4, 0.25, window, 0.0, False, serial, sinks=sinks)
+    ops.attention(q, k, vt, start, 4, 0.25, window, 0.0, False, par, sinks=sinks)
+    np.testing.assert_array_equal(serial, par)
+    ref = attention_numpy(NoProbe(), 0, q, k, vt, start, 4, 0.25, window, 0.0, False, sinks=sinks)
+    np.testing.assert_allclose(serial, ref, rtol=0, atol=2e-6)
+    ops.attention_serial(q, k, vt, start, 4, 0.25, window, 0.0, False, none)
+    ops.attention_serial(q, k, vt, start, 4, 0.25, window, 0.0, False, minf, sinks=np.full(H, -np.inf, np.float32))
+    np.testing.assert_array_equal(none, minf)
+    assert np.abs(serial - none).max() > 1e-3  # the sinks matter

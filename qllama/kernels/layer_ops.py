@@ -252,7 +252,7 @@ def _key_range(p, window):
 
 
 @kernel(fastmath=True)
-def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, first, step):
+def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks, out, first, step):
     """Attention for the jobs first, first + step, ... of the (token t, KV head kvh) jobs, job
     t * Hkv + kvh: for each, the n_rep query heads of kvh attend over the keys token t sees.
 
@@ -268,9 +268,12 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
     softcap > 0: cap the scores (Gemma 2). Either cache may hold f16 bits (see the module
     docstring for the rounding); q_scaled: with f16 keys, the queries are multiplied by `scale`
     before they are rounded, as the llama.cpp graphs that scale Q themselves (Gemma, Phi-3)
-    have them (f32 keys: unused).
+    have them (f32 keys: unused). sinks: (H,) float32 attention sinks (gpt-oss: one more logit per
+    query head in the softmax's max and denominator, with no value), or an empty array: none (the
+    branches below are not taken, every other family's arithmetic is unchanged).
     """
     n_tok = q.shape[0]
+    has_sinks = sinks.shape[0] > 0
     n_kv = k_cache.shape[0]
     n_max = min(start_pos + n_tok, k_cache.shape[1])
     qbuf = np.empty((n_rep, q.shape[2]), np.float32)  # scratch: the queries as the keys are stored
@@ -333,10 +336,14 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
             best = _NEG_INF
             for j in range(n_keys):
                 best = sr[j] if sr[j] > best else best
+            if has_sinks:
+                best = sinks[h0 + r] if sinks[h0 + r] > best else best
             _exp_shifted(sr, n_keys, best, bits, fbits)  # stable softmax: the largest term is exp(0)
             total = _F0
             for j in range(n_keys):
                 total += sr[j]
+            if has_sinks:  # the sink's term joins the denominator only
+                total += np.float32(math.exp(sinks[h0 + r] - best))
             if _is_half(vt_cache):  # ggml: probabilities normalised, then rounded to f16 for the V product
                 inv = _F1 / total
                 for j in range(n_keys):
@@ -388,25 +395,39 @@ def _typed(start_pos, n_rep, scale, window, softcap, q_scaled) -> tuple:
     return np.int64(start_pos), np.int64(n_rep), np.float32(scale), np.int64(window), np.float32(softcap), bool(q_scaled)
 
 
-def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
+NO_SINKS = np.zeros(0, np.float32)  # `_attend_jobs`'s sinks when a model has none
+NO_SINKS.flags.writeable = False
+
+
+def _sinks(sinks) -> np.ndarray:
+    if sinks is None:
+        return NO_SINKS
+    s = np.ascontiguousarray(sinks, dtype=np.float32)
+    s.flags.writeable = False  # (one array type for the compiled code, as NO_SINKS)
+    return s
+
+
+def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, sinks=None):
     """Causal grouped-query attention over the cache, on the calling thread (decode-sized work).
 
     q: (T, H, D) float32 (already roped); k_cache: (Hkv, ring, D), vt_cache: (Hkv, D, ring)
     float32 or f16 bits (uint16) for one layer, holding positions [start_pos + T - ring, start_pos + T) (all of
     [0, start_pos + T) when ring = n_ctx); out: (T, H, D) float32. Token t sees the keys at
     positions start_pos + t - window + 1 .. start_pos + t (window 0: from 0). q_scaled: see `_attend_jobs`.
+    sinks: (H,) float32 attention sinks, or None (see `_attend_jobs`).
     (A Python function: a compiled wrapper would compile the whole body once more.)
     """
-    _attend_jobs(q, k_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), out, 0, 1)
+    _attend_jobs(q, k_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), _sinks(sinks), out,
+                 0, 1)
 
 
 ATTENTION_CHUNKS = 16  # job strides of the parallel form: contiguous runs of them per thread stay balanced
 
 
-def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
+def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, sinks=None):
     """`attention_serial` with the jobs spread over the threads (one parallel region), computing
     exactly the same: `_attention_chunks` calls the same compiled `_attend_jobs` by its address."""
-    args = (q, k_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), out)
+    args = (q, k_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), _sinks(sinks), out)
     arrays = (q, k_cache, vt_cache, out)
     if not all(a.flags.c_contiguous and a.flags.aligned for a in arrays):  # (the address is for C-contiguous arrays)
         _attend_jobs(*args, 0, 1)
@@ -416,7 +437,8 @@ def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_
 
 
 @kernel(parallel=True)
-def _attention_chunks(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out):
+def _attention_chunks(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks,
+                      out):
     """The parallel region of `attention`: chunk c runs _attend_jobs (at jobs_address) for every
     ATTENTION_CHUNKS-th job from c, so that each thread gets early (short) and late (long)
     tokens of a causal batch alike. jobs_address 0: nothing (a recording warm-up's call)."""
@@ -425,8 +447,8 @@ def _attention_chunks(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scal
     n_jobs = q.shape[0] * k_cache.shape[0]
     n_chunks = min(n_jobs, ATTENTION_CHUNKS)
     for c in prange(n_chunks):
-        call_address(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out,
-                     np.int64(c), np.int64(n_chunks))
+        call_address(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks,
+                     out, np.int64(c), np.int64(n_chunks))
 
 
 # below this many (query head x key) dot products, waking the thread pool costs more than it saves

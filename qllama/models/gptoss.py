@@ -25,9 +25,9 @@ rope.scaling.original_context_length; pair i's angle mixes the interpolated and 
 frequencies with the ramp between the correction dimensions, and cos/sin are scaled by
 attn_factor * (1 + 0.1 ln(1 / freq_scale)).
 
-Attention runs on the NumPy path (`points.attention_numpy` with `sinks`), one query at a time
-(so a prompt's rows equal decode's bit for bit), not the Numba attention kernels (they have no
-sinks yet): correct, slower than the other families at long prompts.
+Attention runs in the Numba attention kernels with the sinks (`kernels.layer_ops.attention`,
+`sinks=`); with a quantized KV cache, and when hooks read the attention scores, in NumPy (one
+query at a time, or `points.attention_numpy` with `sinks`).
 """
 
 from __future__ import annotations
@@ -248,7 +248,12 @@ class GptOss(Transformer):
                 out[sl] = attention_numpy(probe, il, qs, c.k[il], c.vt[il], seg.start, *args, sinks=sinks)
                 continue
             os_ = out[sl]
-            for t in range(qs.shape[0]):  # query by query: a prompt's rows equal decode's, bit for bit
+            if not c.blocks:  # the Numba attention kernels with the sinks (a prompt's rows == decode's)
+                parallel = ops.attention_parallel_pays(seg.hi - seg.lo, seg.start, a.n_head, step.n_threads)
+                attention = ops.attention if parallel else ops.attention_serial
+                attention(np.ascontiguousarray(qs), c.k[il], c.vt[il], seg.start, *args, os_, sinks=sinks)
+                continue
+            for t in range(qs.shape[0]):  # a quantized cache: query by query in NumPy
                 os_[t] = attend_one(qs[t], c.k[il], c.vt[il], seg.start + t, *args[:3], self.q_prescaled, sinks)
         return out.reshape(n_tok, a.q_dim)
 
