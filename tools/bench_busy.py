@@ -312,7 +312,7 @@ class BusyLoop:
 
 
 def run_phase(workers: list[Worker], args, say) -> dict:
-    """Each repetition runs every path on every worker in turn (A B A B); medians per (path, worker)."""
+    """Each repetition runs every path on every worker in turn (A B A B, rotated); medians per (path, worker)."""
     samples: dict[str, dict[str, list[float]]] = {}
     cpu: dict[str, dict[str, list[float]]] = {}
     state: dict[str, dict] = {}
@@ -326,8 +326,11 @@ def run_phase(workers: list[Worker], args, say) -> dict:
             used.setdefault(path, {})[label] = thr
 
     for r in range(args.reps):
+        # A B A B, each repetition starting one worker later (A B C, B C A, ...), so that a load
+        # that drifts during a repetition does not always favour the same worker
+        order = workers[r % len(workers):] + workers[: r % len(workers)]
         for path in args.paths:
-            for w in workers:
+            for w in order:
                 if path == "bench":
                     out = w.ask(path="bench", p=max(1, args.n_prompt // 2), n=max(1, args.n_gen // 2))
                     add("bench pp", w.label, out["bench_pp"], thr=out["bench_pp_threads"])
