@@ -32,7 +32,7 @@ EOS = 14
 class FakeTokenizer:
     eog_ids = frozenset({EOS})
 
-    def stream_decoder(self, continuation=False):
+    def stream_decoder(self, special=False, continuation=False):
         assert continuation  # generated text continues the prompt: keep its first space
         dec = codecs.getincrementaldecoder("utf-8")("replace")
 
