@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from .model_ref import ModelRef
+from .options import text_ids
 
 SHADES = " ░▒▓█"
 LEVELS = (0.05, 0.25, 0.5, 0.75)  # a weight below LEVELS[0] is blank, then one shade per step
@@ -47,9 +48,7 @@ def command(model, text, layer, head, last, png, no_bos, threads):
     if layer >= llm.args.n_layer:
         raise click.BadParameter(f"{layer} is not a block of this model (0..{llm.args.n_layer - 1})",
                                  param_hint="--layer")
-    ids = llm.tokenize(text, add_bos=not no_bos)
-    if len(ids) > llm.n_ctx:
-        raise click.UsageError(f"the text has {len(ids)} tokens, more than the context of {llm.n_ctx}")
+    ids = text_ids(llm, text, no_bos)
     pieces, probs = attention_map(llm, ids, layer)  # (H, T, T)
     grid = probs[head] if head is not None else probs.mean(axis=0)  # (T, T)
     what = f"head {head}" if head is not None else f"mean of {n_head} heads"

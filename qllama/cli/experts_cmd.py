@@ -12,6 +12,7 @@ import json
 import click
 
 from .model_ref import ModelRef
+from .options import text_ids
 
 
 @click.command("experts")
@@ -29,9 +30,7 @@ def command(model, text, top, png, no_bos, threads, as_json):
     from ..experts import expert_usage
 
     llm = load(model, n_threads=threads)
-    ids = llm.tokenize(text, add_bos=not no_bos)
-    if len(ids) > llm.n_ctx:
-        raise click.UsageError(f"the text has {len(ids)} tokens, more than the context of {llm.n_ctx}")
+    ids = text_ids(llm, text, no_bos)
     usage = expert_usage(llm, ids)
     if png:
         usage.save_png(png)

@@ -12,6 +12,7 @@ import json
 import click
 
 from .model_ref import ModelRef
+from .options import text_ids
 
 
 @click.command("lens")
@@ -30,9 +31,7 @@ def command(model, text, top_k, position, no_bos, threads, as_json):
     from ..lens import logit_lens
 
     llm = load(model, n_threads=threads)
-    ids = llm.tokenize(text, add_bos=not no_bos)
-    if len(ids) > llm.n_ctx:
-        raise click.UsageError(f"the text has {len(ids)} tokens, more than the context of {llm.n_ctx}")
+    ids = text_ids(llm, text, no_bos)
     res = logit_lens(llm, ids, top_k=top_k, position=position)
     if as_json:
         click.echo(json.dumps(res.as_dict(), ensure_ascii=False))

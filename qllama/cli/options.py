@@ -118,3 +118,12 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if prompt_file is None and sys.stdin.isatty():
         raise click.UsageError("no prompt: give PROMPT, -f FILE, or pipe text on stdin")
     return sys.stdin.read()
+
+
+def text_ids(llm, text: str, no_bos: bool) -> list[int]:
+    """The tokens of TEXT for an analysis command (lens, attention, experts): BOS as the model
+    asks unless --no-bos, and a usage error when they do not fit in the context."""
+    ids = llm.tokenize(text, add_bos=not no_bos)
+    if len(ids) > llm.n_ctx:
+        raise click.UsageError(f"the text has {len(ids)} tokens, more than the context of {llm.n_ctx}")
+    return ids
