@@ -82,21 +82,25 @@ def test_logits_match_reference(files, name, int8_mode):
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("window", [0, 16])
-def test_prefill_equals_token_by_token(tmp_path, window, kv, int8_mode):
-    """Bit for bit without window layers (int8 path: experts, router and the attention kernel with
-    sinks). With them, the windowed layers' rings wrap at other positions for other batch sizes,
+@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "gpt-oss-mxfp4-q8"])
+def test_prefill_equals_token_by_token(tmp_path, name, window, kv, int8_mode):
+    """Bit for bit without window layers (int8 path: experts, router, the attention kernel with
+    sinks, and with q8_0 attention matrices the fused one-token Q|K|V and output kernels). With them, the windowed layers' rings wrap at other positions for other batch sizes,
     and the attention kernel's value sums split there (its fast-math vector sums then round
     differently, as for gemma2/gemma3, tests/test_families.py): within 1e-5 of the largest logit."""
     from dataclasses import replace
 
     int8_mode(True)
     path = tmp_path / "g.gguf"
-    write_moe(path, replace(CASES["gpt-oss-mxfp4"], n_swa=window))
+    write_moe(path, replace(CASES[name], n_swa=window))
     kw = dict(type_k=kv, type_v=kv)
     ids = _ids(qllama.load(path, n_ctx=128, **kw), seed=1)
     full = qllama.load(path, n_ctx=128, **kw).logits(ids)
     for bs in (1, 7):
-        got = qllama.load(path, n_ctx=128, batch_size=bs, **kw).logits(ids)
+        m = qllama.load(path, n_ctx=128, batch_size=bs, **kw)
+        got = m.logits(ids)
+        if bs == 1 and name.endswith("q8"):  # one-token steps took the fused Q|K|V and output kernels
+            assert m.forward_model._plan
         if window == 0:
             np.testing.assert_array_equal(got, full, err_msg=f"batch {bs}")
         else:

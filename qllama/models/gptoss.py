@@ -213,9 +213,6 @@ class GptOss(Transformer):
             t = yarn_rope_tables(a.n_rot, a.rope_freq_base, 1.0 / a.rope_scale, n_orig, a.rope_attn_factor, n_ctx)
             self.rope = [t] * a.n_layer
 
-    def fused_state(self):
-        return None  # the fused decode plan knows no biases on the output projection nor sinks
-
     def block(self, il, layer, x, batch):
         h = self.norm(x, layer.attn_norm)
         q, k, v = self.qkv(layer, h)  # with the Q/K/V biases
