@@ -173,3 +173,41 @@ def test_cli_check_tensors_and_inspect_check(corpus):
     r = subprocess.run([sys.executable, "-m", "qllama", "inspect", str(SOURCE), "--check"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "all finite" in r.stderr
+
+
+@pytest.mark.parametrize("type_name", ["iq1_m", "mxfp4"])
+def test_composite_scales_are_scanned_as_gguf_py_decodes_them(tmp_path, type_name):
+    """iq1_m spreads its fp16 d over four scale words and MXFP4 scales by an E8M0 byte: the check
+    flags exactly the blocks that gguf-py's dequantization turns non-finite."""
+    import gguf
+
+    from qllama.gguf.types import GGML_TYPES_BY_NAME
+
+    t = GGML_TYPES_BY_NAME[type_name]
+    qtype = gguf.GGMLQuantizationType(t.id)
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, size=(12, t.type_size), dtype=np.uint8)  # (blocks, bytes)
+    if type_name == "iq1_m":
+        sc = blocks[:, 48:56].view("<u2")  # d's nibbles: an ordinary 0x3C00 (1.0), then spoil two blocks
+        sc &= np.uint16(0x0FFF)
+        sc[:, 3] |= np.uint16(0x3000)
+        sc[:, 2] |= np.uint16(0xC000)
+        sc[[3, 7], 3] |= np.uint16(0x7000)  # exponent bits all set: d is Inf or NaN
+        sc[[3, 7], 2] |= np.uint16(0xC000)
+    else:
+        blocks[:, 0] = rng.integers(100, 140, size=12)
+        blocks[:, 1:] |= 0x77  # nonzero values in every nibble
+        blocks[[3, 7], 0] = [254, 255]
+    values = gguf.quants.dequantize(blocks.reshape(1, -1), qtype).reshape(12, -1)  # (blocks, elements)
+    expected = ~np.isfinite(values).all(axis=1)
+    assert expected.tolist() == [i in (3, 7) for i in range(12)]
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("w", blocks.reshape(1, -1), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    report = check_tensors(GGUFFile(str(tmp_path / "m.gguf")))
+    assert not report.unchecked
+    (f,) = report.findings
+    assert (f.count, f.total, f.first) == (2, 12, 3)

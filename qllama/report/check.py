@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..gguf.types import BF16, F16, F32, GGML_TYPES
+from ..gguf.types import BF16, F16, F32, GGML_TYPES, IQ1_M, MXFP4
 from ..gguf.reader import GGUFFile
 
 # per element type: (integer view, mask of the exponent bits)
@@ -54,12 +54,37 @@ class CheckReport:
         return not self.findings
 
 
+def _iq1_m_bad(blocks: np.ndarray) -> np.ndarray:
+    """iq1_m keeps its fp16 d in the top nibbles of its four scale words (bytes 48..55), as ggml
+    reassembles it: (blocks,) bool, True where d is NaN or Inf."""
+    sc = np.ascontiguousarray(blocks[:, 48:56]).view("<u2").astype(np.uint32)  # (blocks, 4)
+    d = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0x00F0) | ((sc[:, 2] >> 4) & 0x0F00) | (sc[:, 3] & 0xF000)
+    return (d & _FP16_EXPONENT) == _FP16_EXPONENT
+
+
+def _mxfp4_bad(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4's E8M0 exponent byte: from 254 on, ggml's half-scale times e2m1's largest values
+    overflows float32 (as gguf-py's and ggml's dequantization do): (blocks,) bool."""
+    return blocks[:, 0] >= 254
+
+
+# types whose scale is not one fp16 field: a NumPy test per block
+_COMPOSITE_SCALES = {IQ1_M: _iq1_m_bad, MXFP4: _mxfp4_bad}
+
+
 def scan_tensor(gf: GGUFFile, name: str) -> TensorFinding | None:
     """Scan one tensor; None when it is finite. Raises KeyError for a type the scan does not know."""
     from ..kernels.scan import count_nonfinite, count_nonfinite_parallel
 
     info = gf.tensors[name]
     raw = gf.tensor_bytes(name)  # uint8 view into the mmap
+    if info.type_id in _COMPOSITE_SCALES:
+        size = GGML_TYPES[info.type_id].type_size
+        bad = _COMPOSITE_SCALES[info.type_id](raw.reshape(-1)[: raw.size // size * size].reshape(-1, size))
+        count = int(bad.sum())
+        if count == 0:
+            return None
+        return TensorFinding(name, info.type_name, "block", count, int(bad.size), int(np.argmax(bad)))
     if info.type_id in _ELEMENT_LAYOUT:
         dtype, mask = _ELEMENT_LAYOUT[info.type_id]
         words = raw.view(dtype)  # one word per value
