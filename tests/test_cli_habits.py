@@ -517,8 +517,8 @@ def test_help_and_readme_agree_on_threads_and_the_api_example_does_not_warn(caps
     for cmd in ("run", "chat"):
         code, out, _ = cli_main(capsys, cmd, "--help")
         assert code == 0 and "physical cores)" not in out
-        assert "decoding adapts its count" in " ".join(out.split())
-    assert "an adaptive count for decoding" in " ".join(readme.split())
+        assert "adapted to how busy the machine is" in " ".join(out.split())
+    assert "(default: adapted to how busy the machine is" in " ".join(readme.split())
     code, out, _ = cli_main(capsys, "run", "--help")
     for flag in ("-cnv, --conversation", "-no-cnv, --no-conversation", "-sys, --system", "-r, --reverse-prompt",
                  "-i, --interactive", "--ignore-eos", "--presence-penalty", "--frequency-penalty", "--logit-bias"):

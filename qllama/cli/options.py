@@ -9,8 +9,8 @@ import click
 
 from ..errors import QllamaError
 
-THREADS_HELP = ("Threads (default: every physical core for prompts; one-token decoding adapts its count to the "
-                "machine, fewer when other processes hold cores). An explicit -t N is kept.")
+THREADS_HELP = ("Threads (default: adapted to how busy the machine is, for prompts and decoding alike: at most "
+                "the physical cores, fewer when other processes hold cores). An explicit -t N is kept.")
 RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF, i.e. -1): draw a random seed
 
 
