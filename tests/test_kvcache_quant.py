@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -423,22 +422,9 @@ PPL_CTX, PPL_CHUNKS = 256, 8
 
 def _lcpp_perplexity(llama_cpp, path, kv: str, text: str) -> float:
     """llama-perplexity's protocol (chunks of n_ctx, BOS first, score the second half), flash attention on."""
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=PPL_CTX, n_batch=512, n_threads=2, logits_all=True,
-                          verbose=False, seed=0, type_k=kv_type_id(kv), type_v=kv_type_id(kv), flash_attn=True)
-    toks = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
-    nll, count = 0.0, 0
-    for c in range(min(PPL_CHUNKS, len(toks) // PPL_CTX)):
-        chunk = toks[c * PPL_CTX : (c + 1) * PPL_CTX]
-        chunk[0] = llm.token_bos()
-        llm.reset()
-        llm.eval(chunk)
-        lg = np.array(llm.scores[:PPL_CTX], np.float64)[PPL_CTX // 2 : PPL_CTX - 1]
-        lg -= lg.max(axis=1, keepdims=True)
-        logp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
-        tgt = np.asarray(chunk[PPL_CTX // 2 + 1 :])
-        nll -= float(logp[np.arange(tgt.size), tgt].sum())
-        count += tgt.size
-    return math.exp(nll / count)
+    from tools.kv_quant_ppl import llama_cpp_perplexity
+
+    return llama_cpp_perplexity(str(path), text, kv, PPL_CTX, PPL_CHUNKS, threads=2)
 
 
 @pytest.mark.oracle
