@@ -242,3 +242,25 @@ class GptOssReference:
             x = tap("resid", x + self.moe(p, cur, lambda name, a: tap(name, a, il)), il)
         x = rmsnorm(x, w["output_norm.weight"], self.eps)
         return tap("logits", x @ w["output.weight"].T)
+
+
+def greedy_departure(llm, tr, prompt: list[int], n: int) -> tuple[int | None, list[float]]:
+    """Greedy continuations of `prompt` by llama.cpp (a llama_cpp.Llama) and by a qllama
+    Transformer, n tokens each: (the first position where they differ, or None; llama.cpp's
+    top-2 margin at every position)."""
+    llm.reset()
+    llm.eval(prompt)
+    theirs, margins = [], []
+    for _ in range(n):
+        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        top = np.sort(row)[-2:]
+        margins.append(float(top[1] - top[0]))
+        theirs.append(int(np.argmax(row)))
+        llm.eval([theirs[-1]])
+    cache = tr.new_cache()
+    row = tr.forward(prompt, cache)[0]
+    ours = []
+    for _ in range(n):
+        ours.append(int(np.argmax(row)))
+        row = tr.forward([ours[-1]], cache)[0]
+    return next((i for i in range(n) if ours[i] != theirs[i]), None), margins

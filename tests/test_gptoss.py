@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import qllama
-from reference_moe import GptOssReference, yarn_rope
+from reference_moe import GptOssReference, greedy_departure, yarn_rope
 from tools.make_moe import moe_spec, write_moe
 
 EXACT_KV = dict(type_k="f32", type_v="f32")
@@ -283,22 +283,7 @@ def test_oracle_greedy_tokens(tmp_path, name):
     llm = _lcpp(path, 256, "f16")
     tr = qllama.load(path, n_ctx=256).forward_model
     prompt = np.random.default_rng(6).integers(0, tr.args.n_vocab, size=12).tolist()
-    llm.reset()
-    llm.eval(prompt)
-    theirs, margins = [], []
-    for _ in range(40):
-        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
-        top = np.sort(row)[-2:]
-        margins.append(float(top[1] - top[0]))
-        theirs.append(int(np.argmax(row)))
-        llm.eval([theirs[-1]])
-    cache = tr.new_cache()
-    row = tr.forward(prompt, cache)[0]
-    ours = []
-    for _ in range(40):
-        ours.append(int(np.argmax(row)))
-        row = tr.forward([ours[-1]], cache)[0]
-    j = next((i for i in range(40) if ours[i] != theirs[i]), None)
+    j, margins = greedy_departure(llm, tr, prompt, 40)
     print(f"\nGREEDY-GPTOSS {name}: " + ("all 40 tokens equal" if j is None else
                                         f"departs at token {j}, llama.cpp margin {margins[j]:.3f}"))
     assert j is None or margins[j] < MARGIN

@@ -25,7 +25,7 @@ import pytest
 import qllama
 from conftest import REPO
 from qllama.errors import QllamaError
-from reference_moe import MoeReference
+from reference_moe import MoeReference, greedy_departure
 from tools.make_moe import moe_spec, write_moe
 
 FLOAT_TOL = 1e-4
@@ -445,22 +445,7 @@ def test_oracle_greedy_tokens(tmp_path, name):
     model = qllama.load(path, n_ctx=256)
     tr = _transformer(model)
     prompt = _ids(model, 12, seed=6)
-    llm.reset()
-    llm.eval(prompt)
-    theirs, margins = [], []
-    for _ in range(32):
-        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
-        top = np.sort(row)[-2:]
-        margins.append(float(top[1] - top[0]))
-        theirs.append(int(np.argmax(row)))
-        llm.eval([theirs[-1]])
-    cache = tr.new_cache()
-    row = tr.forward(prompt, cache)[0]
-    ours = []
-    for _ in range(32):
-        ours.append(int(np.argmax(row)))
-        row = tr.forward([ours[-1]], cache)[0]
-    j = next((i for i in range(32) if ours[i] != theirs[i]), None)
+    j, margins = greedy_departure(llm, tr, prompt, 32)
     print(f"\nGREEDY-MOE {name}: " + ("all 32 tokens equal" if j is None else
                                      f"departs at token {j}, llama.cpp margin {margins[j]:.3f}"))
     assert j is None or margins[j] < MARGIN
