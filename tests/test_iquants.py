@@ -425,25 +425,51 @@ ORACLE_FTYPES = {"IQ4_NL": (25, IQ4_NL), "IQ4_XS": (30, IQ4_XS), "IQ3_S": (26, g
 ORACLE_PPL_TOL = 5e-3
 
 
-@pytest.fixture(scope="module")
-def llama_cpp_files(tmp_path_factory):
+def llama_cpp_quantize(src, dst, ftype: int, imatrix: dict | None = None, kv: dict | None = None) -> None:
+    """llama.cpp's `llama_model_quantize` (the library behind llama-quantize) writes `dst` from
+    `src` as llama file type `ftype`; imatrix: {tensor name: float32 (ne0,) importance} passed
+    as its `llama_model_imatrix_data` array, as llama-quantize passes the matrix it read; kv:
+    {key: int | str} metadata overrides (llama-quantize's `quantize.imatrix.*` keys)."""
     import ctypes
 
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 2
+    keep = []  # ctypes buffers alive until the call returns
+    if imatrix:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()  # a null name ends it
+        for e, (name, values) in zip(entries, sorted(imatrix.items())):
+            v = np.ascontiguousarray(values, np.float32)
+            keep.append(v)
+            e.name, e.data, e.size = name.encode(), v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), v.size
+        params.imatrix = entries
+        keep.append(entries)
+    if kv:
+        over = (llama_cpp.llama_model_kv_override * (len(kv) + 1))()  # an empty key ends it
+        for o, (key, value) in zip(over, kv.items()):
+            o.key = key.encode()
+            if isinstance(value, str):
+                o.tag, o.value.val_str = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()[:127]
+            else:
+                o.tag, o.value.val_i64 = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, int(value)
+        params.kv_overrides = over
+        keep.append(over)
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_files(tmp_path_factory):
     from conftest import shared_path
 
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
     src = shared_path("models", "shakespeare-spm-f32.gguf")
     root = tmp_path_factory.mktemp("iq-oracle")
     made = {}
 
     def get(name: str):
         if name not in made:
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = ORACLE_FTYPES[name][0]
-            params.nthread = 2
-            dst = root / f"shakespeare-{name}.gguf"
-            assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
-            made[name] = dst
+            made[name] = root / f"shakespeare-{name}.gguf"
+            llama_cpp_quantize(src, made[name], ORACLE_FTYPES[name][0])
         return made[name]
 
     return get
@@ -456,6 +482,13 @@ def test_llama_cpp_files_match_llama_cpp(llama_cpp_files, name, tmp_path):
     """A file llama.cpp quantized: its tensors decode as gguf-py's; perplexity within 0.5% of
     llama.cpp's (llama-perplexity's protocol, f16 caches both); teacher-forced argmax equal at every
     clear position; greedy text equal up to a near-tie."""
+    compare_with_llama_cpp(llama_cpp_files(name), name, ORACLE_FTYPES[name][1], tmp_path)
+
+
+def compare_with_llama_cpp(path, name: str, tid: int, tmp_path) -> dict:
+    """The oracle comparison of one llama.cpp-made file (see the test above); `tid` is the type the
+    preset is about (at least one tensor must have it). Every quantized type in the file decodes as
+    gguf-py's. Returns the measured figures."""
     import json
     import subprocess
     import sys
@@ -465,15 +498,18 @@ def test_llama_cpp_files_match_llama_cpp(llama_cpp_files, name, tmp_path):
     from qllama.gguf.reader import GGUFFile
     from test_families_oracle import MARGIN, LlamaCpp, _margins, _text, first_departure
 
-    path = llama_cpp_files(name)
     gf = GGUFFile(path)
-    tid = ORACLE_FTYPES[name][1]
-    names = [n for n, info in gf.tensors.items() if info.type_id == tid]
-    assert names, f"no {GGML_TYPES[tid].name} tensor in llama.cpp's {name} file"
-    for tname in names[:2]:
-        q = QTensor.from_gguf(gf, tname)
-        np.testing.assert_array_equal(bits(q.dequantize(np.arange(0, q.n_rows, 7))),
-                                      bits(gq.dequantize(q.raw[::7], GQ(tid))))
+    by_type: dict[int, list[str]] = {}
+    for n, info in gf.tensors.items():
+        if info.type_id not in (gt.F32, gt.F16):
+            by_type.setdefault(info.type_id, []).append(n)
+    assert tid in by_type, f"no {GGML_TYPES[tid].name} tensor in llama.cpp's {name} file"
+    for t, names in by_type.items():
+        for tname in names[:2]:
+            q = QTensor.from_gguf(gf, tname)
+            np.testing.assert_array_equal(bits(q.dequantize(np.arange(0, q.n_rows, 7))),
+                                          bits(gq.dequantize(q.raw[::7], GQ(t))))
+    types = sorted(GGML_TYPES[t].name for t in by_type)
     lc = LlamaCpp(path, 128)
     text = _text()
     want = lc.perplexity(text, 128, chunks=15)
@@ -482,7 +518,7 @@ def test_llama_cpp_files_match_llama_cpp(llama_cpp_files, name, tmp_path):
                           "--chunks", "15", "--json"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)["ppl"]
-    print(f"\nPPL {name}: qllama {got:.4f} llama.cpp {want:.4f} ({(got / want - 1) * 100:+.3f}%)")
+    print(f"\nPPL {name} ({', '.join(types)}): qllama {got:.4f} llama.cpp {want:.4f} ({(got / want - 1) * 100:+.3f}%)")
     assert abs(got / want - 1) <= ORACLE_PPL_TOL
 
     model = qllama.load(path, n_ctx=256)
@@ -502,6 +538,7 @@ def test_llama_cpp_files_match_llama_cpp(llama_cpp_files, name, tmp_path):
     j = first_departure(lc, toks, margins, out.stdout)
     print(f"GREEDY {name}: " + (f"all {len(toks)} tokens equal" if j is None else f"departs at {j}, margin {margins[j]:.3f}"))
     assert j is None or margins[j] < MARGIN
+    return {"types": types, "ppl": (got, want), "argmax": (int((agree & sure).sum()), int(sure.sum())), "greedy": j}
 
 
 @pytest.mark.parametrize("wtype", ["iq4_xs", "iq4_nl"])

@@ -1,0 +1,166 @@
+"""Issue 30 item 2: the llama.cpp presets that need an importance matrix (IQ3_XXS, IQ2_XXS, IQ2_XS,
+IQ2_S, IQ2_M, IQ1_S, IQ1_M, Q2_K_S), made by llama.cpp from the trained model and compared with
+llama.cpp running the same file (oracle).
+
+The importance matrix is computed as `llama-imatrix` computes it: for every matrix a `blk.*`
+matmul multiplies, the sum over tokens of each input column's squared activation, and the number
+of tokens (output.weight is left out, as without --process-output), over chunks of the context
+size whose first token is BOS. The activations are qllama's own (the f32 model, traced at the
+points that feed each projection). The matrix is written in llama-imatrix's GGUF layout
+(`write_imatrix_gguf`: `<tensor>.in_sum2`, `<tensor>.counts`, `imatrix.*` keys), read back as
+llama-quantize reads it (`read_imatrix_gguf`: sum / count), and passed to llama.cpp's own
+`llama_model_quantize` (its `llama_model_imatrix_data` array), so the per-tensor types, the
+quantizer and the file layout are llama.cpp's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qllama.gguf import types as gt
+
+# preset -> (llama_ftype, the type the preset is named for, which the file must hold)
+IMATRIX_FTYPES = {"IQ3_XXS": (23, gt.IQ3_XXS), "IQ2_XXS": (19, gt.IQ2_XXS), "IQ2_XS": (20, gt.IQ2_XS),
+                  "IQ2_S": (28, gt.IQ2_XS), "IQ2_M": (29, gt.IQ2_S), "IQ1_S": (24, gt.IQ1_S),
+                  "IQ1_M": (31, gt.IQ1_M), "Q2_K_S": (21, gt.Q2_K)}
+# the projection each traced point feeds (qllama.models.points): llama.cpp's matmul inputs
+FEEDS = {"attn_norm": ("attn_q", "attn_k", "attn_v"), "attn_z": ("attn_output",),
+         "ffn_in": ("ffn_gate", "ffn_up"), "ffn_act": ("ffn_down",)}
+CALIBRATION_CTX = 256  # llama-imatrix's chunk: the model's training context
+CALIBRATION_CHUNKS = 32  # llama-imatrix --chunks 32 (the text has 67)
+
+
+def calibration_text() -> str:
+    """The held-out text after the part the comparisons score (test_families_oracle._text)."""
+    from conftest import shared_path
+
+    return shared_path("models", "shakespeare-val.txt").read_text()[6000:]
+
+
+def collect_imatrix(model_path, text: str, n_ctx: int = CALIBRATION_CTX, max_chunks: int = CALIBRATION_CHUNKS
+                    ) -> tuple[dict, int]:
+    """llama-imatrix's statistics: ({weight name: (float64 (ne0,) sum of x^2, token count)}, chunks)."""
+    import qllama
+
+    model = qllama.load(model_path, n_ctx=n_ctx)
+    ids = model.tokenize(text)  # BOS first, as llama-imatrix tokenizes
+    n_chunk = min(len(ids) // n_ctx, max_chunks)
+    n_layer = model.args.n_layer
+    stats: dict[str, list] = {}
+    for c in range(n_chunk):
+        chunk = list(ids[c * n_ctx:(c + 1) * n_ctx])
+        chunk[0] = ids[0]  # every chunk starts with BOS
+        with model.trace(capture=[f"blk.*.{p}" for p in FEEDS]) as t:
+            model.logits(chunk)
+        for il in range(n_layer):
+            for point, weights in FEEDS.items():
+                x = np.asarray(t[f"blk.{il}.{point}"], np.float64).reshape(n_ctx, -1)  # (tokens, ne0)
+                sq = (x * x).sum(axis=0)
+                for w in weights:
+                    e = stats.setdefault(f"blk.{il}.{w}.weight", [0.0, 0])
+                    e[0] = e[0] + sq
+                    e[1] += n_ctx
+    return {k: (v[0], v[1]) for k, v in stats.items()}, n_chunk
+
+
+def write_imatrix_gguf(path, stats: dict, dataset: str, chunk_size: int, n_chunk: int) -> None:
+    """llama-imatrix's GGUF output: general.type "imatrix", imatrix.datasets / chunk_count /
+    chunk_size, and per matrix `<name>.in_sum2` (f32, ne = [ne0, 1]) and `<name>.counts` (f32,
+    ne = [1, 1]), names sorted; no architecture key."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.kv_data[0].pop("general.architecture", None)  # GGUFWriter always adds one; llama-imatrix does not
+    w.add_type("imatrix")
+    w.add_array("imatrix.datasets", [dataset])
+    w.add_uint32("imatrix.chunk_count", n_chunk)
+    w.add_uint32("imatrix.chunk_size", chunk_size)
+    for name in sorted(stats):
+        s, count = stats[name]
+        w.add_tensor(f"{name}.in_sum2", np.asarray(s, np.float32).reshape(1, -1))
+        w.add_tensor(f"{name}.counts", np.full((1, 1), count, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def read_imatrix_gguf(path) -> dict[str, np.ndarray]:
+    """An imatrix GGUF as llama-quantize reads it: {weight name: float32 in_sum2 / count} (a matrix
+    with count 0 gets ones)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    arrays = {t.name: np.asarray(t.data, np.float32) for t in r.tensors}
+    out = {}
+    for key, sums in arrays.items():
+        if key.endswith(".in_sum2"):
+            name = key[: -len(".in_sum2")]
+            counts = arrays[f"{name}.counts"].reshape(-1)  # (n_mat,)
+            sums = sums.reshape(counts.size, -1)  # (n_mat, ne0)
+            safe = np.where(counts > 0, counts, 1.0).astype(np.float32)
+            out[name] = np.where(counts[:, None] > 0, sums / safe[:, None], 1.0).astype(np.float32).reshape(-1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def imatrix_files(tmp_path_factory):
+    """preset name -> the file llama.cpp made with the importance matrix (made on first use)."""
+    from conftest import shared_path
+    from test_iquants import llama_cpp_quantize
+
+    src = shared_path("models", "shakespeare-spm-f32.gguf")
+    root = tmp_path_factory.mktemp("iq-imatrix")
+    stats, n_chunk = collect_imatrix(src, calibration_text())
+    imatrix_path = root / "imatrix.gguf"
+    write_imatrix_gguf(imatrix_path, stats, "shakespeare-val.txt[6000:]", CALIBRATION_CTX, n_chunk)
+    imatrix = read_imatrix_gguf(imatrix_path)
+    # llama-quantize records where its matrix came from
+    kv = {"quantize.imatrix.file": str(imatrix_path), "quantize.imatrix.dataset": "shakespeare-val.txt[6000:]",
+          "quantize.imatrix.entries_count": len(imatrix), "quantize.imatrix.chunks_count": n_chunk}
+    made = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = root / f"shakespeare-{name}.gguf"
+            llama_cpp_quantize(src, made[name], IMATRIX_FTYPES[name][0], imatrix=imatrix, kv=kv)
+        return made[name]
+
+    get.imatrix, get.stats, get.n_chunk = imatrix, stats, n_chunk
+    return get
+
+
+@pytest.mark.oracle
+def test_imatrix_file_round_trips_and_covers_every_block_matrix(imatrix_files):
+    """The written imatrix GGUF reads back as sum / count for the 7 matrices of each block, with
+    llama-imatrix's token count (chunks x context); no output / token_embd entry."""
+    stats, imatrix = imatrix_files.stats, imatrix_files.imatrix
+    assert imatrix_files.n_chunk >= 10
+    assert sorted(imatrix) == sorted(f"blk.{i}.{w}.weight" for i in range(4) for ws in FEEDS.values() for w in ws)
+    for name, (s, count) in stats.items():
+        assert count == imatrix_files.n_chunk * CALIBRATION_CTX
+        np.testing.assert_allclose(imatrix[name], s / count, rtol=1e-6)
+        assert imatrix[name].size == (768 if "ffn_down" in name else 256) and (imatrix[name] > 0).all()
+    # q, k and v share their input: one vector
+    np.testing.assert_array_equal(imatrix["blk.2.attn_q.weight"], imatrix["blk.2.attn_v.weight"])
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(IMATRIX_FTYPES))
+def test_imatrix_presets_match_llama_cpp(imatrix_files, name, tmp_path):
+    """llama.cpp's file for a preset that needs an importance matrix: every quantized type in it
+    decodes as gguf-py's; perplexity within 0.5% of llama.cpp's; teacher-forced argmax equal at
+    every clear position; greedy text equal up to a near-tie (test_iquants.compare_with_llama_cpp)."""
+    from qllama.gguf.reader import GGUFFile
+    from test_iquants import compare_with_llama_cpp
+
+    path = imatrix_files(name)
+    gf = GGUFFile(path)
+    assert gf.metadata["general.file_type"] == IMATRIX_FTYPES[name][0]
+    assert gf.metadata["quantize.imatrix.chunks_count"] == imatrix_files.n_chunk
+    del gf
+    compare_with_llama_cpp(path, name, IMATRIX_FTYPES[name][1], tmp_path)
