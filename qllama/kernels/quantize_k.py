@@ -28,7 +28,23 @@ _GROUP_MAX_EPS = np.float32(1e-15)  # ggml's GROUP_MAX_EPS: a group below this i
 def nearest_int(fval):
     # ggml's nearest_int: adding 1.5*2^23 leaves the float32 rounded to an integer (half to even)
     val = fval + np.float32(12582912.0)
-    return np.int64(val) - 12582912
+    if abs(fval) <= np.float32(4194303.0):
+        return np.int64(val) - 12582912
+    return _mantissa_bits(val) - 0x400000  # beyond ggml's assert (off in release builds): its bit trick
+
+
+@kernel
+def _mantissa_bits(val):
+    """The 23 mantissa bits of a float32 (what ggml's nearest_int reads once fval is out of range)."""
+    a = abs(np.float64(val))
+    if a == np.inf:
+        return 0
+    if a != a:
+        return 0x400000  # a quiet NaN
+    if a < 1.1754943508222875e-38:  # zero or subnormal: the bits are the value / 2^-149
+        return np.int64(a * 7.1362384635297994e44)
+    m, _ = math.frexp(a)  # a = m * 2**e, 0.5 <= m < 1
+    return np.int64((m * 2.0 - 1.0) * 8388608.0)
 
 
 @kernel
@@ -47,9 +63,15 @@ def fp16_round(f):
     return np.float32(math.copysign(r, np.float64(f)))
 
 
+@kernel(inline="always")
+def _fit_error(diff, use_mad):
+    """ggml's per-value error of a fit: |diff| (use_mad) or diff^2."""
+    return abs(diff) if use_mad else diff * diff
+
+
 @kernel
-def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep):
-    """ggml's make_qkx2_quants on x[off:off+n] (use_mad = false). Writes L[off:off+n].
+def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep, use_mad):
+    """ggml's make_qkx2_quants on x[off:off+n]. Writes L[off:off+n].
 
     Fits x ~ scale * L - the_min with L in 0..nmax by trying nstep+1 trial scales and keeping
     the one of least weighted squared error. Returns (scale, the_min).
@@ -82,8 +104,7 @@ def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep):
         l = nearest_int(iscale * (v - mn))
         l = max(0, min(nmax, l))
         L[off + i] = l
-        diff = scale * _F32(l) + mn - v
-        best_error += weights[i] * (diff * diff)
+        best_error += weights[i] * _fit_error(scale * _F32(l) + mn - v, use_mad)
     if nstep < 1:
         return scale, -mn
     for step in range(nstep + 1):
@@ -111,8 +132,7 @@ def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep):
                 this_scale = sum_xl / sum_l2
             cur_error = _F32(0)
             for i in range(n):
-                diff = this_scale * _F32(Laux[i]) + this_min - x[off + i]
-                cur_error += weights[i] * (diff * diff)
+                cur_error += weights[i] * _fit_error(this_scale * _F32(Laux[i]) + this_min - x[off + i], use_mad)
             if cur_error < best_error:
                 for i in range(n):
                     L[off + i] = Laux[i]
@@ -199,7 +219,7 @@ def _kx_block_scales(xb, nmax, rmin, rdelta, nstep, L, Laux, weights, ls, lm, dd
         av_x = np.sqrt(sum_x2 / _F32(32))
         for l in range(32):
             weights[l] = av_x + abs(xb[32 * j + l])
-        sc, mi = _make_qkx2_quants(xb, 32 * j, 32, nmax, weights, L, Laux, rmin, rdelta, nstep)
+        sc, mi = _make_qkx2_quants(xb, 32 * j, 32, nmax, weights, L, Laux, rmin, rdelta, nstep, False)
         scales[j] = sc
         mins[j] = mi
         if sc > max_scale:
@@ -313,6 +333,277 @@ def _q6_K_block(xb, o, dd, ib, L, scales, qsc):
             o[128 + 32 * h + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
 
 
+@kernel(inline="always")
+def _pack_2bit(L, o, at):
+    """256 values 0..3 -> 64 bytes at o[at:]: byte 32h + l holds L[128h + l + 32k] in bits 2k (q2_K/q3_K)."""
+    for h in range(2):
+        for l in range(32):
+            b = 128 * h + l
+            o[at + 32 * h + l] = L[b] | (L[b + 32] << 2) | (L[b + 64] << 4) | (L[b + 96] << 6)
+
+
+@kernel
+def _q2_K_block(xb, o, dd, ib, L, Laux, weights, scales, mins):
+    """One q2_K super-block (quantize_row_q2_K_ref): xb (256,) -> o (84,): scales (16) at 0, qs (64)
+    at 16; d and dmin (fp16-exact) left in dd[ib]. 16 sub-blocks of 16, make_qkx2_quants with
+    weights |x| and mean absolute error, 4-bit scales and mins."""
+    max_scale = _F32(0)
+    max_min = _F32(0)
+    for j in range(16):
+        for l in range(16):
+            weights[l] = abs(xb[16 * j + l])
+        sc, mi = _make_qkx2_quants(xb, 16 * j, 16, 3, weights, L, Laux, _F32(-0.5), _F32(0.1), 15, True)
+        scales[j] = sc
+        mins[j] = mi
+        if sc > max_scale:
+            max_scale = sc
+        if mi > max_min:
+            max_min = mi
+    for j in range(16):
+        o[j] = 0
+    d = _F32(0)
+    dmin = _F32(0)
+    if max_scale > _F32(0):
+        iscale = _F32(15) / max_scale
+        for j in range(16):
+            o[j] = nearest_int(iscale * scales[j]) & 0xFF
+        d = fp16_round(max_scale / _F32(15))
+    if max_min > _F32(0):
+        iscale = _F32(15) / max_min
+        for j in range(16):
+            o[j] |= (nearest_int(iscale * mins[j]) << 4) & 0xFF
+        dmin = fp16_round(max_min / _F32(15))
+    dd[ib, 0] = d
+    dd[ib, 1] = dmin
+    _requantize_2bit(xb, o, d, dmin, L)
+    _pack_2bit(L, o, 16)
+
+
+@kernel(inline="always")
+def _requantize_2bit(xb, sc, d, dmin, L):
+    """q2_K's last pass: each value again against the rounded 4-bit scale and min of its sub-block."""
+    for j in range(16):
+        dj = d * _F32(sc[j] & 0xF)
+        if dj == _F32(0):
+            continue
+        dm = dmin * _F32(sc[j] >> 4)
+        for ii in range(16):
+            L[16 * j + ii] = max(0, min(3, nearest_int((xb[16 * j + ii] + dm) / dj)))
+
+
+@kernel
+def _make_q3_quants_rmse(x, off, n, nmax, L):
+    """ggml's make_q3_quants(n, nmax, x, L, do_rmse=true) on x[off:off+n]: a symmetric start at
+    -nmax/max, then up to 5 sweeps moving single values while the weighted (x^2) fit improves.
+    Writes L[off:off+n] = nmax + l, returns the scale."""
+    mx = _F32(0)
+    amax = _F32(0)
+    for i in range(n):
+        ax = abs(x[off + i])
+        if ax > amax:
+            amax = ax
+            mx = x[off + i]
+    if amax < _GROUP_MAX_EPS:
+        for i in range(n):
+            L[off + i] = 0
+        return _F32(0)
+    iscale = -_F32(nmax) / mx
+    sumlx = _F32(0)
+    suml2 = _F32(0)
+    for i in range(n):
+        v = x[off + i]
+        l = max(-nmax, min(nmax - 1, nearest_int(iscale * v)))
+        L[off + i] = l
+        w = v * v
+        sumlx += w * v * _F32(l)
+        suml2 += w * _F32(l) * _F32(l)
+    for itry in range(5):
+        n_changed = 0
+        for i in range(n):
+            v = x[off + i]
+            w = v * v
+            li = _F32(L[off + i])
+            slx = sumlx - w * v * li
+            if slx > _F32(0):
+                sl2 = suml2 - w * li * li
+                new_l = max(-nmax, min(nmax - 1, nearest_int(v * sl2 / slx)))
+                if new_l != L[off + i]:
+                    slx += w * v * _F32(new_l)
+                    sl2 += w * _F32(new_l) * _F32(new_l)
+                    if sl2 > _F32(0) and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[off + i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    for i in range(n):
+        L[off + i] += nmax
+    return sumlx / suml2 if suml2 > _F32(0) else _F32(0)
+
+
+@kernel
+def _q3_K_block(xb, o, dd, ib, L, scales):
+    """One q3_K super-block (quantize_row_q3_K_ref): xb (256,) -> o (110,): hmask (32) at 0, qs (64)
+    at 32, 6-bit scales (12) at 96; d (fp16-exact) left in dd[ib]."""
+    max_scale = _F32(0)
+    amax = _F32(0)
+    for j in range(16):
+        s = _make_q3_quants_rmse(xb, 16 * j, 16, 4, L)
+        scales[j] = s
+        if abs(s) > amax:
+            amax = abs(s)
+            max_scale = s
+    for k in range(12):
+        o[96 + k] = 0
+    d = _F32(0)
+    if max_scale != _F32(0):
+        iscale = _F32(-32) / max_scale
+        for j in range(16):
+            _put_q3_scale(o, j, max(-32, min(31, nearest_int(iscale * scales[j]))) + 32)
+        d = fp16_round(_F32(1) / iscale)
+    dd[ib, 0] = d
+    _q3_K_finish(xb, o, d, L)
+
+
+@kernel(inline="always")
+def _put_q3_scale(o, j, l):
+    """The 6-bit scale l (0..63) of sub-block j into q3_K's 12 scale bytes at o[96:]."""
+    if j < 8:
+        o[96 + j] |= l & 0xF
+    else:
+        o[96 + j - 8] |= (l & 0xF) << 4
+    o[96 + 8 + j % 4] |= (l >> 4) << (2 * (j // 4))
+
+
+@kernel
+def _q3_K_finish(xb, o, d, L):
+    """q3_K's last pass: every value against its rounded scale (L keeps the fit where that is 0),
+    the high bit to hmask (bit j//32 of byte j%32), the low 2 bits packed into qs."""
+    for j in range(16):
+        lo = (np.int64(o[96 + j]) & 0xF) if j < 8 else (np.int64(o[96 + j - 8]) >> 4)  # (uint8 >> int: float in numba)
+        sc = (lo | (((np.int64(o[104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+        dj = d * _F32(sc)
+        if dj == _F32(0):
+            continue
+        for ii in range(16):
+            L[16 * j + ii] = max(-4, min(3, nearest_int(xb[16 * j + ii] / dj))) + 4
+    for k in range(32):
+        o[k] = 0
+    for j in range(256):
+        if L[j] > 3:
+            o[j % 32] |= 1 << (j // 32)
+            L[j] -= 4
+    _pack_2bit(L, o, 32)
+
+
+@kernel(inline="always")
+def _best_index_iq4(values, v):
+    """ggml's best_index_int8 over the 16 sorted iq4 values: the nearest, the upper one on a tie."""
+    if v <= values[0]:
+        return 0
+    if v >= values[15]:
+        return 15
+    ml = 0
+    mu = 15
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if v < values[mav]:
+            mu = mav
+        else:
+            ml = mav
+    return mu - 1 if v - values[mu - 1] < values[mu] - v else mu
+
+
+@kernel
+def _iq4_block(xb, qw, has_w, nsub, o, dd, ib, values, L, weight, scales):
+    """ggml's quantize_row_iq4_nl_impl(super_block = 32 * nsub, block = 32, ntry = 7) on xb: iq4_nl
+    (nsub 1: o = qs (16)) or iq4_xs (nsub 8: o = scales_h (2), scales_l (4), qs (128)). Per block
+    of 32 a scale search over 15 trial scales with weights x^2, or qw * sqrt(sigma2 + x^2) with
+    an importance matrix (has_w); iq4_xs then quantizes the 8 scales to 6 bits against
+    -max_scale/32. Writes o[2:] (iq4_nl: qs (16); iq4_xs: scales_h (2), scales_l (4), qs (128));
+    the fp16 d at o[0:2] is left (as float32) in dd[ib]."""
+    n = 32 * nsub
+    sigma2 = _F32(0)
+    for j in range(n):
+        sigma2 += xb[j] * xb[j]
+    sigma2 *= _F32(2) / _F32(n)
+    max_scale = _F32(0)
+    amax_scale = _F32(0)
+    for b in range(nsub):
+        off = 32 * b
+        for j in range(32):
+            v = xb[off + j]
+            weight[j] = qw[off + j] * np.sqrt(sigma2 + v * v) if has_w else v * v
+        amax = _F32(0)
+        mx = _F32(0)
+        for j in range(32):
+            ax = abs(xb[off + j])
+            if ax > amax:
+                amax = ax
+                mx = xb[off + j]
+        if amax < _GROUP_MAX_EPS:
+            scales[b] = _F32(0)
+            continue
+        d = -mx / values[0]
+        inv = _F32(1) / d
+        sumqx = _F32(0)
+        sumq2 = _F32(0)
+        for j in range(32):
+            l = _best_index_iq4(values, inv * xb[off + j])
+            L[off + j] = l
+            q = values[l]
+            w = weight[j]
+            sumqx += w * q * xb[off + j]
+            sumq2 += w * q * q
+        d = sumqx / sumq2
+        best = d * sumqx
+        for itry in range(-7, 8):
+            inv = (_F32(itry) + values[0]) / mx
+            sumqx = _F32(0)
+            sumq2 = _F32(0)
+            for j in range(32):
+                q = values[_best_index_iq4(values, inv * xb[off + j])]
+                w = weight[j]
+                sumqx += w * q * xb[off + j]
+                sumq2 += w * q * q
+            if sumq2 > _F32(0) and sumqx * sumqx > best * sumq2:
+                d = sumqx / sumq2
+                best = d * sumqx
+        scales[b] = d
+        if abs(d) > amax_scale:
+            amax_scale = abs(d)
+            max_scale = d
+    at = 2
+    if nsub > 1:
+        d = -max_scale / _F32(32)
+        dd[ib, 0] = d
+        inv = _F32(1) / d if d != _F32(0) else _F32(0)
+        sh = 0
+        for k in range(2, 8):
+            o[k] = 0
+        for b in range(nsub):
+            l = max(-32, min(31, nearest_int(inv * scales[b])))
+            dl = d * _F32(l)
+            idl = _F32(1) / dl if dl != _F32(0) else _F32(0)
+            for j in range(32):
+                L[32 * b + j] = _best_index_iq4(values, idl * xb[32 * b + j])
+            l += 32
+            o[4 + b // 2] |= (l & 0xF) << (4 * (b % 2))
+            sh |= (l >> 4) << (2 * (b % 8))
+        o[2] = sh & 0xFF
+        o[3] = sh >> 8
+        at = 8
+    else:
+        dd[ib, 0] = scales[0]
+        inv = _F32(1) / scales[0] if scales[0] != _F32(0) else _F32(0)
+        for j in range(32):
+            L[j] = _best_index_iq4(values, inv * xb[j])
+    for i in range(nsub):
+        for j in range(16):
+            o[at + 16 * i + j] = L[32 * i + j] | (L[32 * i + 16 + j] << 4)
+
+
 # The kernels: x (nb, 256) float32 -> out (nb, type_size) uint8, with the fp16 super-block
 # scales left as (fp16-exact) float32 in dd (nb, 2 or 1) for NumPy to pack. nogil: the caller
 # (`qllama.quantize.blocks`) runs them on slices of blocks in threads (cheaper to compile than
@@ -342,3 +633,36 @@ def quantize_q6_k(x, out, dd):
     qsc = np.empty(16, np.int64)
     for ib in range(x.shape[0]):
         _q6_K_block(x[ib], out[ib], dd, ib, L, scales, qsc)
+
+
+@kernel(nogil=True)
+def quantize_q2_k(x, out, dd):
+    """q2_K super-blocks: x (nb, 256) float32 -> out (nb, 84) uint8, dd (nb, 2) (d, dmin)."""
+    L = np.empty(256, np.int64)
+    Laux = np.empty(16, np.int64)
+    weights = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    mins = np.empty(16, np.float32)
+    for ib in range(x.shape[0]):
+        _q2_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, scales, mins)
+
+
+@kernel(nogil=True)
+def quantize_q3_k(x, out, dd):
+    """q3_K super-blocks: x (nb, 256) float32 -> out (nb, 110) uint8, dd (nb, 1)."""
+    L = np.empty(256, np.int64)
+    scales = np.empty(16, np.float32)
+    for ib in range(x.shape[0]):
+        _q3_K_block(x[ib], out[ib], dd, ib, L, scales)
+
+
+@kernel(nogil=True)
+def quantize_iq4(nsub, values, has_w, x, qw, out, dd):
+    """iq4_nl (nsub 1) or iq4_xs (nsub 8) blocks: x (nb, 32 nsub) float32, qw the importance
+    weights of each value (nb, 32 nsub; read only when has_w) -> out (nb, 18 or 136) uint8 but
+    the fp16 d, dd (nb, 1)."""
+    L = np.empty(32 * nsub, np.int64)
+    weight = np.empty(32, np.float32)
+    scales = np.empty(nsub, np.float32)
+    for ib in range(x.shape[0]):
+        _iq4_block(x[ib], qw[ib], has_w, nsub, out[ib], dd, ib, values, L, weight, scales)

@@ -20,7 +20,8 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import BF16, F16, F32, GGML_TYPES, IQ4_NL, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
+from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+                          Q5_K, Q6_K, Q8_0, type_name)
 
 _F32 = np.float32
 
@@ -175,68 +176,91 @@ def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
 
 
 # =============================================================================================
-# k-quants (super-blocks of 256): the kernels of qllama.kernels.quantize_k, run in threads
+# k-quants and iq4 (super-blocks of 256; iq4_nl 32): the kernels of qllama.kernels.quantize_k, in threads
 # =============================================================================================
 
 _MIN_BLOCKS_PER_THREAD = 256
 _pool: ThreadPoolExecutor | None = None
+# where each kernel's fp16 block scales (d, and dmin) go in the block, and how many there are
+_SCALE_FIELDS = {Q2_K: (80, 2), Q3_K: (108, 1), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, 1), IQ4_NL: (0, 1), IQ4_XS: (0, 1)}
 
 
-def _run_blocks(kernel, b: np.ndarray, type_id: int, n_scales: int) -> tuple[np.ndarray, np.ndarray]:
-    """Run a k-quant kernel(x, out, dd) over blocks b (nb, 256), split across threads when there is enough work."""
+def _run_blocks(kernel, type_id: int, b: np.ndarray, *per_block: np.ndarray) -> np.ndarray:
+    """Run a kernel(b, *per_block, out, dd) over blocks b (nb, block_size), split across threads
+    when there is enough work; then pack the fp16 scales the kernel left in dd into the blocks."""
     global _pool
     nb = b.shape[0]
+    at, n_scales = _SCALE_FIELDS[type_id]
     out = np.empty((nb, GGML_TYPES[type_id].type_size), np.uint8)
     dd = np.empty((nb, n_scales), np.float32)
+    arrays = (b, *per_block, out, dd)
     n_threads = min(os.cpu_count() or 1, nb // _MIN_BLOCKS_PER_THREAD)
     if n_threads <= 1:
-        kernel(b, out, dd)
-        return out, dd
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="qllama-quantize")
-    bounds = np.linspace(0, nb, n_threads + 1).astype(int)
-    futures = [_pool.submit(kernel, b[s:e], out[s:e], dd[s:e]) for s, e in zip(bounds[:-1], bounds[1:])]
-    for f in futures:
-        f.result()
-    return out, dd
-
-
-def _quantize_q4_K_q5_K(b: np.ndarray, type_id: int) -> np.ndarray:
-    from ..kernels.quantize_k import quantize_q4_k_q5_k
-
-    out, dd = _run_blocks(partial(quantize_q4_k_q5_k, type_id), b, type_id, 2)  # dd: (d, dmin), already fp16-exact
-    out[:, 0:4] = dd.astype(np.float16).view(np.uint8)
+        kernel(*arrays)
+    else:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="qllama-quantize")
+        bounds = np.linspace(0, nb, n_threads + 1).astype(int)
+        futures = [_pool.submit(kernel, *(a[s:e] for a in arrays)) for s, e in zip(bounds[:-1], bounds[1:])]
+        for f in futures:
+            f.result()
+    with np.errstate(over="ignore"):
+        out[:, at : at + 2 * n_scales] = dd.astype(np.float16).view(np.uint8)
     return out
 
 
-def _quantize_q6_K(b: np.ndarray) -> np.ndarray:
-    from ..kernels.quantize_k import quantize_q6_k
+def _kquant(type_id: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The reference (no importance matrix) k-quant quantizer of a type: blocks (nb, 256) -> bytes."""
+    from ..kernels import quantize_k as k
 
-    out, dd = _run_blocks(quantize_q6_k, b, Q6_K, 1)
-    out[:, 208:210] = dd.astype(np.float16).view(np.uint8)
-    return out
+    kernel = {Q2_K: k.quantize_q2_k, Q3_K: k.quantize_q3_k, Q6_K: k.quantize_q6_k}.get(type_id)
+    return partial(_run_blocks, kernel or partial(k.quantize_q4_k_q5_k, type_id), type_id)
 
 
-# type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8
+def _iq4(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """ggml's quantize_iq4_nl / quantize_iq4_xs (the scale search, ntry 7) on blocks b (nb, 32 or
+    256); qw: the importance weight of each value (nb, 32 or 256), or None."""
+    from ..kernels.quantize_k import quantize_iq4
+
+    nsub = b.shape[1] // 32
+    kernel = partial(quantize_iq4, nsub, _KVALUES_IQ4NL, qw is not None)
+    return _run_blocks(kernel, type_id, b, qw if qw is not None else np.empty((b.shape[0], 0), np.float32))
+
+
+# type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8: the row
+# references (ggml's quantize_row_*_ref: the KV cache and activations use these)
 _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     Q8_0: _quantize_q8_0, Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1,
     Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1, IQ4_NL: _quantize_iq4_nl, MXFP4: _quantize_mxfp4,
-    Q4_K: partial(_quantize_q4_K_q5_K, type_id=Q4_K), Q5_K: partial(_quantize_q4_K_q5_K, type_id=Q5_K),
-    Q6_K: _quantize_q6_K,
+    **{t: _kquant(t) for t in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}, IQ4_XS: partial(_iq4, IQ4_XS),
 }
+# where ggml_quantize_chunk (what llama-quantize writes into files) differs from the row reference:
+# iq4_nl searches its scales there
+_CHUNK_QUANTIZERS = {**_BLOCK_QUANTIZERS, IQ4_NL: partial(_iq4, IQ4_NL)}
 FLOAT_TYPES = (F32, F16, BF16)
 QUANTIZABLE_TYPES = FLOAT_TYPES + tuple(_BLOCK_QUANTIZERS)
 CHUNK_ELEMENTS = 1 << 22  # rows are processed in chunks of about this many values (bounds temporaries)
 
 
 def quantize_array(x: np.ndarray, type_id: int) -> np.ndarray:
-    """Quantize float rows to ggml's block layout.
+    """Quantize float rows to ggml's block layout with ggml's row reference (`quantize_row_*_ref`).
 
     x: (n_rows, ne0) float array (a 1-D array is one row); ne0 must be a multiple of the type's
     block size. Returns uint8 (n_rows, row_bytes), row_bytes = ne0 / block_size * type_size,
-    the exact bytes llama.cpp's reference quantizer (no importance matrix) would write.
-    Supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, q4_K, q5_K, q6_K.
+    the exact bytes ggml's reference quantizer would write. Supported: f32, f16, bf16, q4_0,
+    q4_1, q5_0, q5_1, q8_0, iq4_nl, iq4_xs, mxfp4, q2_K, q3_K, q4_K, q5_K, q6_K. Files are
+    quantized with `quantize_chunk` (the same bytes but for iq4_nl).
     """
+    return _quantize_2d(x, type_id, _BLOCK_QUANTIZERS)
+
+
+def quantize_chunk(x: np.ndarray, type_id: int) -> np.ndarray:
+    """Quantize float rows as ggml_quantize_chunk does without an importance matrix (what
+    llama-quantize writes into a file): as `quantize_array`, but iq4_nl searches its block scales."""
+    return _quantize_2d(x, type_id, _CHUNK_QUANTIZERS)
+
+
+def _quantize_2d(x: np.ndarray, type_id: int, quantizers: dict) -> np.ndarray:
     gtype = GGML_TYPES.get(type_id)
     if gtype is None or type_id not in QUANTIZABLE_TYPES:
         raise UnsupportedError(f"cannot quantize to type {type_name(type_id)}")
@@ -254,11 +278,11 @@ def quantize_array(x: np.ndarray, type_id: int) -> np.ndarray:
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(ne0, 1))
     for r0 in range(0, n_rows, rows_per_chunk):
         chunk = np.ascontiguousarray(x[r0 : r0 + rows_per_chunk], dtype=np.float32)  # (rows, ne0)
-        out[r0 : r0 + rows_per_chunk] = _quantize_rows(chunk, type_id).reshape(chunk.shape[0], -1)
+        out[r0 : r0 + rows_per_chunk] = _quantize_rows(chunk, type_id, quantizers).reshape(chunk.shape[0], -1)
     return out
 
 
-def _quantize_rows(x: np.ndarray, type_id: int) -> np.ndarray:
+def _quantize_rows(x: np.ndarray, type_id: int, quantizers: dict) -> np.ndarray:
     """Contiguous float32 (rows, ne0) -> uint8 bytes of those rows (any shape, row-major)."""
     if type_id == F32:
         return x.view(np.uint8)
@@ -272,4 +296,4 @@ def _quantize_rows(x: np.ndarray, type_id: int) -> np.ndarray:
         raise QllamaError(f"cannot quantize to {type_name(type_id)}: the data contains NaN or Inf")
     gtype = GGML_TYPES[type_id]
     blocks = x.reshape(-1, gtype.block_size)  # (n_blocks, block_size), a view
-    return _BLOCK_QUANTIZERS[type_id](blocks)
+    return quantizers[type_id](blocks)
