@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import click
 
-from .model_ref import ModelRef
-from .options import text_ids
+from .options import text_analysis_options, text_ids
 
 SHADES = " ░▒▓█"
 LEVELS = (0.05, 0.25, 0.5, 0.75)  # a weight below LEVELS[0] is blank, then one shade per step
 
 
 @click.command("attention")
-@click.argument("model", type=ModelRef(dir_okay=False))
-@click.argument("text")
 @click.option("-l", "--layer", required=True, type=click.IntRange(min=0), help="Block whose attention is shown.")
 @click.option("--head", type=click.IntRange(min=0), help="Query head (default: the mean over the heads).")
 @click.option("--last", default=48, show_default=True, type=click.IntRange(min=1),
               help="Show only the last N tokens (rows and columns) in the terminal.")
 @click.option("--png", "png", type=click.Path(dir_okay=False), help="Also write the map as a picture (needs matplotlib).")
-@click.option("--no-bos", is_flag=True, help="Never add the BOS token.")
-@click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
+@text_analysis_options
 def command(model, text, layer, head, last, png, no_bos, threads):
     """Draw the attention weights of block LAYER of MODEL over TEXT."""
     from ..api import load

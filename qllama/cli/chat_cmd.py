@@ -27,7 +27,7 @@ import click
 
 from ..chat import Conversation, ConversationTooLongError, NoChatTemplateError, PromptFormat, fit
 from ..errors import QllamaError
-from .options import THREADS_HELP, kv_cache_options, sampling_options
+from .options import sampling_options, session_options
 from .model_ref import ModelRef
 from .prompt_format import chat_template_option, describe, no_template_error
 from .terminal import PromptProgress, quiet_input
@@ -301,10 +301,7 @@ def stream_lines(stream: TextIO) -> Iterator[str]:
 @click.option("-n", "--max-tokens", default=-1, show_default=True, type=click.IntRange(min=-1),
               help="Tokens per answer at most (-1: until the end of the turn or a full context).")
 @sampling_options
-@click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0, help="Context size (0 = min(model's, 4096)).")
-@click.option("-t", "--threads", type=click.IntRange(min=1), help=THREADS_HELP)
-@click.option("-b", "--batch-size", type=click.IntRange(min=1), default=512, show_default=True, help="Prompt tokens per prefill batch.")
-@kv_cache_options
+@session_options
 @click.option("-sys", "--system", "--system-prompt", "system_prompt",
               help="System prompt (also settable in the session with /system).")
 @click.option("-r", "--reverse-prompt", multiple=True, metavar="TEXT",

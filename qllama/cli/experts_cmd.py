@@ -11,26 +11,20 @@ import json
 
 import click
 
-from .model_ref import ModelRef
-from .options import text_ids
+from .options import load_text, text_analysis_options
 
 
 @click.command("experts")
-@click.argument("model", type=ModelRef(dir_okay=False))
-@click.argument("text")
 @click.option("-k", "--top", "top", default=5, show_default=True, type=click.IntRange(min=1, max=64),
               help="Experts shown per layer.")
 @click.option("--png", "png", type=click.Path(dir_okay=False), help="Also write the counts as a heat map (needs matplotlib).")
-@click.option("--no-bos", is_flag=True, help="Never add the BOS token.")
-@click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
+@text_analysis_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
 def command(model, text, top, png, no_bos, threads, as_json):
     """Count, per layer of MODEL, the experts its router picks for the tokens of TEXT."""
-    from ..api import load
     from ..experts import expert_usage
 
-    llm = load(model, n_threads=threads)
-    ids = text_ids(llm, text, no_bos)
+    llm, ids = load_text(model, text, no_bos, threads)
     usage = expert_usage(llm, ids)
     if png:
         usage.save_png(png)

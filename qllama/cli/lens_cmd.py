@@ -11,27 +11,21 @@ import json
 
 import click
 
-from .model_ref import ModelRef
-from .options import text_ids
+from .options import load_text, text_analysis_options
 
 
 @click.command("lens")
-@click.argument("model", type=ModelRef(dir_okay=False))
-@click.argument("text")
 @click.option("-k", "--top-k", default=5, show_default=True, type=click.IntRange(min=1, max=100),
               help="Tokens shown per layer.")
 @click.option("--position", default=-1, show_default=True, type=int,
               help="Token position read (negative: from the end).")
-@click.option("--no-bos", is_flag=True, help="Never add the BOS token.")
-@click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores).")
+@text_analysis_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
 def command(model, text, top_k, position, no_bos, threads, as_json):
     """Show, for each layer of MODEL, the top tokens its residual stream predicts for TEXT."""
-    from ..api import load
     from ..lens import logit_lens
 
-    llm = load(model, n_threads=threads)
-    ids = text_ids(llm, text, no_bos)
+    llm, ids = load_text(model, text, no_bos, threads)
     res = logit_lens(llm, ids, top_k=top_k, position=position)
     if as_json:
         click.echo(json.dumps(res.as_dict(), ensure_ascii=False))

@@ -8,6 +8,7 @@ import sys
 import click
 
 from ..errors import QllamaError
+from .model_ref import ModelRef
 
 THREADS_HELP = ("Threads (default: adapted to how busy the machine is, for prompts and decoding alike: at most "
                 "the physical cores, fewer when other processes hold cores). An explicit -t N is kept.")
@@ -44,6 +45,13 @@ def parse_logit_bias(values) -> dict[int, float]:
     return out
 
 
+def _with(f, opts):
+    """f decorated with the click options (or arguments) opts, in their order."""
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 def sampling_options(f):
     """--temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty,
     --frequency-penalty, --logit-bias, --ignore-eos, -s/--seed (llama.cpp's defaults)."""
@@ -66,9 +74,7 @@ def sampling_options(f):
         click.option("-s", "--seed", type=int, default=None, callback=_seed,
                      help="Random seed (default or -1: a random one)."),
     ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+    return _with(f, opts)
 
 
 # the KV cache types qllama runs, as llama.cpp's -ctk/-ctv: f16, f32 and the quantized ones
@@ -87,9 +93,39 @@ def kv_cache_options(f):
         click.option("-ctv", "--cache-type-v", "type_v", type=choice, default="f16", show_default=True,
                      help="KV cache type for V (f32: twice the memory; q8_0 .. iq4_nl: quantized blocks of 32)."),
     ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+    return _with(f, opts)
+
+
+def session_options(f):
+    """-c/--ctx-size, -t/--threads, -b/--batch-size and the KV cache types (`kv_cache_options`) of
+    the generating commands (run, chat)."""
+    opts = [
+        click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0, help="Context size (0 = min(model's, 4096))."),
+        click.option("-t", "--threads", type=click.IntRange(min=1), help=THREADS_HELP),
+        click.option("-b", "--batch-size", type=click.IntRange(min=1), default=512, show_default=True,
+                     help="Prompt tokens per prefill batch."),
+        kv_cache_options,
+    ]
+    return _with(f, opts)
+
+
+def text_analysis_options(f):
+    """MODEL and TEXT, --no-bos and -t/--threads of the analysis commands (lens, attention, experts)."""
+    opts = [
+        click.argument("model", type=ModelRef(dir_okay=False)),
+        click.argument("text"),
+        click.option("--no-bos", is_flag=True, help="Never add the BOS token."),
+        click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: physical cores)."),
+    ]
+    return _with(f, opts)
+
+
+def load_text(model, text: str, no_bos: bool, threads: int | None):
+    """(model loaded for an analysis command, the tokens of TEXT: `text_ids`)."""
+    from ..api import load
+
+    llm = load(model, n_threads=threads)
+    return llm, text_ids(llm, text, no_bos)
 
 
 def read_text_file(path: str) -> str:

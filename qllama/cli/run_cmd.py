@@ -16,7 +16,7 @@ import click
 
 from ..chat import NoChatTemplateError
 from .model_ref import ModelRef
-from .options import THREADS_HELP, kv_cache_options, read_prompt, sampling_options
+from .options import read_prompt, sampling_options, session_options
 from .prompt_format import chat_template_option, describe, no_template_error
 
 DEFAULT_N_PREDICT = 256  # tokens when -n is not given (capped by the room left in the context)
@@ -31,10 +31,7 @@ DEFAULT_N_PREDICT = 256  # tokens when -n is not given (capped by the room left 
               show_default=f"{DEFAULT_N_PREDICT}, or the room left in the context",
               help="Tokens to generate at most (-1: until the end of the text or a full context).")
 @sampling_options
-@click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0, help="Context size (0 = min(model's, 4096)).")
-@click.option("-t", "--threads", type=click.IntRange(min=1), help=THREADS_HELP)
-@click.option("-b", "--batch-size", type=click.IntRange(min=1), default=512, show_default=True, help="Prompt tokens per prefill batch.")
-@kv_cache_options
+@session_options
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
 @click.option("-r", "--reverse-prompt", multiple=True, metavar="TEXT",
               help="llama.cpp's reverse prompt (repeatable): a stop string; with -i, the text stops there (it is shown) "
