@@ -27,98 +27,72 @@ _SPLIT_SYSTEM = r"""
   {%- set system_message = '' -%}
   {%- set loop_messages = messages -%}
 {%- endif -%}
+
 """
 
-_LLAMA2 = _SPLIT_SYSTEM + r"""
-{%- for message in loop_messages -%}
-  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-    {{- raise_exception('llama-2 chat: roles must alternate user/assistant/user/...') -}}
+
+def _each(body: str, over: str = "messages") -> str:
+    """Jinja: `body` (lines over `message`) for every message of `over`."""
+    return "{%- for message in " + over + " -%}\n" + body + "{%- endfor -%}\n"
+
+
+def _assistant_header(header: str) -> str:
+    """Jinja: the expression `header` when the template is asked for the assistant's turn."""
+    return "{%- if add_generation_prompt -%}\n  {{- " + header + " -}}\n{%- endif -%}\n"
+
+
+_BOS = "{{- bos_token -}}\n"
+
+
+def _alternating(family: str, with_system: str, user: str, assistant: str) -> str:
+    """Jinja of the families whose turns must alternate user/assistant (llama-2, mistral): the
+    system text joins the first user turn as `with_system`; `user` and `assistant` are the turns'
+    expressions over `content`."""
+    return _each(r"""  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+    {{- raise_exception('""" + family + r""" chat: roles must alternate user/assistant/user/...') -}}
   {%- endif -%}
   {%- set content = (message['content'] or '') | trim -%}
   {%- if message['role'] == 'user' -%}
     {%- if loop.first and system_message -%}
-      {%- set content = '<<SYS>>\n' + system_message + '\n<</SYS>>\n\n' + content -%}
+      {%- set content = """ + with_system + r""" -%}
     {%- endif -%}
-    {{- bos_token + '[INST] ' + content + ' [/INST]' -}}
+    {{- """ + user + r""" -}}
   {%- else -%}
-    {{- ' ' + content + ' ' + eos_token -}}
+    {{- """ + assistant + r""" -}}
   {%- endif -%}
-{%- endfor -%}
-"""
+""", "loop_messages")
 
-_LLAMA3 = r"""
-{{- bos_token -}}
-{%- for message in messages -%}
-  {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + ((message['content'] or '') | trim) + '<|eot_id|>' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-{%- endif -%}
-"""
 
-_CHATML = r"""
-{%- for message in messages -%}
-  {{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-"""
+_LLAMA2 = _SPLIT_SYSTEM + _alternating("llama-2", r"'<<SYS>>\n' + system_message + '\n<</SYS>>\n\n' + content",
+                                       "bos_token + '[INST] ' + content + ' [/INST]'", "' ' + content + ' ' + eos_token")
+
+_LLAMA3 = "\n" + _BOS + _each(
+    r"""  {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + ((message['content'] or '') | trim) + '<|eot_id|>' -}}
+""") + _assistant_header(r"'<|start_header_id|>assistant<|end_header_id|>\n\n'")
+
+_CHATML = "\n" + _each(r"""  {{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>\n' -}}
+""") + _assistant_header(r"'<|im_start|>assistant\n'")
 
 # Mistral has no system role: the system text opens the first user turn.
-_MISTRAL = _SPLIT_SYSTEM + r"""
-{{- bos_token -}}
-{%- for message in loop_messages -%}
-  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-    {{- raise_exception('mistral chat: roles must alternate user/assistant/user/...') -}}
-  {%- endif -%}
-  {%- set content = (message['content'] or '') | trim -%}
-  {%- if message['role'] == 'user' -%}
-    {%- if loop.first and system_message -%}
-      {%- set content = system_message + '\n\n' + content -%}
-    {%- endif -%}
-    {{- '[INST] ' + content + ' [/INST]' -}}
-  {%- else -%}
-    {{- ' ' + content + eos_token -}}
-  {%- endif -%}
-{%- endfor -%}
-"""
+_MISTRAL = _SPLIT_SYSTEM + _BOS + _alternating("mistral", r"system_message + '\n\n' + content",
+                                               "'[INST] ' + content + ' [/INST]'", "' ' + content + eos_token")
 
-_PHI3 = r"""
-{%- for message in messages -%}
-  {%- if message['role'] != 'system' or message['content'] -%}
+_PHI3 = "\n" + _each(r"""  {%- if message['role'] != 'system' or message['content'] -%}
     {{- '<|' + message['role'] + '|>\n' + (message['content'] or '') + '<|end|>\n' -}}
   {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<|assistant|>\n' -}}
-{%- endif -%}
-"""
+""") + _assistant_header(r"'<|assistant|>\n'")
 
 # Gemma has no system role either; its assistant role is called "model".
-_GEMMA = _SPLIT_SYSTEM + r"""
-{{- bos_token -}}
-{%- for message in loop_messages -%}
-  {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+_GEMMA = _SPLIT_SYSTEM + _BOS + _each(r"""  {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
   {%- set content = (message['content'] or '') | trim -%}
   {%- if loop.first and system_message -%}
     {%- set content = system_message + '\n\n' + content -%}
   {%- endif -%}
   {{- '<start_of_turn>' + role + '\n' + content + '<end_of_turn>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<start_of_turn>model\n' -}}
-{%- endif -%}
-"""
+""", "loop_messages") + _assistant_header(r"'<start_of_turn>model\n'")
 
-_ZEPHYR = r"""
-{%- for message in messages -%}
-  {{- '<|' + message['role'] + '|>\n' + (message['content'] or '') + eos_token + '\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<|assistant|>\n' -}}
-{%- endif -%}
-"""
+_ZEPHYR = "\n" + _each(r"""  {{- '<|' + message['role'] + '|>\n' + (message['content'] or '') + eos_token + '\n' -}}
+""") + _assistant_header(r"'<|assistant|>\n'")
 
 #: Built-in template sources by family name.
 BUILTIN_TEMPLATES: dict[str, str] = {
