@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -86,6 +86,16 @@ class Chunk:
     finish_reason: str | None = None
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b share (a cache's tokens and a new prompt)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Session:
     """A model with its KV cache and the token sequence the cache holds.
 
@@ -126,12 +136,7 @@ class Session:
             raise ContextOverflowError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}"
             )
-        common = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)  # re-evaluate at least one token to get its logits
+        common = min(common_prefix(self.tokens, ids), len(ids) - 1)  # re-evaluate at least one token to get its logits
         common = self.cache.rewind(common)  # 0 when a sliding-window layer no longer holds what it needs
         self.tokens = list(ids[:common])
         logits = None

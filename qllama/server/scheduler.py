@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..generation.constrained import constrained_sampler
+from ..generation.session import common_prefix
 from .schemas import GenParams
 from ..generation.text import TextOutput
 from .logprobs import TokenLogprob, token_logprob
@@ -140,15 +141,6 @@ def pick_slot(free: Sequence["Slot"], prompt: Sequence[int]) -> "Slot":
     if common_prefix(best.tokens, prompt) >= SLOT_SIMILARITY * len(prompt):
         return best
     return min(free, key=lambda s: s.last_used)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Scheduler:
