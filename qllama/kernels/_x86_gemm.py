@@ -34,8 +34,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ..gguf.types import GGML_TYPES, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
+from ..gguf.types import GGML_TYPES, IQ4_NL, IQ4_XS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
 from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _fifth_bits, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
+from ._x86_iq import _iq4_values, _xs_scales
 
 HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector
 TILE_ROWS = 8 * HALVES  # rows per pass (lane r of a vector: row r)
@@ -54,6 +55,12 @@ _D6, _SCALES6, _QUANTS6 = 0, 32, 544
 _D0, _QUANTS0 = 0, 32
 # type id -> scratch bytes per block of TILE_ROWS rows (the 8-row layouts above, HALVES times)
 PACKED_BYTES = {Q4_K: 2624 * HALVES, Q6_K: 2592 * HALVES, Q4_0: 288 * HALVES, Q5_0: 288 * HALVES, Q8_0: 288 * HALVES}
+# scratch bytes per iq4_xs super-block of 8 rows: d (8 f32), 8 scale vectors (lane r = ls_rj - 32
+# as an i16 in both halves), then 64 vectors of transposed kvalues (sub-blocks j, byte quads k)
+_DX4, _SCALESX4, _QUANTSX4 = 0, 32, 288
+# the i-quants' gemms (`kernels/iquants.py` drives them); iq4_nl's unit is a pair of blocks, each
+# laid out as q4_0's (d, 8 quad vectors of signed kvalues)
+IQ_PACKED_BYTES = {IQ4_XS: 2336 * HALVES, IQ4_NL: 576 * HALVES}
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -212,6 +219,9 @@ def _pack_half_legacy(builder, blks, put, kind):
         if kind == "q8_0":
             rows.append(_load(builder, _V8I, p, 2))
             continue
+        if kind == "iq4_nl":  # the 32 signed kvalues
+            rows.append(builder.bitcast(_iq4_values(builder, _gep8(builder, p, 2)), _V8I))
+            continue
         qs = 2 if kind == "q4_0" else 6  # (q5_0: the 32 fifth bits first, at byte 2)
         v = _load(builder, _vec(_I8, 16), p, qs)  # elements 0..15 in the low nibbles, 16..31 in the high
         lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
@@ -235,7 +245,8 @@ def _pack_sig(raw, r0, nb, pack):
 
 
 def _pack_intrinsic(type_id, pack_half):
-    block_bytes, packed_bytes, kind = GGML_TYPES[type_id].type_size, PACKED_BYTES[type_id], type_name(type_id)
+    packed_bytes, kind = {**PACKED_BYTES, **IQ_PACKED_BYTES}[type_id], type_name(type_id)
+    block_bytes = GGML_TYPES[type_id].type_size * (2 if type_id == IQ4_NL else 1)  # (iq4_nl: pairs of blocks)
 
     def pack(typingctx, raw, r0, nb, pack):
         sig = _pack_sig(raw, r0, nb, pack)
@@ -287,7 +298,7 @@ def _splat_scalar(builder, x, n=None):
     return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, n), [0] * n))
 
 
-def _tile_codegen(context, builder, signature, args, block_sum):
+def _tile_codegen(context, builder, signature, args, block_sum, n_acc=8):
     """Blocks b0..b1-1 of the packed rows times tokens t0..t1-1, one token per iteration, so that
     each weight vector is loaded for one `pmaddubsw` (with the weights reused for several tokens
     in registers, LLVM hoisted and spilled them).
@@ -297,7 +308,8 @@ def _tile_codegen(context, builder, signature, args, block_sum):
     scratch `acc` (n_tok, 8 * TILE_ROWS) where the previous range left them; after the last block
     (b1 = nb) each row gets the row kernel's pairwise sum ((0+4)+(2+6)) + ((1+5)+(3+7)) in out,
     else they go back to `acc`. (A range of blocks whose packed bytes stay in L1 is read by every
-    token before the next: a whole long row's would not fit.)"""
+    token before the next: a whole long row's would not fit.) With n_acc = 16 (iq4_nl: the row
+    kernel's accumulators of even and odd blocks) vector l + vector 8 + l is summed first, as there."""
     vf = _vec(ir.FloatType(), TILE_ROWS)
     pack = context.make_array(signature.args[0])(context, builder, args[0])
     nb, b0, b1, t0, t1, r0 = args[1], args[2], args[3], args[7], args[8], args[10]
@@ -312,17 +324,18 @@ def _tile_codegen(context, builder, signature, args, block_sum):
                      _token_ptr(context, builder, sa[5], args[5], t, ir.FloatType()),
                      _token_ptr(context, builder, sa[6], args[6], t, _I32))
         saved = builder.bitcast(_token_ptr(context, builder, sa[11], args[11], t, ir.FloatType()), ir.PointerType(_I8))
-        start = [builder.select(first, zero, _load(builder, vf, saved, 4 * TILE_ROWS * k)) for k in range(8)]
+        start = [builder.select(first, zero, _load(builder, vf, saved, 4 * TILE_ROWS * k)) for k in range(n_acc)]
         acc = _loop(builder, b0, b1, lambda b, accs: block_sum(tile, b, accs), start)
         with builder.if_else(last) as (then, otherwise):
             with then:
-                s04, s26 = _exact("fadd", builder, acc[0], acc[4]), _exact("fadd", builder, acc[2], acc[6])
-                s15, s37 = _exact("fadd", builder, acc[1], acc[5]), _exact("fadd", builder, acc[3], acc[7])
+                a = acc if n_acc == 8 else [_exact("fadd", builder, acc[k], acc[8 + k]) for k in range(8)]
+                s04, s26 = _exact("fadd", builder, a[0], a[4]), _exact("fadd", builder, a[2], a[6])
+                s15, s37 = _exact("fadd", builder, a[1], a[5]), _exact("fadd", builder, a[3], a[7])
                 y = _exact("fadd", builder, _exact("fadd", builder, s04, s26), _exact("fadd", builder, s15, s37))
                 orow = _token_ptr(context, builder, sa[9], args[9], t, ir.FloatType())
                 _store(builder, y, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
             with otherwise:
-                for k in range(8):
+                for k in range(n_acc):
                     _store(builder, acc[k], saved, 4 * TILE_ROWS * k)
         return []
 
@@ -464,10 +477,10 @@ def _tile_sig(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
     return types.none(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
 
 
-def _tile_intrinsic(block_sum, kind, form):
+def _tile_intrinsic(block_sum, kind, form, n_acc=8):
     def tile(typingctx, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
         sig = _tile_sig(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
-        return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, block_sum)) if sig else None
+        return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, block_sum, n_acc)) if sig else None
 
     tile.__name__ = tile.__qualname__ = f"tile_{kind.lower()}"
     tile.__doc__ = (f"Blocks b0..b1-1 of the rows packed by `pack_{kind.lower()}` (nb blocks) times tokens t0..t1-1 "
@@ -483,3 +496,71 @@ tile_q6_k = _tile_intrinsic(_q6_k_block, "q6_K", "q8_K")
 tile_q4_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q4_0"), "q4_0", "q8_0")
 tile_q5_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q5_0"), "q5_0", "q8_0")
 tile_q8_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q8_0"), "q8_0", "q8_0")
+
+
+# -- i-quants: iq4_xs and iq4_nl (rows equal to `_x86_iq`'s row kernels bit for bit) --
+
+
+def _pack_half_iq4_xs(builder, blks, put):
+    put(_rows_f16(builder, blks, 0), _DX4)
+    scales = [builder.sext(_xs_scales(builder, p), _V8I) for p in blks]  # row r: its 8 scales - 32
+    for j, v in enumerate(_transpose8(builder, scales)):  # sub-block j: lane r = ls_rj in both i16 halves
+        put(builder.or_(builder.and_(v, ir.Constant(_V8I, [0xFFFF] * 8)), builder.shl(v, ir.Constant(_V8I, [16] * 8))),
+            _SCALESX4 + 32 * j)
+
+    def sub_block(j, _):
+        rows = [builder.bitcast(_iq4_values(builder, _gep8(builder, p, builder.add(builder.mul(j, _c64(16)), _c64(8)))), _V8I)
+                for p in blks]
+        for k, v in enumerate(_transpose8(builder, rows)):
+            put(v, builder.add(builder.mul(j, _c64(256)), _c64(_QUANTSX4 + 32 * k)))
+        return []
+
+    _loop(builder, _c64(0), _c64(8), sub_block, [])
+
+
+def _pack_half_iq4_nl(builder, blks, put):
+    for h in range(2):  # the pair's even block, then its odd one, each as q4_0's layout
+        _pack_half_legacy(builder, [_gep8(builder, p, 18 * h) for p in blks], lambda v, off: put(v, 288 * h + off), "iq4_nl")
+
+
+def _iq4_xs_block(tile, b, accs):
+    """iq4_xs: per super-block acc_l = fma(d*dx, isum_l, acc_l), isum_l = sum over the 8 sub-blocks
+    of (ls - 32) * (4 products |q| . sign(x, q)), exact in int32, as `_x86_iq._row_iq4_xs`."""
+    builder = tile.b
+    vi = _vec(_I32, TILE_ROWS)
+    src = tile.src(b, IQ_PACKED_BYTES[IQ4_XS])
+    xq_off = builder.mul(b, _c64(256))
+
+    def sub_block(j, isums):
+        scale = tile.load(_V16H, src, builder.add(builder.mul(j, _c64(32)), _c64(_SCALESX4)))
+        wj = builder.add(builder.mul(j, _c64(256)), _c64(_QUANTSX4))
+        return tile.dot_quads(isums, lambda k: tile.load(_V32B, src, builder.add(wj, _c64(32 * k))),
+                              builder.add(xq_off, builder.mul(j, _c64(32))), lambda k: scale, signed=True)
+
+    isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
+    db = _exact("fmul", builder, tile.load(_V8F, src, _DX4), tile.dx(b))
+    return [_fma(builder, db, builder.sitofp(isum, _vec(ir.FloatType(), TILE_ROWS)), acc) for isum, acc in zip(isums, accs)]
+
+
+def _iq4_nl_pair(tile, pair, accs):
+    """iq4_nl: blocks 2p (accumulators 0-7) and 2p+1 (8-15), each acc_l = fma(d*dx, isum_l, acc_l)
+    with isum_l the 4 products of quad l, as `_x86_iq._row_iq4_nl`'s two accumulators."""
+    builder = tile.b
+    vi = _vec(_I32, TILE_ROWS)
+    src = tile.src(pair, IQ_PACKED_BYTES[IQ4_NL])
+    zero = ir.Constant(vi, [0] * TILE_ROWS)
+    out = []
+    for h in range(2):
+        b = builder.add(builder.mul(pair, _c64(2)), _c64(h))
+        isums = tile.dot_quads([zero] * 8, lambda k: tile.load(_V32B, src, 288 * h + _QUANTS0 + 32 * k),
+                               builder.mul(b, _c64(32)), signed=True)
+        db = _exact("fmul", builder, tile.load(_V8F, src, 288 * h + _D0), tile.dx(b))
+        out += [_fma(builder, db, builder.sitofp(isum, _vec(ir.FloatType(), TILE_ROWS)), acc)
+                for isum, acc in zip(isums, accs[8 * h:8 * h + 8])]
+    return out
+
+
+pack_iq4_xs = _pack_intrinsic(IQ4_XS, _pack_half_iq4_xs)
+pack_iq4_nl = _pack_intrinsic(IQ4_NL, _pack_half_iq4_nl)
+tile_iq4_xs = _tile_intrinsic(_iq4_xs_block, "iq4_xs", "q8_K")
+tile_iq4_nl = _tile_intrinsic(_iq4_nl_pair, "iq4_nl", "q8_0", n_acc=16)

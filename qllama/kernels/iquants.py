@@ -19,7 +19,9 @@ from numba import prange
 
 from ..dequant.iq_grids import KVALUES_IQ4NL
 from ._fp16 import f16_at
+from ._x86_gemm import IQ_PACKED_BYTES, L1_BLOCK_BYTES, TILE_ROWS, pack_iq4_nl, pack_iq4_xs, tile_iq4_nl, tile_iq4_xs
 from ._x86_iq import row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
+from .int8 import _aligned_bytes, _over_threads
 from .jit import Variants, kernel
 
 IQ4_NL, IQ4_XS = 20, 23
@@ -151,9 +153,52 @@ def _int8_rows_of(type_id: int):
 ROWS_INT8 = Variants(_int8_rows_of, "ROWS_INT8", fastmath=FASTMATH, **_NOPY)
 
 
+def _gemm_rows_of(type_id: int):
+    """The batch kernel of one type: row groups g0..g1-1 of TILE_ROWS rows, each packed once into
+    a scratch (`_x86_gemm.pack_iq4_*`: kvalues looked up and transposed), then every token
+    through ranges of its units whose packed bytes stay in L1 (`tile_iq4_*`); the same values as
+    ROWS_INT8 bit for bit (iq4_nl: units are pairs of blocks, ggml's odd tail block added after)."""
+    nl = type_id == IQ4_NL
+    bb1 = BLOCK[type_id][1]
+    bb = bb1 * (2 if nl else 1)  # bytes per unit
+    packed = IQ_PACKED_BYTES[type_id]
+    n_acc = 16 if nl else 8
+
+    def gemm_rows(raw, xq, xd, xs, tab, out, g0, g1):
+        n_tok, nu = xq.shape[0], raw.shape[1] // bb
+        nb = raw.shape[1] // bb1
+        scratch = _aligned_bytes(nu * packed)  # TILE_ROWS rows, packed: in L2
+        n_ranges = (nu * packed + L1_BLOCK_BYTES - 1) // L1_BLOCK_BYTES
+        per = (nu + n_ranges - 1) // n_ranges  # units per range: their packed bytes stay in L1
+        acc = _aligned_bytes(n_tok * 4 * n_acc * TILE_ROWS).view(np.float32).reshape(n_tok, n_acc * TILE_ROWS)
+        for g in range(g0, g1):
+            r = g * TILE_ROWS
+            if nl:
+                pack_iq4_nl(raw, r, nu, scratch)
+            else:
+                pack_iq4_xs(raw, r, nu, scratch)
+            for u0 in range(0, nu, per):
+                if nl:
+                    tile_iq4_nl(scratch, nu, u0, min(nu, u0 + per), xq, xd, xs, 0, n_tok, out, r, acc)
+                else:
+                    tile_iq4_xs(scratch, nu, u0, min(nu, u0 + per), xq, xd, xs, 0, n_tok, out, r, acc)
+            if nl and nb % 2 == 1:  # ggml's scalar tail block
+                for t in range(n_tok):
+                    for i in range(r, r + TILE_ROWS):
+                        out[t, i] = tail_iq4_nl(raw[i], nb, xq[t], xd[t], out[t, i])
+
+    return gemm_rows
+
+
+GEMM_ROWS = Variants(_gemm_rows_of, "GEMM_ROWS", fastmath=FASTMATH, **_NOPY)
+
+
 def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
     """The int8 mat-mul of iq4_nl / iq4_xs rows (decode and prompts): rows over the threads,
-    each chunk by ROWS_INT8[type_id] (`int8._over_threads`)."""
-    from .int8 import _over_threads
-
-    _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
+    each chunk by ROWS_INT8[type_id] (`int8._over_threads`); batches of 2+ tokens take
+    GEMM_ROWS when the rows are whole groups of TILE_ROWS (the same values)."""
+    unit = BLOCK[int(type_id)][1] * (2 if int(type_id) == IQ4_NL else 1)  # (the gemm's: a pair of iq4_nl blocks)
+    if xq.shape[0] >= 2 and raw.shape[0] % TILE_ROWS == 0 and raw.shape[1] >= unit:
+        _over_threads(GEMM_ROWS[int(type_id)], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
+    else:
+        _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
