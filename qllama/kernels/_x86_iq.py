@@ -198,3 +198,59 @@ def fma32(typingctx, a, b, c):
         return builder.call(fn, list(args))
 
     return types.float32(a, b, c), codegen
+
+
+# -- the grid types (`iquants_grid.py`): a decoded super-block's signs and int8 dot products --
+
+
+def _arr_ptr(context, builder, aty, aval, elty, off=None):
+    return _ptr(context, builder, aty, aval, off if off is not None else ir.Constant(_I64, 0), elty)
+
+
+@intrinsic
+def apply_signs(typingctx, wb, sb):
+    """wb (256,) int8 negated where bit e % 8 of sb[e // 8] (sb (32,) uint8) is set, 32 bytes at a
+    time: each sign byte spread over its 8 elements, tested against 1 << (e % 8), (w ^ m) - m."""
+    if not (_is_arr(wb, types.int8) and _is_arr(sb, types.uint8)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        wp = _arr_ptr(context, builder, signature.args[0], args[0], _vec(_I8, 32))
+        sp = _arr_ptr(context, builder, signature.args[1], args[1], _vec(_I8, 4))
+        bit = ir.Constant(_vec(_I8, 32), [1 << (e % 8) for e in range(32)])
+        zero = ir.Constant(_vec(_I8, 32), [0] * 32)
+        for c in range(8):
+            s = _lanes(builder, builder.load(builder.gep(sp, [ir.Constant(_I32, c)]), align=1), [e // 8 for e in range(32)])
+            m = builder.sext(builder.icmp_unsigned("!=", builder.and_(s, bit), zero), _vec(_I8, 32))
+            p = builder.gep(wp, [ir.Constant(_I32, c)])
+            builder.store(builder.sub(builder.xor(builder.load(p, align=1), m), m), p, align=1)
+        return context.get_dummy_value()
+
+    return types.none(wb, sb), codegen
+
+
+@intrinsic
+def block_isums(typingctx, wb, sc, x, xo, out):
+    """out (8,) int32 = ggml's 8 lane sums of one decoded grid super-block: lane l = sum over the
+    32-element chunks c of sc[2c + l // 4] * (the 4 products w . x of elements 32c+4l..32c+4l+3),
+    exact (`pmaddubsw(|w|, sign(x, w))`, then `pmaddwd` by the scales). wb (256,) int8 signed
+    weights, sc (16,) int32 scales, x int8 activations from element xo."""
+    if not (_is_arr(wb, types.int8) and _is_arr(sc, types.int32) and _is_arr(x, types.int8)
+            and isinstance(xo, types.Integer) and _is_arr(out, types.int32)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        sa = signature.args
+        wp = _arr_ptr(context, builder, sa[0], args[0], _vec(_I8, 32))
+        scv = builder.trunc(builder.load(_arr_ptr(context, builder, sa[1], args[1], _vec(_I32, 16)), align=4), _vec(_I16, 16))
+        xp = _arr_ptr(context, builder, sa[2], args[2], _vec(_I8, 32), args[3])
+        isum = ir.Constant(_vec(_I32, 8), [0] * 8)
+        for c in range(8):
+            w = builder.load(builder.gep(wp, [ir.Constant(_I32, c)]), align=1)
+            xv = builder.load(builder.gep(xp, [ir.Constant(_I32, c)]), align=1)
+            s = _lanes(builder, scv, [2 * c] * 8 + [2 * c + 1] * 8)
+            isum = _madd_add(builder, isum, _maddubs(builder, _psign(builder, w, w), _psign(builder, xv, w)), s)
+        builder.store(isum, _arr_ptr(context, builder, sa[4], args[4], _vec(_I32, 8)), align=4)
+        return context.get_dummy_value()
+
+    return types.none(wb, sc, x, xo, out), codegen

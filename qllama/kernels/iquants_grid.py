@@ -10,8 +10,10 @@ hsum_float_8 of the 8 lanes, times the type's constant (iq2: 0.125, iq3_xxs: 0.2
 iq1_s adds 0.125 * (a scalar fma chain of d * the delta term from the activations' 16-element
 sums); iq1_m keeps its delta term in a second 8-lane accumulator (0.125 * its hsum).
 
-Scalar Numba code (not vector intrinsics yet): correct and bit-exact, a few times slower than
-ggml's. Grids: `qllama.dequant.iq_grids.grid` (frozen into the compiled code as constants).
+The block's decoding is scalar Numba; its signs (`_x86_iq.apply_signs`) and the per-token
+products (`_x86_iq.block_isums`: `pmaddubsw(|w|, sign(x, w))` + `pmaddwd` by the scales, ggml's
+lanes) are vector intrinsics. Grids: `qllama.dequant.iq_grids.grid` (frozen into the compiled
+code as constants).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 
 from ..dequant.iq_grids import KSIGNS_IQ2XS, grid
 from ._fp16 import f16_at
-from ._x86_iq import fma32
+from ._x86_iq import apply_signs, block_isums, fma32
 from .jit import Variants, kernel
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 21, 22, 29, 34, 35
@@ -160,14 +162,6 @@ def decode_block(type_id, row, o, tab, wb, w64, w32, sb, sc, dl):
 
 
 @kernel(**_NOPY)
-def apply_signs(wb, sb):
-    """wb[e] negated where bit e % 8 of sb[e // 8] is set (branch-free: (w ^ m) - m, m = 0 or -1)."""
-    for e in range(256):
-        m = -((np.int32(sb[e >> 3]) >> (e & 7)) & 1)
-        wb[e] = (np.int32(wb[e]) ^ m) - m
-
-
-@kernel(**_NOPY)
 def _hsum8(a):
     """ggml's hsum_float_8 of a float32 (8,)."""
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
@@ -187,7 +181,7 @@ def _rows_of(type_id: int):
         sb = np.empty(32, np.uint8)  # its sign bits per 8 elements
         sc = np.empty(16, np.int32)  # its scales per 16
         dl = np.empty(32, np.int32)  # iq1 delta signs per 8
-        p4 = np.empty(64, np.int32)  # per token: sums of 4 products (a lane's share of one 32-chunk)
+        p8 = np.empty(8, np.int32)  # per token: the block's 8 lane sums (`block_isums`)
         x4 = np.empty(64, np.int32)  # iq1_m: sums of 4 activations
         acc = np.empty((TOKEN_TILE, 8), np.float32)  # (tokens, lanes)
         acc2 = np.empty((TOKEN_TILE, 8), np.float32)  # iq1_m: the delta lanes
@@ -205,20 +199,16 @@ def _rows_of(type_id: int):
                     for t in range(t0, t1):
                         x = xq[t, 256 * b:256 * b + 256]
                         d = dw * xd[t, b]  # (ggml: fp16(x.d) * y.d; iq1: y.d * fp16(x.d), the same product)
-                        for q in range(64):  # (exact int32: |w x| <= 62 * 127, 4 of them)
-                            e = 4 * q
-                            p4[q] = (np.int32(wb[e]) * np.int32(x[e]) + np.int32(wb[e + 1]) * np.int32(x[e + 1])
-                                     + np.int32(wb[e + 2]) * np.int32(x[e + 2]) + np.int32(wb[e + 3]) * np.int32(x[e + 3]))
+                        block_isums(wb, sc, xq[t], 256 * b, p8)  # lane l of chunk c: elements 32c+4l..+3
                         if iq1m:
                             for q in range(64):
                                 e = 4 * q
                                 x4[q] = np.int32(x[e]) + np.int32(x[e + 1]) + np.int32(x[e + 2]) + np.int32(x[e + 3])
                         for l in range(8):
-                            isum = np.int32(0)
+                            isum = p8[l]
                             isum2 = np.int32(0)
-                            for c in range(8):  # lane l of chunk c: elements 32c+4l..+3, scale of sub-block 2c + l // 4
-                                isum += sc[2 * c + l // 4] * p4[8 * c + l]
-                                if iq1m:
+                            if iq1m:
+                                for c in range(8):  # scale of sub-block 2c + l // 4
                                     isum2 += sc[2 * c + l // 4] * dl[4 * c + l // 2] * x4[8 * c + l]
                             if tq:  # ggml: (q - 1) . x as q . x - the 16-element sums, lane l taking sums 2l, 2l+1
                                 isum -= xs[t, 16 * b + 2 * l] + xs[t, 16 * b + 2 * l + 1]
