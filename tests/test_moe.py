@@ -131,8 +131,8 @@ def test_prefill_equals_token_by_token_bit_for_bit(files, name, kv, int8_mode):
         m = qllama.load(path, n_ctx=128, batch_size=bs, **kw)
         got = m.logits(ids)
         np.testing.assert_array_equal(got, full, err_msg=f"batch {bs}")
-        if bs == 1 and name.endswith("q4k"):  # one-token steps took the fused expert kernel (kernels/fused.py)
-            assert all(lw.moe._fused_addresses is not None for lw in _transformer(m).weights.layers)
+        if name.endswith("q4k"):  # every step took the one-call expert kernel (kernels/experts.py)
+            assert all(lw.moe._plan for lw in _transformer(m).weights.layers)
 
 
 def test_forward_many_equals_separate_forwards(files, int8_mode):
@@ -229,9 +229,12 @@ def test_dense_points_unchanged_and_moe_points_known(files):
     assert set(t.names()) == set(point_names(moe.args.n_layer, moe=True))
 
 
-def test_a_decoded_token_reads_only_its_experts(files, int8_mode):
-    """Expert slices are views of the mmap (no copy), made on first use: one decoded token makes
-    (and reads) exactly k of them per layer and projection."""
+def test_a_decoded_token_reads_only_its_experts(files, int8_mode, monkeypatch):
+    """Expert tensors are views of the mmap (no copy): one decoded token runs (and reads) exactly
+    k experts per layer, through the one-call kernel handed those views, or through k 2-D views
+    per projection made on first use (the per-expert calls)."""
+    from qllama.kernels import experts as kx
+
     int8_mode(True)
     path = files("qwen3moe-q4k")
     model = qllama.load(path, n_ctx=128)
@@ -241,8 +244,23 @@ def test_a_decoded_token_reads_only_its_experts(files, int8_mode):
         for et in (lw.moe.gate, lw.moe.up, lw.moe.down):
             assert not et.raw.flags.owndata and not et.raw.flags.writeable  # a view of the file's mmap
             assert et.nbytes == et.raw.shape[0] * et.raw.shape[1]
-    tr.forward([5], tr.new_cache())
-    for lw in tr.weights.layers:
+    calls, real = [], kx.experts_ffn
+    monkeypatch.setattr(kx, "experts_ffn", lambda *a: calls.append(a) or real(*a))
+    for step in range(2):  # (the first step may run per expert while its kernels load)
+        calls.clear()
+        tr.forward([5 + step], tr.new_cache())
+    assert len(calls) == len(tr.weights.layers)
+    for lw, a in zip(tr.weights.layers, calls):
+        assert len(a[3]) == k  # the chosen experts
+        for et, raw in zip((lw.moe.gate, lw.moe.up, lw.moe.down), a[7:10]):  # their 3-D views
+            assert np.shares_memory(raw, et.raw) and not raw.flags.owndata
+    # the per-expert calls (--no-fuse) make exactly k views per projection
+    from qllama.models.step import Plain
+
+    tr2 = _transformer(qllama.load(path, n_ctx=128))
+    tr2.execution = Plain(fused=False)
+    tr2.forward([5], tr2.new_cache())
+    for lw in tr2.weights.layers:
         for et in (lw.moe.gate, lw.moe.up, lw.moe.down):
             made = [e for e in range(len(et)) if et._views[e] is not None]
             assert len(made) == k

@@ -44,8 +44,6 @@ from .moe import ExpertTensor, MoeFFN, read_moe_args
 from .kvcache import from_f32, is_blocks, query_as_keys, to_f32
 from .points import attention_numpy
 
-SWIGLU_OAI_ALPHA = np.float32(1.702)
-SWIGLU_OAI_LIMIT = np.float32(7.0)
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's cparams defaults
 
 
@@ -74,22 +72,33 @@ def yarn_rope_tables(n_rot: int, base: float, freq_scale: float, n_ctx_orig: int
 
 
 def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """ggml_swiglu_oai in float32: x = min(g, limit); x / (1 + e^(-alpha x)) * (clamp(u) + 1)."""
-    x = np.minimum(g, SWIGLU_OAI_LIMIT)
-    y = np.clip(u, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
-    with np.errstate(over="ignore"):
-        out = x / (np.float32(1.0) + np.exp(SWIGLU_OAI_ALPHA * -x))
-    return (out * (y + np.float32(1.0))).astype(np.float32)
+    """ggml_swiglu_oai in float32 of two float32 arrays of one shape (kernels.experts.swiglu_oai,
+    the experts' own kernel): x = min(g, 7); x / (1 + e^(-1.702 x)) * (clamp(u, -7, 7) + 1)."""
+    from ..kernels.experts import swiglu_oai as kernel
+
+    g2 = np.ascontiguousarray(g, np.float32).reshape(-1, g.shape[-1])  # (T, n)
+    out = np.empty_like(g2)
+    kernel(g2, np.ascontiguousarray(u, np.float32).reshape(g2.shape), out, 0)
+    return out.reshape(g.shape)
 
 
 class GptOssMoe(MoeFFN):
     """build_moe_ffn for gpt-oss: biased router, top-k on logits then softmax over the k, biased
-    experts with swiglu_oai. Unfused (one-token steps take the unfused expert calls)."""
+    experts with swiglu_oai, every chosen expert in one call (kernels/experts.py) when the
+    experts' types have int8 row kernels (MXFP4 has)."""
 
     def __init__(self, *args, router_b, gate_b, up_b, down_b, **kw):
         super().__init__(*args, **kw)
         self.router_b, self.gate_b, self.up_b, self.down_b = router_b, gate_b, up_b, down_b
         self._fusable = False  # (kernels/fused.py has no biases nor swiglu_oai)
+
+    def biases(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.gate_b, self.up_b, self.down_b
+
+    def act_kernel(self):
+        from ..kernels.experts import swiglu_oai as kernel
+
+        return kernel
 
     @classmethod
     def load(cls, r: WeightReader, a: ModelArgs, i: int, **_) -> "GptOssMoe":
@@ -101,7 +110,7 @@ class GptOssMoe(MoeFFN):
         down = ExpertTensor(r.gf, p + "ffn_down_exps.weight", ff, d, n)
 
         def biases(name: str, width: int) -> np.ndarray:
-            return r.vector(p + name, width * n).reshape(n, width)  # (n_expert, width): expert e's row e
+            return np.ascontiguousarray(r.vector(p + name, width * n).reshape(n, width))  # (n_expert, width): expert e's row e
 
         return cls(router, gate, up, down, a.n_expert_used, False, router_b=r.vector(p + "ffn_gate_inp.bias", n),
                    gate_b=biases("ffn_gate_exps.bias", ff), up_b=biases("ffn_up_exps.bias", ff),

@@ -42,6 +42,7 @@ MAX_EXPERTS = 512  # llama.cpp's LLAMA_MAX_EXPERTS
 _EMPTY_RAW = np.zeros((0, 1), np.uint8)  # an unused matrix slot of a fused call
 _EMPTY_RAW.flags.writeable = False
 _EMPTY_OUT = np.zeros((1, 0), np.float32)
+GEMM_FROM_TOKENS = np.int64(8)  # an expert's tokens from which its matrices take the gemm (fewer: the row kernels, faster there)
 WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # llama.cpp clamps the renormalising sum to the smallest normal fp16
 
 
@@ -125,6 +126,11 @@ class ExpertTensor:
     def nbytes(self) -> int:
         return self.raw.nbytes
 
+    @property
+    def rows3(self) -> np.ndarray:
+        """The packed rows of every expert, (n_expert, ne1, row bytes) uint8 (a view)."""
+        return self.raw.reshape(len(self._views), self.shape[1], -1)
+
 
 class MoeFFN:
     """One layer's router, experts and optional shared expert; `forward` is its FFN."""
@@ -142,6 +148,7 @@ class MoeFFN:
         self.shared = shared  # (gate, up, down) QTensors of the shared expert, or None
         self._fusable: bool | None = None  # whether one-token steps may take kernels/fused.py's ffn per expert
         self._fused_addresses: tuple | None = None  # its kernels' addresses (the same for every expert)
+        self._plan: tuple | bool | None = None  # kernels.experts.experts_ffn's fixed arguments; False: not these types
         self.shared_gate = shared_gate  # (n_embd,) qwen2moe's sigmoid gate of the shared expert, or None
 
     @classmethod
@@ -203,8 +210,9 @@ class MoeFFN:
         hq = quantize_activation(h)  # quantized once for the router, the shared expert and one-token steps
         experts, w = self.route(model, h, hq)
         k = experts.shape[1]
-        if n_tok == 1:  # decode: the k experts in slot order, on the one activation quantized once
-            out = None
+        # every expert in one call (--no-fuse: one-token steps call each matrix), else per expert
+        out = self._one_call(step, hq, experts, w, act) if n_tok > 1 or step.fused is not None else None
+        if out is None and n_tok == 1:  # decode: the k experts in slot order, on the one activation quantized once
             fused = self._fused_call(step, h, act) if step.fused is not None else None
             for s, e in enumerate(experts[0].tolist()):
                 # one fused call per expert (gate|up, GLU, down: kernels/fused.py), else the unfused
@@ -215,12 +223,9 @@ class MoeFFN:
                     out = y
                 else:
                     out += y
-        else:  # a batch: each chosen expert once over its tokens (mul_mat_id), then the same sums
+        elif out is None:  # a batch: each chosen expert once over its tokens (mul_mat_id), then the same sums
             ys = np.empty((n_tok, k, n_embd), np.float32)  # (T, k, n_embd): each slot's weighted expert output
-            flat = experts.reshape(-1)  # (T k,) slot s of token t at t * k + s
-            order = np.argsort(flat, kind="stable")
-            ids, starts = np.unique(flat[order], return_index=True)
-            bounds = list(starts) + [flat.size]
+            ids, bounds, order = _groups(experts)
             for j, e in enumerate(ids.tolist()):
                 pos = order[bounds[j] : bounds[j + 1]]  # (n_e,) flat positions routed to expert e
                 tok, slot = pos // k, pos % k
@@ -233,6 +238,82 @@ class MoeFFN:
         if self.shared is not None:
             out += self._shared(model, h, hq, act, glu)
         return step.point("ffn_out", out)
+
+    # -- every chosen expert in one call (kernels/experts.py) --
+
+    _NO_BIAS = np.zeros((0, 0), np.float32)
+
+    def biases(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate, up, down) expert biases (n_expert, width) float32; (0, 0) arrays for none."""
+        return self._NO_BIAS, self._NO_BIAS, self._NO_BIAS
+
+    def act_kernel(self):
+        """The GLU kernel (gate, up, out, act) of the experts: layer_ops.glu."""
+        return _glu()
+
+    def _one_call(self, step, hq, experts: np.ndarray, w: np.ndarray, act: int) -> np.ndarray | None:
+        """The routed experts' weighted sum (T, n_embd) by one kernels.experts.experts_ffn call,
+        or None (the per-expert calls) when its kernels do not run these types or their
+        addresses are not there yet (a recording warm-up)."""
+        plan = self._experts_plan(act)
+        if not plan:
+            return None
+        from ..kernels.experts import experts_ffn
+
+        (fg, raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, act_address,
+         quant_address, dd, ds) = plan
+        ids, bounds, order = _groups(experts)
+        hq_, hd, hs = hq.quantized(fg)
+        out = np.empty((w.shape[0], raw_d.shape[1]), np.float32)  # (T, n_embd)
+        step.op("ffn_moe experts: gate|up + glu + quantize + down + weighted sum (one call)", experts_ffn,
+                hq_, hd, hs, ids, bounds, order, np.ascontiguousarray(w, np.float32),
+                raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, GEMM_FROM_TOKENS,
+                act_address, np.int64(act), quant_address, dd, ds, out, np.int64(step.n_threads))
+        return out
+
+    def _experts_plan(self, act: int):
+        """experts_ffn's arguments fixed for this layer (matrices, kernels' addresses), made once;
+        False when a type has no serial row kernel; None while an address is missing."""
+        if self._plan is False:
+            return None
+        if self._plan is not None:
+            return self._plan
+        from ..kernels import experts as kx
+        from ..kernels.fused import quant_address
+        from ..kernels.int8 import TILE_ROWS
+        from ..kernels.jit import address_of
+        from ..qtensor import TYPES, _fp16_table, int8_enabled
+        from .decode import form_buffers
+
+        g, u, d = self.gate, self.up, self.down
+        kinds = [kx.row_kernels(t.type_id) for t in (g, u, d)] if g is not None and int8_enabled() else [None]
+        if None in kinds or g.type_id != u.type_id:
+            self._plan = False
+            return None
+        fg, fd = TYPES[g.type_id].int8_form, TYPES[d.type_id].int8_form
+        (n_embd, n_ff), tab = g.shape, _fp16_table()
+        raw_g, raw_u, raw_d = g.rows3, u.rows3, d.rows3
+
+        def addresses(kernels, raw3, form, n_cols) -> tuple[int, int]:  # (row kernel, gemm or 0)
+            xa = form_buffers(form, 1, n_cols)
+            args = (raw3[0], *xa, tab, np.empty((1, raw3.shape[1]), np.float32), np.int64(0), np.int64(0))
+            found = [address_of(kn, args, lambda kn=kn: kn(*args)) for kn in kernels if kn is not None]
+            if kernels[1] is None or raw3.shape[1] % TILE_ROWS:
+                found = found[:1] + [-1]  # (no gemm: -1, not a missing address)
+            return found[0], found[1]
+
+        gate_buf, up_buf = np.empty((1, n_ff), np.float32), np.empty((1, n_ff), np.float32)  # (1, n_ff_exp)
+        gq = form_buffers(fd, 1, n_ff)
+        act_fn = self.act_kernel()
+        act_args = (gate_buf, up_buf, gate_buf, act)
+        found = (*addresses(kinds[0], raw_g, fg, n_embd), *addresses(kinds[2], raw_d, fd, n_ff),
+                 address_of(act_fn, act_args, lambda: act_fn(*act_args)), quant_address(fd, gate_buf, *gq))
+        if not all(found):  # a recording warm-up: the per-expert calls this time
+            return None
+        rows_gu, gemm_gu, rows_d, gemm_d, act_address, q_address = (np.int64(max(a, 0)) for a in found)
+        self._plan = (fg, raw_g, raw_u, raw_d, *self.biases(), tab, rows_gu, gemm_gu, rows_d, gemm_d,
+                      np.int64(TILE_ROWS), act_address, q_address, gq[1], gq[2])
+        return self._plan
 
     def _fused_call(self, step, h: np.ndarray, act: int):
         """A function e -> expert e's output (1, n_embd) through one kernels.fused.ffn call, or None
@@ -300,6 +381,15 @@ class MoeFFN:
             z = (h * self.shared_gate).sum(axis=1)  # (T,) row by row (the same value at any batch size)
             y *= (np.float32(1.0) / (np.float32(1.0) + np.exp(-z)))[:, None]
         return y
+
+
+def _groups(experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """experts (T, k) -> (ids (G,) the chosen experts ascending, bounds (G + 1,), order (T k,)):
+    expert ids[j]'s flat positions t * k + slot, tokens in order, are order[bounds[j]:bounds[j + 1]]."""
+    flat = experts.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    ids, starts = np.unique(flat[order], return_index=True)
+    return ids.astype(np.int64), np.append(starts, flat.size).astype(np.int64), order.astype(np.int64)
 
 
 def _glu():
