@@ -1,10 +1,13 @@
-"""i-quant speed against llama.cpp (issue 30): the Llama-3.2-1B shape with random iq4_xs / iq4_nl
-weights (the tied token_embd/output matrix too), A B A B in the same run (tools/bench_vs_llamacpp.py).
+"""i-quant speed against llama.cpp (issue 30): the Llama-3.2-1B shape with random i-quant weights,
+A B A B in the same run (tools/bench_vs_llamacpp.py).
 
 Usage:
-    python tools/bench_iquants.py [--type iq4_xs,iq4_nl] [-t 1,2] [-r 2] [-p 128] [-n 32] [--dir /tmp/qllama-bench]
+    python tools/bench_iquants.py [--type iq4_xs,iq4_nl,iq3_m,iq2_xxs] [-t 1,2] [-r 2] [-p 128] [-n 32] [--dir /tmp/qllama-bench]
 
-The model files are written once (tools/make_model.py, random blocks: ~0.7-0.8 GB each) and kept
+Types: iq4_xs / iq4_nl: every matrix of that type (the tied token_embd/output too); iq3_m and
+iq2_xxs: llama.cpp's IQ3_M / IQ2_XXS mixes for this shape (`llama_tensor_get_type`: n_gqa 4,
+16 layers, tied embeddings), see MIXES. The model files are written once (tools/make_model.py,
+random blocks with calibrated fp16 scales, not llama.cpp's quantizer: ~0.5-0.8 GB each) and kept
 in --dir. Prints bench_vs_llamacpp's table (tokens/s, mean ± sd, ratio of the medians) per type.
 """
 
@@ -19,6 +22,16 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+# name -> (the weight type, per tensor kind or tensor the types llama.cpp's mix gives instead): IQ3_M
+# keeps attn_v, attn_output and the first n_layer/8 ffn_down in q4_K, the tied embedding in q6_K;
+# IQ2_XXS: attn_v q4_K (n_gqa >= 4), the first n_layer/8 ffn_down q2_K, the tied embedding q5_K
+MIXES = {
+    "iq3_m": ("iq3_s", {"token_embd": "q6_K", "attn_v": "q4_K", "attn_output": "q4_K", "blk.0.ffn_down": "q4_K",
+                        "blk.1.ffn_down": "q4_K"}),
+    "iq2_xxs": ("iq2_xxs", {"token_embd": "q5_K", "attn_v": "q4_K", "blk.0.ffn_down": "q2_K", "blk.1.ffn_down": "q2_K"}),
+}
+
+
 def model_file(wtype: str, folder: Path) -> Path:
     from tools.make_model import PRESETS, ModelSpec, write_model
 
@@ -28,7 +41,8 @@ def model_file(wtype: str, folder: Path) -> Path:
         kw["vocab"] = str(REPO.parent / "shared" / "vocab" / kw["vocab"])
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        write_model(tmp, ModelSpec(weight_type=wtype, direct_blocks=True, seed=1, **kw))
+        weight_type, types = MIXES.get(wtype, (wtype, {}))
+        write_model(tmp, ModelSpec(weight_type=weight_type, types=types, direct_blocks=True, seed=1, **kw))
         tmp.rename(path)
     return path
 

@@ -42,7 +42,7 @@ from qllama.gguf.reader import GGUFFile, ValueType  # noqa: E402
 _SCALE_FIELDS = {
     "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
     "q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,),
-    "iq4_nl": (0,), "iq4_xs": (0,),
+    "iq4_nl": (0,), "iq4_xs": (0,), "iq3_s": (0,), "iq2_xxs": (0,),
 }
 
 
@@ -235,7 +235,7 @@ def write_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> di
     stored: dict[str, np.ndarray] = {}
 
     def add(name: str, rows: int, cols: int, std: float, kind: str) -> None:
-        tname = spec.types.get(kind, spec.weight_type)
+        tname = spec.types.get(name.removesuffix(".weight"), spec.types.get(kind, spec.weight_type))  # (a tensor, or a kind)
         if spec.preset:
             from qllama.gguf.types import GGML_TYPES
             from qllama.quantize import choose_tensor_type
