@@ -206,6 +206,38 @@ def test_choose_tensor_type_rules():
         c("blk.0.attn_q.weight", (4096, 4096), "Q3_K_XL", 32)
 
 
+def test_choose_tensor_type_rules_of_the_low_bit_presets():
+    """llama_tensor_get_type's rules for Q2_K, Q3_K_S/M/L, IQ4_NL and IQ4_XS, by hand."""
+    from qllama.gguf.types import IQ4_NL, IQ4_XS, Q2_K, Q3_K
+
+    c = choose_tensor_type
+    assert c("blk.0.attn_q.weight", (4096, 4096), "Q2_K", 32) == Q2_K
+    assert c("blk.0.attn_v.weight", (4096, 1024), "Q2_K", 32) == Q3_K
+    assert c("blk.0.attn_v.weight", (4096, 1024), "Q2_K", 32, n_gqa=4) == Q4_K
+    assert c("blk.9.ffn_down.weight", (11008, 4096), "Q2_K", 32) == Q3_K
+    assert c("blk.9.attn_output.weight", (4096, 4096), "Q2_K", 32) == Q3_K
+    assert c("blk.9.attn_output.weight", (4096, 4096), "Q2_K", 32, n_expert=8) == Q5_K
+    assert c("blk.9.ffn_down.weight", (10976, 4096), "Q2_K", 32) == Q4_0  # q3_K cannot hold 10976: q4_0
+    assert c("blk.9.attn_v.weight", (4096, 4096), "Q3_K_S", 32) == Q3_K
+    assert c("blk.9.attn_v.weight", (8192, 1024), "Q3_K_S", 80, is_70b=True) == Q5_K
+    assert [c(f"blk.{i}.attn_v.weight", (4096, 4096), "Q3_K_M", 32) for i in (0, 1, 2)] == [Q5_K, Q5_K, Q4_K]
+    assert [c(f"blk.{i}.ffn_down.weight", (11008, 4096), "Q3_K_M", 32) for i in (1, 2)] == [Q5_K, Q4_K]  # 32 // 16
+    assert c("blk.5.attn_output.weight", (4096, 4096), "Q3_K_M", 32) == Q4_K
+    assert c("blk.5.ffn_up.weight", (4096, 11008), "Q3_K_M", 32) == Q3_K
+    assert c("blk.5.attn_v.weight", (4096, 4096), "Q3_K_L", 32) == Q5_K
+    assert c("blk.5.ffn_down.weight", (11008, 4096), "Q3_K_L", 32) == Q5_K
+    assert c("blk.5.attn_output.weight", (4096, 4096), "Q3_K_L", 32) == Q5_K
+    assert c("output.weight", (4096, 32000), "IQ4_NL", 32) == Q6_K
+    assert c("output.weight", (4544, 32000), "IQ4_NL", 32) == Q8_0  # q6_K's 256 does not divide 4544
+    assert c("output.weight", (4544, 32000), "IQ4_XS", 32) == Q8_0
+    assert c("token_embd.weight", (4544, 32000), "IQ4_XS", 32) == IQ4_NL
+    assert c("blk.0.attn_v.weight", (4096, 1024), "IQ4_XS", 32) == IQ4_XS
+    assert c("blk.0.attn_v.weight", (4096, 1024), "IQ4_XS", 32, n_gqa=8) == Q5_K
+    assert [c(f"blk.{i}.ffn_down.weight", (11008, 4096), "IQ4_NL", 32) for i in (3, 4)] == [Q5_K, IQ4_NL]
+    assert c("blk.3.ffn_down.weight", (11008, 4096), "IQ4_NL", 32, has_imatrix=True) == IQ4_NL
+    assert c("blk.3.ffn_down.weight", (11008, 4096), "Q4_0", 32, has_imatrix=True) == Q4_1
+
+
 def test_mix_equals_llama_cpp_q4_k_m():
     ref = GGUFFile(_need(Q4KM_MODEL))
     plans = {p.name: p.dst_type for p in plan_quantization(_need(F32_MODEL), "Q4_K_M")}

@@ -1,12 +1,15 @@
 """Block quantizers: float32 rows -> ggml block bytes (`quantize_array`).
 
-The algorithms are ggml's reference ones *without* an importance matrix (`quantize_row_*_ref`
-in ggml-quants.c), rewritten here:
+The algorithms are ggml's (ggml-quants.c), rewritten here; `quantize_array` follows the row
+references (`quantize_row_*_ref`), `quantize_chunk` what `ggml_quantize_chunk` writes into files
+(the same but for iq4_nl's scale search):
 
 - q8_0, q4_0, q4_1, q5_0, q5_1: vectorised NumPy, byte-identical to ggml (and to gguf-py);
-- iq4_nl: ggml's quantize_row_iq4_nl_ref (the KV cache's iq4_nl rows), vectorised NumPy;
-- q4_K, q5_K, q6_K: the kernels of `qllama.kernels.quantize_k` (bytes identical to llama.cpp's),
-  run on slices of blocks in a thread pool (they release the GIL);
+- iq4_nl: ggml's quantize_row_iq4_nl_ref (the KV cache's iq4_nl rows), vectorised NumPy; in
+  files, quantize_row_iq4_nl_impl's search (as iq4_xs);
+- q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs (and iq4_nl in files): the kernels of
+  `qllama.kernels.quantize_k` (bytes identical to llama.cpp's), run on slices of blocks in a
+  thread pool (they release the GIL);
 - f32, f16, bf16 (ggml's round-to-nearest-even bf16, NaN kept quiet).
 """
 

@@ -1,6 +1,6 @@
 """Presets and llama.cpp's per-tensor type mix (`llama_tensor_get_type` in src/llama-quant.cpp).
 
-`choose_tensor_type` picks the ggml type of one tensor for a preset in `PRESETS` (no imatrix).
+`choose_tensor_type` picks the ggml type of one tensor for a preset in `PRESETS`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import re
 from typing import Iterable, NamedTuple
 
 from ..errors import QllamaError
-from ..gguf.types import BF16, F16, F32, GGML_TYPES, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+                          Q5_K, Q6_K, Q8_0)
 from .blocks import FLOAT_TYPES
 
 
@@ -27,6 +28,8 @@ PRESETS: dict[str, Preset] = {name: Preset(name, ftype, t) for name, ftype, t in
     ("Q4_K_S", 14, Q4_K), ("Q5_K_S", 16, Q5_K), ("Q4_1", 3, Q4_1), ("Q5_0", 8, Q5_0), ("Q5_1", 9, Q5_1),
     ("F16", 1, F16), ("BF16", 32, BF16), ("F32", 0, F32),
     ("MXFP4_MOE", 38, MXFP4),  # experts (3-D tensors) MXFP4, every other quantized tensor q8_0
+    ("Q2_K", 10, Q2_K), ("Q3_K_S", 11, Q3_K), ("Q3_K_M", 12, Q3_K), ("Q3_K_L", 13, Q3_K),
+    ("IQ4_NL", 25, IQ4_NL), ("IQ4_XS", 30, IQ4_XS),
 )}
 
 
@@ -39,7 +42,7 @@ def get_preset(name: str) -> Preset:
 
 
 # When ne0 is not a multiple of a k-quant's 256, llama.cpp falls back to a 32-block type.
-_FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
+_FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, IQ4_XS: IQ4_NL, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}  # (the pinned llama.cpp)
 
 # Substrings of weight names llama.cpp never quantizes (besides 1-D tensors and *_norm.weight).
 _NEVER_QUANTIZED = (
@@ -79,15 +82,18 @@ def choose_tensor_type(
     tied_embeddings: bool = False,
     n_expert: int = 0,
     is_70b: bool = False,
+    n_gqa: int = 1,
+    has_imatrix: bool = False,
 ) -> int:
-    """The ggml type llama.cpp's `llama_tensor_get_type` picks for one tensor (no imatrix).
+    """The ggml type llama.cpp's `llama_tensor_get_type` picks for one tensor.
 
     shape is in GGUF order (ne0 first). n_layers is `{arch}.block_count`; n_attn_v the number
     of attn_v tensors (default n_layers); tied_embeddings when the file has no output.weight
-    (token_embd then gets the output's type). Tensors llama.cpp does not quantize (1-D, norms...)
-    keep `current_type`. The mix, for the `_M` presets: output (and tied token_embd) -> q6_K;
-    attn_v and ffn_down of the use_more_bits() layers -> q6_K; a k-quant whose 256 does not divide
-    ne0 falls back to q5_0 (q4_K), q5_1 (q5_K) or q8_0 (q6_K).
+    (token_embd then gets the output's type); n_gqa = head_count / head_count_kv; has_imatrix
+    when an importance matrix is given (it changes a few choices). Tensors llama.cpp does not
+    quantize (1-D, norms...) keep `current_type`. E.g. for the `_M` presets: output (and tied
+    token_embd) -> q6_K; attn_v and ffn_down of the use_more_bits() layers -> q6_K. A type whose
+    block does not divide ne0 falls back as `_FALLBACK` says (then to f16).
     """
     p = get_preset(preset)
     shape = tuple(int(d) for d in shape)
@@ -98,7 +104,7 @@ def choose_tensor_type(
     if p.default_type in FLOAT_TYPES:
         return new  # F16/BF16/F32 presets: no mix, no fallback
     ne0 = shape[0]
-    i_layer = _layer_index(name)
+    i = _layer_index(name) or 0
     if ft == "MXFP4_MOE":  # llama.cpp: output (and a tied embedding) q8_0; MoE tensors MXFP4, the rest q8_0
         is_output = name == "output.weight" or (tied_embeddings and name == "token_embd.weight")
         new = MXFP4 if not is_output and len(shape) > 2 and shape[2] > 1 else Q8_0
@@ -110,13 +116,20 @@ def choose_tensor_type(
     elif name == "token_embd.weight":
         pass  # the preset's default type
     elif any(s in name for s in ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")):
-        i = i_layer if i_layer is not None else 0
         n = n_attn_v if n_attn_v is not None else n_layers
-        if ft in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+        if ft == "Q2_K":
+            new = Q4_K if n_gqa >= 4 else Q3_K
+        elif ft == "Q3_K_M":
+            new = Q5_K if i < 2 else Q4_K
+        elif ft == "Q3_K_L":
+            new = Q5_K
+        elif ft in ("IQ4_NL", "IQ4_XS") and n_gqa >= 4:
+            new = Q5_K
+        elif ft in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
             new = Q6_K
         elif ft == "Q4_K_S" and i < 4:
             new = Q5_K
-        if is_70b and new == Q4_K:  # 8 heads share attn_v: more bits are nearly free
+        if is_70b and new in (Q3_K, Q4_K):  # 8 heads share attn_v: more bits are nearly free
             new = Q5_K
         if n_expert == 8:
             new = Q8_0
@@ -124,17 +137,27 @@ def choose_tensor_type(
         if n_expert == 8:
             new = Q8_0
     elif "ffn_down" in name:
-        i = i_layer if i_layer is not None else 0
-        if ft == "Q4_K_M" and use_more_bits(i, n_layers):
+        if ft == "Q2_K":
+            new = Q3_K
+        elif ft == "Q3_K_M":
+            new = Q5_K if i < n_layers // 16 else Q4_K
+        elif ft == "Q3_K_L":
+            new = Q5_K
+        elif ft in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n_layers):
             new = Q6_K
-        elif ft == "Q5_K_M" and use_more_bits(i, n_layers):
-            new = Q6_K
+        elif ft in ("IQ4_NL", "IQ4_XS") and i < n_layers // 8 and not has_imatrix:
+            new = Q5_K
         elif ft == "Q4_K_S" and i < n_layers // 8:
             new = Q5_K
+        elif ft in ("Q4_0", "Q5_0") and has_imatrix and i < n_layers // 8:
+            new = Q4_1 if ft == "Q4_0" else Q5_1  # llama.cpp's guard for the first ffn_down layers
     elif "attn_output.weight" in name:
-        if n_expert == 8 and ft in ("Q4_K_S", "Q4_K_M"):
-            new = Q5_K
-    # shapes a k-quant cannot hold
+        if n_expert == 8:
+            if ft in ("Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ4_XS"):
+                new = Q5_K
+        else:
+            new = {"Q2_K": Q3_K, "Q3_K_M": Q4_K, "Q3_K_L": Q5_K}.get(ft, new)
+    # shapes a type cannot hold
     if ne0 % GGML_TYPES[new].block_size:
         new = _FALLBACK.get(new, F16)
         if ne0 % GGML_TYPES[new].block_size:

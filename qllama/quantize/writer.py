@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import GGUFError, OutputExistsError, QllamaError, UnsupportedError
 from ..gguf.types import BF16, GGML_TYPES, type_name
-from .blocks import CHUNK_ELEMENTS, FLOAT_TYPES, bf16_to_f32, quantize_array
+from .blocks import CHUNK_ELEMENTS, FLOAT_TYPES, bf16_to_f32, quantize_chunk
 from .presets import choose_tensor_type, get_preset
 
 log = logging.getLogger(__name__)
@@ -61,12 +61,13 @@ def plan_quantization(src, preset: str, allow_requantize: bool = False) -> list[
         n_head = md.get(f"{arch}.attention.head_count", 0)
         n_head_kv = md.get(f"{arch}.attention.head_count_kv", n_head)
         is_70b = arch == "llama" and n_layers == 80 and _scalar(n_head) != _scalar(n_head_kv)
+        n_gqa = _scalar(n_head) // max(1, _scalar(n_head_kv) or 1) if _scalar(n_head) else 1
         n_expert = int(_scalar(md.get(f"{arch}.expert_count", 0)) or 0)
         plans = []
         for t in g.tensors.values():
             dst = choose_tensor_type(
                 t.name, t.shape, p.name, n_layers, current_type=t.type_id, n_attn_v=n_attn_v,
-                tied_embeddings=tied, n_expert=n_expert, is_70b=is_70b,
+                tied_embeddings=tied, n_expert=n_expert, is_70b=is_70b, n_gqa=n_gqa,
             )
             if dst != t.type_id and t.type_id not in FLOAT_TYPES and not allow_requantize:
                 raise RequantizeError(
@@ -218,7 +219,7 @@ def quantize_gguf(
                     step = max(1, CHUNK_ELEMENTS // max(ne0, 1))
                     for r0 in range(0, n_rows, step):
                         rows = _tensor_as_f32_rows(g, t, r0, r0 + step)
-                        data[r0 : r0 + step] = quantize_array(rows, pl.dst_type)
+                        data[r0 : r0 + step] = quantize_chunk(rows, pl.dst_type)
                 writer.write_tensor_data(data.reshape(-1))
                 done += pl.n_elements
                 if progress is not None:
