@@ -70,8 +70,10 @@ def _fit_error(diff, use_mad):
 
 
 @kernel
-def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep, use_mad):
-    """ggml's make_qkx2_quants on x[off:off+n]. Writes L[off:off+n].
+def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep, use_mad, qkx3):
+    """ggml's make_qkx2_quants on x[off:off+n], or make_qkx3_quants (qkx3: the same search, but a
+    trial value is clamped before rounding, so a near-degenerate fit cannot overflow nearest_int).
+    Writes L[off:off+n].
 
     Fits x ~ scale * L - the_min with L in 0..nmax by trying nstep+1 trial scales and keeping
     the one of least weighted squared error. Returns (scale, the_min).
@@ -92,7 +94,7 @@ def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep, us
         sum_x += w * v
     if mn > _F32(0):
         mn = _F32(0)
-    if mx == mn:
+    if mx == mn or (qkx3 and not mx > mn):
         for i in range(n):
             L[off + i] = 0
         return _F32(0), -mn
@@ -115,8 +117,11 @@ def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep, us
         sum_xl = _F32(0)
         for i in range(n):
             v = x[off + i]
-            l = nearest_int(iscale * (v - mn))
-            l = max(0, min(nmax, l))
+            t = iscale * (v - mn)
+            if qkx3:
+                l = nearest_int(min(t, _F32(nmax))) if t > _F32(0) else 0
+            else:
+                l = max(0, min(nmax, nearest_int(t)))
             Laux[i] = l
             w = weights[i]
             fl = _F32(l)
@@ -143,14 +148,15 @@ def _make_qkx2_quants(x, off, n, nmax, weights, L, Laux, rmin, rdelta, nstep, us
 
 
 @kernel(inline="always")
-def _qx_sums(x, off, n, nmax, iscale):
-    """(sum w*x*l, sum w*l*l) with w = x^2 and l = nearest_int(iscale*x) clamped to [-nmax, nmax-1]."""
+def _qx_sums(x, off, n, nmax, iscale, qw, has_w):
+    """(sum w*x*l, sum w*l*l) with w = qw[i] (has_w) or x^2 and l = nearest_int(iscale*x) clamped
+    to [-nmax, nmax-1]."""
     sumlx = _F32(0)
     suml2 = _F32(0)
     for i in range(n):
         v = x[off + i]
         l = max(-nmax, min(nmax - 1, nearest_int(iscale * v)))
-        w = v * v
+        w = qw[i] if has_w else v * v
         fl = _F32(l)
         sumlx += w * v * fl
         suml2 += w * fl * fl
@@ -165,10 +171,10 @@ def _qx_store(x, off, n, nmax, iscale, L):
 
 
 @kernel
-def _make_qx_quants_rmse1(x, off, n, nmax, L):
-    """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) on x[off:off+n].
+def _make_qx_quants(x, off, n, nmax, L, qw, has_w):
+    """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, qw) on x[off:off+n], qw (n,) read when has_w.
 
-    Symmetric fit x ~ scale * (L - nmax), L in 0..2*nmax-1, weights x^2, 19 trial scales.
+    Symmetric fit x ~ scale * (L - nmax), L in 0..2*nmax-1, weights qw or x^2, 19 trial scales.
     """
     fnmax = _F32(nmax)
     mx = _F32(0)
@@ -184,14 +190,14 @@ def _make_qx_quants_rmse1(x, off, n, nmax, L):
         return _F32(0)
     iscale = -fnmax / mx
     _qx_store(x, off, n, nmax, iscale, L)
-    sumlx, suml2 = _qx_sums(x, off, n, nmax, iscale)
+    sumlx, suml2 = _qx_sums(x, off, n, nmax, iscale, qw, has_w)
     scale = sumlx / suml2 if suml2 != _F32(0) else _F32(0)
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
         iscale = -(fnmax + _F32(0.1) * _F32(step)) / mx
-        sumlx, suml2 = _qx_sums(x, off, n, nmax, iscale)
+        sumlx, suml2 = _qx_sums(x, off, n, nmax, iscale, qw, has_w)
         if suml2 > _F32(0) and sumlx * sumlx > best * suml2:
             _qx_store(x, off, n, nmax, iscale, L)
             scale = sumlx / suml2
@@ -200,15 +206,112 @@ def _make_qx_quants_rmse1(x, off, n, nmax, L):
 
 
 @kernel
-def _kx_block_scales(xb, nmax, rmin, rdelta, nstep, L, Laux, weights, ls, lm, dd, ib):
+def _make_qp_quants(n, nmax, x, L, qw):
+    """ggml's make_qp_quants: non-negative x (n,) (sub-block scales or mins) ~ scale * L, L in
+    0..nmax, weights qw; 9 trial scales, then up to 5 sweeps moving single values. Returns the scale."""
+    mx = _F32(0)
+    for i in range(n):
+        mx = max(mx, x[i])
+    if mx < _GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return _F32(0)
+    iscale = _F32(nmax) / mx
+    for i in range(n):
+        L[i] = nearest_int(iscale * x[i]) & 0xFF  # (a uint8_t in C)
+    scale = _F32(1) / iscale
+    best_mse = _F32(0)
+    for i in range(n):
+        diff = x[i] - scale * _F32(L[i])
+        best_mse += qw[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (_F32(0.1) * _F32(step) + _F32(nmax)) / mx
+        scale_is = _F32(1) / iscale_is
+        mse = _F32(0)
+        for i in range(n):
+            l = min(nmax, nearest_int(iscale_is * x[i]))
+            diff = x[i] - scale_is * _F32(l)
+            mse += qw[i] * diff * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
+    sumlx = _F32(0)
+    suml2 = _F32(0)
+    for i in range(n):
+        l = min(nmax, nearest_int(iscale * x[i]))
+        L[i] = l & 0xFF
+        w = qw[i]
+        sumlx += w * x[i] * _F32(L[i])
+        suml2 += w * _F32(L[i]) * _F32(L[i])
+    for itry in range(5):
+        n_changed = 0
+        for i in range(n):
+            w = qw[i]
+            li = _F32(L[i])
+            slx = sumlx - w * x[i] * li
+            sl2 = suml2 - w * li * li
+            if slx > _F32(0) and sl2 > _F32(0):
+                new_l = min(nmax, nearest_int(x[i] * sl2 / slx))
+                if new_l != L[i]:
+                    slx += w * x[i] * _F32(new_l)
+                    sl2 += w * _F32(new_l) * _F32(new_l)
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    return sumlx / suml2 if suml2 > _F32(0) else _F32(0)
+
+
+@kernel(inline="always")
+def _importance(xb, off, n, qw, sigma2, weight):
+    """ggml's weights from an importance matrix: weight[i] = qw[off+i] * sqrt(sigma2 + x^2)."""
+    for i in range(n):
+        v = xb[off + i]
+        weight[i] = qw[off + i] * np.sqrt(sigma2 + v * v)
+
+
+@kernel(inline="always")
+def _sum_squares(xb, n):
+    s = _F32(0)
+    for i in range(n):
+        s += xb[i] * xb[i]
+    return s
+
+
+@kernel
+def _kx_block_scales(xb, qw, has_w, nmax, rmin, rdelta, nstep, L, Laux, weights, ls, lm, dd, ib):
     """The shared first half of q4_K / q5_K for one super-block xb (256,).
 
     Fits each 32-value sub-block with make_qkx2_quants, quantizes the 8 scales and 8 mins to
     6 bits (ls, lm), stores the fp16-rounded super-block d / dmin in dd[ib], and requantizes L
     against the rounded scales (as ggml does). L keeps the fit's values where a scale rounds to 0.
+    With an importance matrix (has_w, qw (256,)): quantize_row_q4_K_impl / q5_K_impl instead
+    (weights qw * sqrt(sigma2 + x^2), make_qkx3_quants, the 6-bit scales fitted by make_qp_quants).
     """
     scales = np.empty(8, np.float32)
     mins = np.empty(8, np.float32)
+    if has_w:
+        sigma2 = _F32(2) * _sum_squares(xb, 256) / _F32(256)
+        sw = np.empty(8, np.float32)
+        for j in range(8):
+            _importance(xb, 32 * j, 32, qw, sigma2, weights)
+            sumw = _F32(0)
+            for l in range(32):
+                sumw += weights[l]
+            sw[j] = sumw
+            scales[j], mins[j] = _make_qkx2_quants(xb, 32 * j, 32, nmax, weights, L, Laux, _F32(-0.9), _F32(0.05),
+                                                   36, False, True)
+        d = fp16_round(_make_qp_quants(8, 63, scales, ls, sw))
+        dmin = fp16_round(_make_qp_quants(8, 63, mins, lm, sw))
+        _kx_requantize(xb, nmax, ls, lm, d, dmin, L)
+        dd[ib, 0] = d
+        dd[ib, 1] = dmin
+        return
     max_scale = _F32(0)
     max_min = _F32(0)
     for j in range(8):
@@ -219,7 +322,7 @@ def _kx_block_scales(xb, nmax, rmin, rdelta, nstep, L, Laux, weights, ls, lm, dd
         av_x = np.sqrt(sum_x2 / _F32(32))
         for l in range(32):
             weights[l] = av_x + abs(xb[32 * j + l])
-        sc, mi = _make_qkx2_quants(xb, 32 * j, 32, nmax, weights, L, Laux, rmin, rdelta, nstep, False)
+        sc, mi = _make_qkx2_quants(xb, 32 * j, 32, nmax, weights, L, Laux, rmin, rdelta, nstep, False, False)
         scales[j] = sc
         mins[j] = mi
         if sc > max_scale:
@@ -236,6 +339,12 @@ def _kx_block_scales(xb, nmax, rmin, rdelta, nstep, L, Laux, weights, ls, lm, dd
     dmin = fp16_round(max_min / _F32(63))
     dd[ib, 0] = d
     dd[ib, 1] = dmin
+    _kx_requantize(xb, nmax, ls, lm, d, dmin, L)
+
+
+@kernel(inline="always")
+def _kx_requantize(xb, nmax, ls, lm, d, dmin, L):
+    """q4_K / q5_K's last pass: each value against its sub-block's rounded scale and min."""
     for j in range(8):
         dj = d * _F32(ls[j])
         if dj == _F32(0):
@@ -262,9 +371,9 @@ def _pack_k4_scales(ls, lm, sc):
 
 
 @kernel
-def _q4_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
+def _q4_K_block(xb, qw, has_w, o, dd, ib, L, Laux, weights, ls, lm):
     """One q4_K super-block: xb (256,) float32 -> o (144,) uint8 (d, dmin left in dd[ib])."""
-    _kx_block_scales(xb, 15, _F32(-1.0), _F32(0.1), 20, L, Laux, weights, ls, lm, dd, ib)
+    _kx_block_scales(xb, qw, has_w, 15, _F32(-1.0), _F32(0.1), 20, L, Laux, weights, ls, lm, dd, ib)
     _pack_k4_scales(ls, lm, o[4:16])
     # qs (128) at 16: byte 32g + l = L[64g + l] | L[64g + 32 + l] << 4
     for g in range(4):
@@ -273,9 +382,9 @@ def _q4_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
 
 
 @kernel
-def _q5_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
+def _q5_K_block(xb, qw, has_w, o, dd, ib, L, Laux, weights, ls, lm):
     """One q5_K super-block: xb (256,) float32 -> o (176,) uint8 (d, dmin left in dd[ib])."""
-    _kx_block_scales(xb, 31, _F32(-0.5), _F32(0.1), 15, L, Laux, weights, ls, lm, dd, ib)
+    _kx_block_scales(xb, qw, has_w, 31, _F32(-0.5), _F32(0.1), 15, L, Laux, weights, ls, lm, dd, ib)
     _pack_k4_scales(ls, lm, o[4:16])
     # qh (32) at 16, qs (128) at 48: value 64g + 32h + l -> low nibble in qs[32g + l]
     # (h selects the nibble), bit 4 in qh[l] bit 2g + h
@@ -290,12 +399,13 @@ def _q5_K_block(xb, o, dd, ib, L, Laux, weights, ls, lm):
 
 
 @kernel
-def _q6_K_block(xb, o, dd, ib, L, scales, qsc):
-    """One q6_K super-block: xb (256,) float32 -> o (210,) uint8 (the trailing d left in dd[ib])."""
+def _q6_K_block(xb, qw, has_w, o, dd, ib, L, scales, qsc):
+    """One q6_K super-block: xb (256,) float32 -> o (210,) uint8 (the trailing d left in dd[ib]).
+    With an importance matrix (has_w) its weights qw (256,) go straight to make_qx_quants."""
     max_scale = _F32(0)
     max_abs_scale = _F32(0)
     for j in range(16):
-        s = _make_qx_quants_rmse1(xb, 16 * j, 16, 32, L)
+        s = _make_qx_quants(xb, 16 * j, 16, 32, L, qw[16 * j:16 * j + 16], has_w)
         scales[j] = s
         if abs(s) > max_abs_scale:
             max_abs_scale = abs(s)
@@ -343,16 +453,39 @@ def _pack_2bit(L, o, at):
 
 
 @kernel
-def _q2_K_block(xb, o, dd, ib, L, Laux, weights, scales, mins):
+def _q2_K_block(xb, qw, has_w, o, dd, ib, L, Laux, weights, scales, mins):
     """One q2_K super-block (quantize_row_q2_K_ref): xb (256,) -> o (84,): scales (16) at 0, qs (64)
     at 16; d and dmin (fp16-exact) left in dd[ib]. 16 sub-blocks of 16, make_qkx2_quants with
-    weights |x| and mean absolute error, 4-bit scales and mins."""
+    weights |x| and mean absolute error, 4-bit scales and mins. With an importance matrix
+    (has_w): quantize_row_q2_K_impl (make_qkx3_quants, the 4-bit scales fitted by make_qp_quants)."""
+    if has_w:
+        sigma2 = _sum_squares(xb, 256) / _F32(256)
+        sw = np.empty(16, np.float32)
+        ls = np.empty(16, np.int64)
+        lm = np.empty(16, np.int64)
+        for j in range(16):
+            _importance(xb, 16 * j, 16, qw, sigma2, weights)
+            sumw = _F32(0)
+            for l in range(16):
+                sumw += weights[l]
+            sw[j] = sumw
+            scales[j], mins[j] = _make_qkx2_quants(xb, 16 * j, 16, 3, weights, L, Laux, _F32(-0.9), _F32(0.05), 36,
+                                                   False, True)
+        d = fp16_round(_make_qp_quants(16, 15, scales, ls, sw))
+        dmin = fp16_round(_make_qp_quants(16, 15, mins, lm, sw))
+        for j in range(16):
+            o[j] = ls[j] | (lm[j] << 4)
+        dd[ib, 0] = d
+        dd[ib, 1] = dmin
+        _requantize_2bit(xb, o, d, dmin, L)
+        _pack_2bit(L, o, 16)
+        return
     max_scale = _F32(0)
     max_min = _F32(0)
     for j in range(16):
         for l in range(16):
             weights[l] = abs(xb[16 * j + l])
-        sc, mi = _make_qkx2_quants(xb, 16 * j, 16, 3, weights, L, Laux, _F32(-0.5), _F32(0.1), 15, True)
+        sc, mi = _make_qkx2_quants(xb, 16 * j, 16, 3, weights, L, Laux, _F32(-0.5), _F32(0.1), 15, True, False)
         scales[j] = sc
         mins[j] = mi
         if sc > max_scale:
@@ -443,9 +576,30 @@ def _make_q3_quants_rmse(x, off, n, nmax, L):
 
 
 @kernel
-def _q3_K_block(xb, o, dd, ib, L, scales):
+def _q3_K_block(xb, qw, has_w, o, dd, ib, L, scales, weight):
     """One q3_K super-block (quantize_row_q3_K_ref): xb (256,) -> o (110,): hmask (32) at 0, qs (64)
-    at 32, 6-bit scales (12) at 96; d (fp16-exact) left in dd[ib]."""
+    at 32, 6-bit scales (12) at 96; d (fp16-exact) left in dd[ib]. With an importance matrix
+    (has_w): quantize_row_q3_K_impl (make_qx_quants with weights, the scales fitted the same way)."""
+    if has_w:
+        sigma2 = _F32(2) * _sum_squares(xb, 256) / _F32(256)
+        sw = np.empty(16, np.float32)
+        ls = np.empty(16, np.int64)
+        for j in range(16):
+            _importance(xb, 16 * j, 16, qw, sigma2, weight)
+            sumw = _F32(0)
+            for l in range(16):
+                sumw += weight[l]
+            sw[j] = sumw
+            scales[j] = _make_qx_quants(xb, 16 * j, 16, 4, L, weight, True)
+        for k in range(12):
+            o[96 + k] = 0
+        d_block = _make_qx_quants(scales, 0, 16, 32, ls, sw, True)
+        for j in range(16):
+            _put_q3_scale(o, j, ls[j])
+        d = fp16_round(d_block)
+        dd[ib, 0] = d
+        _q3_K_finish(xb, o, d, L)
+        return
     max_scale = _F32(0)
     amax = _F32(0)
     for j in range(16):
@@ -611,8 +765,9 @@ def _iq4_block(xb, qw, has_w, nsub, o, dd, ib, values, L, weight, scales):
 # Blocks are independent, so the split cannot change the bytes.
 
 @kernel(nogil=True)
-def quantize_q4_k_q5_k(type_id, x, out, dd):
-    """q4_K or q5_K super-blocks (by type_id): x (nb, 256) float32 -> out (nb, 144 or 176), dd (nb, 2)."""
+def quantize_q4_k_q5_k(type_id, has_w, x, qw, out, dd):
+    """q4_K or q5_K super-blocks (by type_id): x (nb, 256) float32 -> out (nb, 144 or 176), dd (nb, 2);
+    qw (nb, 256): importance weights, read when has_w."""
     L = np.empty(256, np.int64)
     Laux = np.empty(32, np.int64)
     weights = np.empty(32, np.float32)
@@ -620,40 +775,41 @@ def quantize_q4_k_q5_k(type_id, x, out, dd):
     lm = np.empty(8, np.int64)
     for ib in range(x.shape[0]):
         if type_id == Q5_K:
-            _q5_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
+            _q5_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, ls, lm)
         else:
-            _q4_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, ls, lm)
+            _q4_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, ls, lm)
 
 
 @kernel(nogil=True)
-def quantize_q6_k(x, out, dd):
-    """q6_K super-blocks: x (nb, 256) float32 -> out (nb, 210) uint8, dd (nb, 1)."""
+def quantize_q6_k(has_w, x, qw, out, dd):
+    """q6_K super-blocks: x (nb, 256) float32 -> out (nb, 210) uint8, dd (nb, 1); qw as q4_K's."""
     L = np.empty(256, np.int64)
     scales = np.empty(16, np.float32)
     qsc = np.empty(16, np.int64)
     for ib in range(x.shape[0]):
-        _q6_K_block(x[ib], out[ib], dd, ib, L, scales, qsc)
+        _q6_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, scales, qsc)
 
 
 @kernel(nogil=True)
-def quantize_q2_k(x, out, dd):
-    """q2_K super-blocks: x (nb, 256) float32 -> out (nb, 84) uint8, dd (nb, 2) (d, dmin)."""
+def quantize_q2_k(has_w, x, qw, out, dd):
+    """q2_K super-blocks: x (nb, 256) float32 -> out (nb, 84) uint8, dd (nb, 2) (d, dmin); qw as q4_K's."""
     L = np.empty(256, np.int64)
     Laux = np.empty(16, np.int64)
     weights = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
     mins = np.empty(16, np.float32)
     for ib in range(x.shape[0]):
-        _q2_K_block(x[ib], out[ib], dd, ib, L, Laux, weights, scales, mins)
+        _q2_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, scales, mins)
 
 
 @kernel(nogil=True)
-def quantize_q3_k(x, out, dd):
-    """q3_K super-blocks: x (nb, 256) float32 -> out (nb, 110) uint8, dd (nb, 1)."""
+def quantize_q3_k(has_w, x, qw, out, dd):
+    """q3_K super-blocks: x (nb, 256) float32 -> out (nb, 110) uint8, dd (nb, 1); qw as q4_K's."""
     L = np.empty(256, np.int64)
     scales = np.empty(16, np.float32)
+    weight = np.empty(16, np.float32)
     for ib in range(x.shape[0]):
-        _q3_K_block(x[ib], out[ib], dd, ib, L, scales)
+        _q3_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, scales, weight)
 
 
 @kernel(nogil=True)

@@ -212,12 +212,19 @@ def _run_blocks(kernel, type_id: int, b: np.ndarray, *per_block: np.ndarray) -> 
     return out
 
 
-def _kquant(type_id: int) -> Callable[[np.ndarray], np.ndarray]:
-    """The reference (no importance matrix) k-quant quantizer of a type: blocks (nb, 256) -> bytes."""
+def _kquant(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """ggml's k-quant quantizer of a type on blocks b (nb, 256): the row reference, or with qw (the
+    importance weight of each value, (nb, 256)) quantize_row_*_impl."""
     from ..kernels import quantize_k as k
 
     kernel = {Q2_K: k.quantize_q2_k, Q3_K: k.quantize_q3_k, Q6_K: k.quantize_q6_k}.get(type_id)
-    return partial(_run_blocks, kernel or partial(k.quantize_q4_k_q5_k, type_id), type_id)
+    kernel = partial(kernel, qw is not None) if kernel else partial(k.quantize_q4_k_q5_k, type_id, qw is not None)
+    return _run_blocks(kernel, type_id, b, _weights_or_none(b, qw))
+
+
+def _weights_or_none(b: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    """The kernels' qw argument: the weights (nb, block), or (nb, 0) when there are none."""
+    return qw if qw is not None else np.empty((b.shape[0], 0), np.float32)
 
 
 def _iq4(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
@@ -225,9 +232,8 @@ def _iq4(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarra
     256); qw: the importance weight of each value (nb, 32 or 256), or None."""
     from ..kernels.quantize_k import quantize_iq4
 
-    nsub = b.shape[1] // 32
-    kernel = partial(quantize_iq4, nsub, _KVALUES_IQ4NL, qw is not None)
-    return _run_blocks(kernel, type_id, b, qw if qw is not None else np.empty((b.shape[0], 0), np.float32))
+    kernel = partial(quantize_iq4, b.shape[1] // 32, _KVALUES_IQ4NL, qw is not None)
+    return _run_blocks(kernel, type_id, b, _weights_or_none(b, qw))
 
 
 # type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8: the row
@@ -235,11 +241,15 @@ def _iq4(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarra
 _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     Q8_0: _quantize_q8_0, Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1,
     Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1, IQ4_NL: _quantize_iq4_nl, MXFP4: _quantize_mxfp4,
-    **{t: _kquant(t) for t in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}, IQ4_XS: partial(_iq4, IQ4_XS),
+    **{t: partial(_kquant, t) for t in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}, IQ4_XS: partial(_iq4, IQ4_XS),
 }
 # where ggml_quantize_chunk (what llama-quantize writes into files) differs from the row reference:
 # iq4_nl searches its scales there
 _CHUNK_QUANTIZERS = {**_BLOCK_QUANTIZERS, IQ4_NL: partial(_iq4, IQ4_NL)}
+# the types whose chunk quantizer takes importance weights (qw=, (nb, block) float32)
+WEIGHTED_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+# and those that ignore a matrix, as ggml does
+_IGNORE_WEIGHTS = (F32, F16, BF16, Q8_0, MXFP4)
 FLOAT_TYPES = (F32, F16, BF16)
 QUANTIZABLE_TYPES = FLOAT_TYPES + tuple(_BLOCK_QUANTIZERS)
 CHUNK_ELEMENTS = 1 << 22  # rows are processed in chunks of about this many values (bounds temporaries)
@@ -257,13 +267,19 @@ def quantize_array(x: np.ndarray, type_id: int) -> np.ndarray:
     return _quantize_2d(x, type_id, _BLOCK_QUANTIZERS)
 
 
-def quantize_chunk(x: np.ndarray, type_id: int) -> np.ndarray:
-    """Quantize float rows as ggml_quantize_chunk does without an importance matrix (what
-    llama-quantize writes into a file): as `quantize_array`, but iq4_nl searches its block scales."""
-    return _quantize_2d(x, type_id, _CHUNK_QUANTIZERS)
+def quantize_chunk(x: np.ndarray, type_id: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Quantize float rows as ggml_quantize_chunk does (what llama-quantize writes into a file):
+    as `quantize_array`, but iq4_nl searches its block scales; imatrix: the importance of each
+    column (ne0,) float32 (llama.cpp's matrix, sums / counts), shared by every row, or None."""
+    if imatrix is None or type_id in _IGNORE_WEIGHTS:
+        return _quantize_2d(x, type_id, _CHUNK_QUANTIZERS)
+    if type_id not in WEIGHTED_TYPES:
+        raise UnsupportedError(f"cannot quantize to {type_name(type_id)} with an importance matrix yet")
+    imatrix = np.ascontiguousarray(imatrix, np.float32).reshape(-1)  # (ne0,)
+    return _quantize_2d(x, type_id, _CHUNK_QUANTIZERS, imatrix)
 
 
-def _quantize_2d(x: np.ndarray, type_id: int, quantizers: dict) -> np.ndarray:
+def _quantize_2d(x: np.ndarray, type_id: int, quantizers: dict, imatrix: np.ndarray | None = None) -> np.ndarray:
     gtype = GGML_TYPES.get(type_id)
     if gtype is None or type_id not in QUANTIZABLE_TYPES:
         raise UnsupportedError(f"cannot quantize to type {type_name(type_id)}")
@@ -277,15 +293,17 @@ def _quantize_2d(x: np.ndarray, type_id: int, quantizers: dict) -> np.ndarray:
     n_rows, ne0 = x.shape
     if ne0 % gtype.block_size:
         raise QllamaError(f"row length {ne0} is not a multiple of the {gtype.name} block size {gtype.block_size}")
+    if imatrix is not None and imatrix.shape != (ne0,):
+        raise QllamaError(f"an importance matrix of {imatrix.size} values does not fit rows of {ne0}")
     out = np.empty((n_rows, gtype.row_bytes(ne0)), np.uint8)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(ne0, 1))
     for r0 in range(0, n_rows, rows_per_chunk):
         chunk = np.ascontiguousarray(x[r0 : r0 + rows_per_chunk], dtype=np.float32)  # (rows, ne0)
-        out[r0 : r0 + rows_per_chunk] = _quantize_rows(chunk, type_id, quantizers).reshape(chunk.shape[0], -1)
+        out[r0 : r0 + rows_per_chunk] = _quantize_rows(chunk, type_id, quantizers, imatrix).reshape(chunk.shape[0], -1)
     return out
 
 
-def _quantize_rows(x: np.ndarray, type_id: int, quantizers: dict) -> np.ndarray:
+def _quantize_rows(x: np.ndarray, type_id: int, quantizers: dict, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Contiguous float32 (rows, ne0) -> uint8 bytes of those rows (any shape, row-major)."""
     if type_id == F32:
         return x.view(np.uint8)
@@ -299,4 +317,7 @@ def _quantize_rows(x: np.ndarray, type_id: int, quantizers: dict) -> np.ndarray:
         raise QllamaError(f"cannot quantize to {type_name(type_id)}: the data contains NaN or Inf")
     gtype = GGML_TYPES[type_id]
     blocks = x.reshape(-1, gtype.block_size)  # (n_blocks, block_size), a view
-    return quantizers[type_id](blocks)
+    if imatrix is None:
+        return quantizers[type_id](blocks)
+    qw = np.broadcast_to(imatrix, x.shape).reshape(blocks.shape)  # (n_blocks, block_size): a copy
+    return quantizers[type_id](blocks, qw)
