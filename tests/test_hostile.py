@@ -89,7 +89,13 @@ def test_clean_trained_models_pass_the_check():
 
 @pytest.mark.parametrize("name", sorted(make_hostile.CASES))
 def test_check_names_exactly_the_broken_tensor(corpus, name):
+    from qllama.errors import GGUFError
+
     case = make_hostile.CASES[name]
+    if case.expect == "bad-file":  # the file does not open: nothing to scan
+        with pytest.raises(GGUFError, match=case.tensor.replace(".", r"\.")):
+            GGUFFile(corpus[name])
+        return
     report = check_tensors(GGUFFile(corpus[name]))
     assert not report.unchecked
     assert [f.name for f in report.findings] == ([case.tensor] if case.tensor else [])
@@ -114,10 +120,13 @@ def test_each_file_ends_in_its_documented_behaviour(corpus, name):
     case = make_hostile.CASES[name]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if case.expect == "load-error":
+        if case.expect in ("load-error", "bad-file"):
             with pytest.raises(QllamaError) as e:
                 qllama.load(corpus[name], n_ctx=64)
-            assert case.key in str(e.value) and "must be" in str(e.value)
+            if case.expect == "bad-file":
+                assert f"tensor '{case.tensor}'" in str(e.value)
+            else:
+                assert case.key in str(e.value) and "must be" in str(e.value)
             return
         model = qllama.load(corpus[name], n_ctx=64, n_threads=1)
         if case.expect == "nonfinite":
@@ -160,6 +169,29 @@ def test_cli_one_error_line(corpus, name, needle):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0]
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("scale-nan-iq4_xs", "tensor blk.0.attn_q.weight (iq4_xs): 1 of 256 blocks with a non-finite scale"),
+    ("scale-nan-iq2_xxs", "tensor blk.0.attn_q.weight (iq2_xxs): 1 of 256 blocks with a non-finite scale"),
+    ("scale-nan-iq1_m", "tensor blk.0.attn_q.weight (iq1_m): 1 of 256 blocks with a non-finite scale"),
+    ("truncated-iq4_xs", "tensor 'blk.0.attn_q.weight' (34816 bytes at data offset"),
+    ("row-not-block-iq4_xs", "row length 128 is not a multiple of the iq4_xs block size 256"),
+    ("row-not-block-iq2_xxs", "row length 128 is not a multiple of the iq2_xxs block size 256")])
+def test_cli_iquant_cases_one_error_line(corpus, name, needle):
+    """The i-quant cases: `inspect --check` and `run` each end in one `error:` line and exit 1,
+    with no traceback (a NaN scale: the scan names the tensor and `run` the first point it reaches;
+    a broken structure: the file does not open)."""
+    import subprocess
+
+    case = make_hostile.CASES[name]
+    run_needle = "first at blk.0.attn_q" if case.expect == "nonfinite" else needle
+    for args, want in ((["inspect", str(corpus[name]), "--check"], needle),
+                       (["run", str(corpus[name]), "ROMEO:", "-n", "4", "-t", "1"], run_needle)):
+        r = subprocess.run([sys.executable, "-m", "qllama", *args], capture_output=True, text=True, timeout=600)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 1 and len(errors) == 1 and want in errors[0], (args, r.stderr)
+        assert "Traceback" not in r.stderr
 
 
 def test_cli_check_tensors_and_inspect_check(corpus):

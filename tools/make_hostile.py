@@ -2,16 +2,20 @@
 
 Each file is the trained Shakespeare model (`../shared/models/shakespeare-spm-Q4_K_M.gguf`, or
 the bundled demo copy) with one thing broken: a NaN or Inf in a scale field of a quantized
-block (one file per quantized type and field), a NaN in an f32, f16 or bf16 tensor or a norm
-vector, an out-of-range hyper-parameter, or a special-token id outside the vocabulary. The
-structure of every file is valid; only the numbers are wrong.
+block (one file per quantized type and field, the i-quants and ternary types included), a NaN
+in an f32, f16 or bf16 tensor or a norm vector, an out-of-range hyper-parameter, or a
+special-token id outside the vocabulary. The structure of these files is valid; only the numbers
+are wrong. A few more break the structure of an i-quant tensor: its data cut short at the end of
+the file, or a row length that is not a multiple of its block.
 
 `CASES` lists every file with the behaviour qllama promises for it (`expect`):
 - "load-error":  `qllama.load` / `qllama run` fail with one `error:` line naming `key` and its value;
 - "nonfinite":   generation stops with one `error:` line naming where the first non-finite value
                  appeared (`where`, e.g. "blk.0.attn_q"); `inspect --check` names `tensor`;
 - "warn":        a warning names `key`, the value is ignored as llama.cpp ignores it, text is normal;
-- "runs":        normal, finite output (llama.cpp gives normal output too).
+- "runs":        normal, finite output (llama.cpp gives normal output too);
+- "bad-file":    opening the file (`qllama run`, `inspect --check`) fails with one `error:` line
+                 naming `tensor`.
 
 Usage: python tools/make_hostile.py OUT_DIR [--source MODEL.gguf] [--only NAME ...]
 """
@@ -33,6 +37,11 @@ DEFAULT_SOURCE = HERE.parent.parent / "shared" / "models" / "shakespeare-spm-Q4_
 F16_NAN, F16_INF = 0x7E00, 0x7C00
 TARGET = "blk.0.attn_q.weight"  # the matrix whose first block is broken (256 x 256 in the source)
 QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K")
+IQUANT_TYPES = ("iq4_nl", "iq4_xs", "iq2_xxs", "iq3_s", "iq1_s", "tq2_0")  # a NaN d each (one fp16 field)
+# types written as random blocks with a small finite scale (qllama has no quantizer for them here;
+# every bit pattern of their blocks is valid, so the layer's output is noise, but finite)
+RANDOM_BLOCK_TYPES = ("q2_K", "q3_K", "iq2_xxs", "iq3_s", "iq1_s", "iq1_m", "tq2_0")
+IQ1_M_SCALES = 48  # byte offset of iq1_m's four scale words, whose top nibbles hold its fp16 d
 
 
 @dataclass(frozen=True)
@@ -44,17 +53,19 @@ class Case:
     key: str | None = None  # the metadata key an error or warning must name
     kv: dict = field(default_factory=dict)  # metadata overrides: key -> (value, gguf value type name)
     retype: tuple[str, str] | None = None  # (tensor, ggml type): re-encode a tensor in this type
-    poke: tuple[str, int, int] | None = None  # (tensor, byte offset, uint16 value) written after retype
+    poke: tuple[str, int, int | tuple[int, ...]] | None = None  # (tensor, byte offset, uint16 value(s)) after retype
     poke_f32: tuple[str, int, float] | None = None  # (tensor, element index, value) for f32 tensors
+    shape: tuple[str, tuple[int, int]] | None = None  # (tensor, (rows, ne0)) declared instead of its own
+    truncate: tuple[str, int] | None = None  # (tensor written last, bytes cut off the end of the file)
 
 
 def _scale_cases() -> list[Case]:
     from qllama.gguf.types import GGML_TYPES_BY_NAME
 
     cases = []
-    for tname in QUANT_TYPES:
+    for tname in QUANT_TYPES + IQUANT_TYPES:
         fields = GGML_TYPES_BY_NAME[tname].scale_fields
-        for bits, label in ((F16_NAN, "nan"), (F16_INF, "inf")):
+        for bits, label in ((F16_NAN, "nan"), (F16_INF, "inf"))[: 1 if tname in IQUANT_TYPES else 2]:
             cases.append(Case(f"scale-{label}-{tname}", "nonfinite", tensor=TARGET, where="blk.0.attn_q",
                               retype=(TARGET, tname), poke=(TARGET, fields[0], bits)))
         if len(fields) > 1:  # the min / dmin field too
@@ -63,9 +74,22 @@ def _scale_cases() -> list[Case]:
     return cases
 
 
+def _iquant_structure_cases() -> list[Case]:
+    """iq1_m's d (spread over four scale words), and i-quant tensors whose structure is broken."""
+    # words 2 and 3 of block 0 carry d's nibbles 2 and 3: 0xE and 0x7 make d 0x7E00, a NaN
+    return [Case("scale-nan-iq1_m", "nonfinite", tensor=TARGET, where="blk.0.attn_q", retype=(TARGET, "iq1_m"),
+                 poke=(TARGET, IQ1_M_SCALES + 4, (0xE000, 0x7000))),
+            Case("truncated-iq4_xs", "bad-file", tensor=TARGET, retype=(TARGET, "iq4_xs"), truncate=(TARGET, 1000)),
+            # 256 x 256 iq4_xs bytes declared as 512 rows of 128: not a multiple of its 256-block
+            Case("row-not-block-iq4_xs", "bad-file", tensor=TARGET, retype=(TARGET, "iq4_xs"),
+                 shape=(TARGET, (512, 128))),
+            Case("row-not-block-iq2_xxs", "bad-file", tensor=TARGET, retype=(TARGET, "iq2_xxs"),
+                 shape=(TARGET, (512, 128)))]
+
+
 def all_cases() -> list[Case]:
     down = "blk.1.ffn_down.weight"
-    return _scale_cases() + [
+    return _scale_cases() + _iquant_structure_cases() + [
         Case("norm-nan", "nonfinite", tensor="blk.0.attn_norm.weight", where="blk.0.attn_norm",
              poke_f32=("blk.0.attn_norm.weight", 7, math.nan)),
         Case("f32-nan", "nonfinite", tensor=down, where="blk.1.ffn_out", retype=(down, "f32"),
@@ -111,15 +135,18 @@ def _encode_tensor(values: np.ndarray, tname: str, rng: np.random.Generator) -> 
         return values.astype(np.float16), tname
     if tname == "bf16":
         return _bf16_bits(values), tname
-    if tname in ("q2_K", "q3_K"):
-        # qllama has no q2_K/q3_K quantizer: random quants with a small finite scale in every
-        # block (any bit pattern is a valid block); the layer's output is noise, but finite
+    if tname in RANDOM_BLOCK_TYPES:
         t = GGML_TYPES_BY_NAME[tname]
         n_blocks = values.size // t.block_size
         raw = rng.integers(0, 256, size=(n_blocks, t.type_size), dtype=np.uint8)
-        small = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        small = np.float16(1e-3)
         for off in t.scale_fields:
-            raw[:, off : off + 2] = small
+            raw[:, off : off + 2] = np.frombuffer(small.tobytes(), np.uint8)
+        if tname == "iq1_m":  # d's four nibbles go into the top nibbles of the four scale words
+            words = raw[:, IQ1_M_SCALES : IQ1_M_SCALES + 8].view("<u2")  # (blocks, 4)
+            d = int(small.view(np.uint16))
+            for k in range(4):
+                words[:, k] = (words[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
         return raw.reshape(values.shape[0], -1), tname
     from qllama.quantize import quantize_array
 
@@ -153,7 +180,12 @@ def write_case(case: Case, source: Path, out: Path) -> Path:
     for key, (value, vtype) in case.kv.items():
         writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
 
-    for name, info in gf.tensors.items():
+    names = list(gf.tensors)
+    if case.truncate:  # the tensor to cut short goes last
+        names.remove(case.truncate[0])
+        names.append(case.truncate[0])
+    for name in names:
+        info = gf.tensors[name]
         if case.retype and name == case.retype[0]:
             arr, tname = _encode_tensor(_tensor_values(gf, name), case.retype[1], rng)
         elif info.type_name in ("f32", "f16"):
@@ -162,14 +194,17 @@ def write_case(case: Case, source: Path, out: Path) -> Path:
             arr, tname = np.array(gf.tensor_bytes(name)).reshape(info.shape[-1] if len(info.shape) > 1 else 1, -1), info.type_name
         if case.poke and name == case.poke[0]:
             arr = np.ascontiguousarray(arr)
-            arr.view(np.uint8).reshape(-1)[case.poke[1] : case.poke[1] + 2] = np.frombuffer(
-                np.uint16(case.poke[2]).tobytes(), np.uint8)
+            words = np.array(case.poke[2], "<u2").reshape(-1)
+            arr.view(np.uint8).reshape(-1)[case.poke[1] : case.poke[1] + words.nbytes] = words.view(np.uint8)
         if case.poke_f32 and name == case.poke_f32[0]:
             arr = np.array(arr, dtype=np.float32)
             arr.reshape(-1)[case.poke_f32[1]] = case.poke_f32[2]
         qtype = gguf.GGMLQuantizationType[tname.upper()]
         if tname in ("f32", "f16"):
             writer.add_tensor(name, arr)
+        elif case.shape and name == case.shape[0]:
+            # a non-uint8 view makes GGUFWriter take the declared element shape as it is
+            writer.add_tensor(name, np.ascontiguousarray(arr).view(np.uint16), raw_shape=case.shape[1], raw_dtype=qtype)
         else:
             writer.add_tensor(name, arr, raw_dtype=qtype)
     gf.close()
@@ -177,6 +212,8 @@ def write_case(case: Case, source: Path, out: Path) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if case.truncate:
+        os.truncate(tmp, tmp.stat().st_size - case.truncate[1])
     os.replace(tmp, dst)  # never leave a half-written file under the final name
     return dst
 
