@@ -418,8 +418,8 @@ def GGML_TYPES_BY(name: str) -> int:
 # preset -> (llama_ftype, the i-quant type its file holds); measured on the trained model (n_ctx 128,
 # 15 chunks, f16 caches): perplexity IQ4_NL +0.095%, IQ4_XS +0.034%, IQ3_S +0.107%, IQ3_M +0.016%,
 # TQ1_0 and TQ2_0 -0.017% against llama.cpp; argmax equal at every clear position (margin >= 0.15)
-# and 32 greedy tokens equal for all six (397 s on the shared 2 cores). (The IQ2/IQ1 presets and
-# IQ3_XXS need an importance matrix: not made here yet.)
+# and 32 greedy tokens equal for all six (397 s on the shared 2 cores). The presets that need an
+# importance matrix (IQ3_XXS, IQ2_*, IQ1_*, Q2_K_S): tests/test_iquants_oracle.py.
 ORACLE_FTYPES = {"IQ4_NL": (25, IQ4_NL), "IQ4_XS": (30, IQ4_XS), "IQ3_S": (26, gt.IQ3_S), "IQ3_M": (27, gt.IQ3_S),
                  "TQ1_0": (36, gt.TQ1_0), "TQ2_0": (37, gt.TQ2_0)}
 ORACLE_PPL_TOL = 5e-3
