@@ -23,11 +23,15 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ..dequant.iq_grids import KVALUES_IQ4NL
+import numpy as np
+
+from ..dequant.iq_grids import KSIGNS_IQ2XS, KVALUES_IQ4NL, grid
 from ._x86 import (_I8, _I16, _I32, _I64, _call, _dot4, _gep8, _hsum, _is_arr, _lanes, _loop, _madd_add, _maddubs, _pack,
                    _psign, _ptr, _row_ptrs, _row_sig, _splat, _vec)
 
 _V8F = ir.VectorType(ir.FloatType(), 8)
+_G3S32 = np.ascontiguousarray(grid(21)).view(np.uint32).reshape(-1)  # iq3_s: (512,) 4 values an entry
+_G2XXS64 = np.ascontiguousarray(grid(16)).view(np.uint64).reshape(-1)  # iq2_xxs: (256,) 8 values an entry
 
 
 def _fma8(builder, a, b, c):
@@ -254,3 +258,116 @@ def block_isums(typingctx, wb, sc, x, xo, out):
         return context.get_dummy_value()
 
     return types.none(wb, sc, x, xo, out), codegen
+
+
+def _table(builder, name, values, elty):
+    """A constant global array of the module (made once per module): ggml's grid or sign table."""
+    g = builder.module.globals.get(name)
+    if g is None:
+        ty = ir.ArrayType(elty, len(values))
+        g = ir.GlobalVariable(builder.module, ty, name)
+        g.linkage, g.global_constant = "internal", True
+        g.initializer = ir.Constant(ty, [int(v) for v in values])
+    return g
+
+
+def _at(builder, table, idx):
+    return builder.load(builder.gep(table, [ir.Constant(_I32, 0), idx]))
+
+
+def _u8(builder, blk, off):
+    return builder.zext(builder.load(_gep8(builder, blk, off)), _I32)
+
+
+def _chunk_iq3_s(builder, blk, c):
+    """Chunk c (32 elements) of an iq3_s block: (<32 x i8> grid values, <4 x i8> sign bytes, its scale 2s+1)."""
+    g = _table(builder, "qllama_iq3s_grid", _G3S32, _I32)
+    qh = _u8(builder, blk, 66 + c)
+    v = ir.Constant(_vec(_I32, 8), None)
+    for k in range(8):  # 9-bit index: qs byte, high bit k of qh
+        idx = builder.or_(_u8(builder, blk, 2 + 8 * c + k), builder.shl(builder.and_(builder.lshr(qh, ir.Constant(_I32, k)),
+                                                                                ir.Constant(_I32, 1)), ir.Constant(_I32, 8)))
+        v = builder.insert_element(v, _at(builder, g, idx), ir.Constant(_I32, k))
+    signs = builder.load(builder.bitcast(_gep8(builder, blk, 74 + 4 * c), ir.PointerType(_vec(_I8, 4))), align=1)
+    s = builder.and_(builder.lshr(_u8(builder, blk, 106 + c // 2), ir.Constant(_I32, 4 * (c & 1))), ir.Constant(_I32, 15))
+    return builder.bitcast(v, _vec(_I8, 32)), signs, s
+
+
+def _chunk_iq2_xxs(builder, blk, c):
+    """Chunk c of an iq2_xxs block: 4 grid rows of 8 (indices: the bytes of the first uint32), their
+    sign bytes ksigns[7 bits of the second uint32 each], its scale from the top 4 bits."""
+    g, ks = _table(builder, "qllama_iq2xxs_grid", _G2XXS64, _I64), _table(builder, "qllama_ksigns", KSIGNS_IQ2XS, _I8)
+    a0 = builder.load(builder.bitcast(_gep8(builder, blk, 2 + 8 * c), ir.PointerType(_I32)), align=1)
+    a1 = builder.load(builder.bitcast(_gep8(builder, blk, 6 + 8 * c), ir.PointerType(_I32)), align=1)
+    v, signs = ir.Constant(_vec(_I64, 4), None), ir.Constant(_vec(_I8, 4), None)
+    for k in range(4):
+        idx = builder.and_(builder.lshr(a0, ir.Constant(_I32, 8 * k)), ir.Constant(_I32, 255))
+        v = builder.insert_element(v, _at(builder, g, idx), ir.Constant(_I32, k))
+        sidx = builder.and_(builder.lshr(a1, ir.Constant(_I32, 7 * k)), ir.Constant(_I32, 127))
+        signs = builder.insert_element(signs, _at(builder, ks, sidx), ir.Constant(_I32, k))
+    return builder.bitcast(v, _vec(_I8, 32)), signs, builder.lshr(a1, ir.Constant(_I32, 28))
+
+
+# type -> (block bytes, chunk decoder, the row's final factor): ggml's AVX2 vec_dot_iq3_s_q8_K /
+# vec_dot_iq2_xxs_q8_K
+_GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0), 16: (66, _chunk_iq2_xxs, 0.125)}
+
+
+def _row_grid(context, builder, signature, args, type_id):
+    """Grid-type row(s) of nb super-blocks times q8_K activation(s), as ggml: per 32-element chunk,
+    x signed by the weights' sign bits ((x ^ m) - m), `pmaddubsw(grid, x)`, `pmaddwd` by 2s+1 into
+    8 int32 lanes; per super-block one fma of fp16(d) * dx; the row: factor * hsum_float_8."""
+    bb, chunk, factor = _GRID_ROWS[type_id]
+    rowp, toks = _row_ptrs(context, builder, signature, args)
+    v32 = ir.PointerType(_vec(_I8, 32))
+    bit = ir.Constant(_vec(_I8, 32), [1 << (e % 8) for e in range(32)])
+    zero8 = ir.Constant(_vec(_I8, 32), [0] * 32)
+
+    def body(b, accs):
+        blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bb)))
+        xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), v32) for xq, _, _ in toks]
+        isums = [ir.Constant(_vec(_I32, 8), [0] * 8)] * len(toks)
+        for c in range(8):
+            q, signs, s = chunk(builder, blk, c)
+            m = builder.sext(builder.icmp_unsigned("!=", builder.and_(_lanes(builder, signs, [e // 8 for e in range(32)]), bit),
+                                                   zero8), _vec(_I8, 32))
+            s16 = builder.trunc(builder.add(builder.shl(s, ir.Constant(_I32, 1)), ir.Constant(_I32, 1)), _I16)
+            scale = _lanes(builder, builder.insert_element(ir.Constant(_vec(_I16, 1), None), s16, ir.Constant(_I32, 0)), [0] * 16)
+            for t, xp in enumerate(xps):
+                x = builder.load(builder.gep(xp, [ir.Constant(_I32, c)]), align=1)
+                isums[t] = _madd_add(builder, isums[t], _maddubs(builder, q, builder.sub(builder.xor(x, m), m)), scale)
+        d = _load_f16(builder, blk)
+        out = []
+        for acc, isum, (_, xd, _) in zip(accs, isums, toks):
+            db = builder.fmul(d, builder.load(builder.gep(xd, [b]), align=4))  # fp16(d) * dx, as ggml
+            out.append(_fma8(builder, _splat8(builder, db), builder.sitofp(isum, _V8F), acc))
+        return out
+
+    zero = ir.Constant(_V8F, [0.0] * 8)
+    accs = _loop(builder, ir.Constant(_I64, 0), args[1], body, [zero] * len(toks))
+    sums = [_hsum8(builder, a) for a in accs]
+    if factor != 1.0:
+        sums = [builder.fmul(ir.Constant(ir.FloatType(), factor), v, flags=("arcp",)) for v in sums]
+    return _pack(context, builder, signature, sums)
+
+
+def _grid_intrinsic(type_id, tokens):
+    name = {21: "iq3_s", 16: "iq2_xxs"}[type_id]
+
+    def one(typingctx, row, nb, xq, xd, xs):
+        sig = _row_sig(row, nb, xq, xd, xs)
+        return (sig, lambda c, b, sg, a: _row_grid(c, b, sg, a, type_id)) if sig else None
+
+    def four(typingctx, row, nb, xq, xd, xs, t0):
+        sig = _row_sig(row, nb, xq, xd, xs, t0)
+        return (sig, lambda c, b, sg, a: _row_grid(c, b, sg, a, type_id)) if sig else None
+
+    fn = four if tokens == 4 else one
+    fn.__name__ = fn.__qualname__ = f"row_dot{'4' if tokens == 4 else ''}_{name}"
+    fn.__doc__ = (f"An {name} row (nb super-blocks) times {'tokens t0..t0+3 of 2-D' if tokens == 4 else 'one'} q8_K "
+                  f"activation(s) -> float32 ({'4, each bit for bit the one-token value' if tokens == 4 else 'ggml vec_dot'}).")
+    return intrinsic(fn)
+
+
+row_dot_iq3_s, row_dot4_iq3_s = _grid_intrinsic(21, 1), _grid_intrinsic(21, 4)
+row_dot_iq2_xxs, row_dot4_iq2_xxs = _grid_intrinsic(16, 1), _grid_intrinsic(16, 4)

@@ -20,12 +20,14 @@ from numba import prange
 from ..dequant.iq_grids import KVALUES_IQ4NL
 from ._fp16 import f16_at
 from ._x86_gemm import IQ_PACKED_BYTES, L1_BLOCK_BYTES, TILE_ROWS, pack_iq4_nl, pack_iq4_xs, tile_iq4_nl, tile_iq4_xs
-from ._x86_iq import row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
+from ._x86_iq import (row_dot4_iq2_xxs, row_dot4_iq3_s, row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq2_xxs, row_dot_iq3_s,
+                      row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl)
 from .int8 import _aligned_bytes, _over_threads
 from .jit import Variants, kernel
 
-IQ4_NL, IQ4_XS = 20, 23
+IQ4_NL, IQ4_XS, IQ3_S, IQ2_XXS = 20, 23, 21, 16
 BLOCK = {IQ4_NL: (32, 18), IQ4_XS: (256, 136)}  # type -> (elements, bytes) per block
+ROW_BYTES = {IQ4_NL: 18, IQ4_XS: 136, IQ3_S: 110, IQ2_XXS: 66}  # the types of ROWS_INT8: bytes per block
 TOKEN_TILE = 64
 _NOPY = dict(boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -111,9 +113,9 @@ def _int8_rows_of(type_id: int):
     """The int8 row kernel of one type: out[t, r] = row r . x[t] for rows r0..r1-1, every token.
 
     iq4_nl: x in q8_0 form (xq (n_tok, ne0) int8, xd (n_tok, ne0/32) float32, xs unused);
-    iq4_xs: q8_K (xd (n_tok, ne0/256); xs unused)."""
-    nl = type_id == IQ4_NL
-    bb = BLOCK[type_id][1]
+    iq4_xs, iq3_s, iq2_xxs: q8_K (xd (n_tok, ne0/256); xs unused)."""
+    nl, xs4, iq3s = type_id == IQ4_NL, type_id == IQ4_XS, type_id == IQ3_S  # (else iq2_xxs)
+    bb = ROW_BYTES[type_id]
 
     def rows(raw, xq, xd, xs, tab, out, r0, r1):
         n_tok, nb = xq.shape[0], raw.shape[1] // bb
@@ -127,8 +129,12 @@ def _int8_rows_of(type_id: int):
                 while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
                     if nl:
                         y = row_dot4_iq4_nl(row, nbe, xq, xd, xs, t)
-                    else:
+                    elif xs4:
                         y = row_dot4_iq4_xs(row, nbe, xq, xd, xs, t)
+                    elif iq3s:
+                        y = row_dot4_iq3_s(row, nbe, xq, xd, xs, t)
+                    else:
+                        y = row_dot4_iq2_xxs(row, nbe, xq, xd, xs, t)
                     if odd:
                         out[t, r] = tail_iq4_nl(row, nb, xq[t], xd[t], y[0])
                         out[t + 1, r] = tail_iq4_nl(row, nb, xq[t + 1], xd[t + 1], y[1])
@@ -140,8 +146,12 @@ def _int8_rows_of(type_id: int):
                 while t < t1:
                     if nl:
                         v = row_dot_iq4_nl(row, nbe, xq[t], xd[t], xs[t])
-                    else:
+                    elif xs4:
                         v = row_dot_iq4_xs(row, nbe, xq[t], xd[t], xs[t])
+                    elif iq3s:
+                        v = row_dot_iq3_s(row, nbe, xq[t], xd[t], xs[t])
+                    else:
+                        v = row_dot_iq2_xxs(row, nbe, xq[t], xd[t], xs[t])
                     if odd:
                         v = tail_iq4_nl(row, nb, xq[t], xd[t], v)
                     out[t, r] = v
@@ -197,8 +207,8 @@ def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
     """The int8 mat-mul of iq4_nl / iq4_xs rows (decode and prompts): rows over the threads,
     each chunk by ROWS_INT8[type_id] (`int8._over_threads`); batches of 2+ tokens take
     GEMM_ROWS when the rows are whole groups of TILE_ROWS (the same values)."""
-    unit = BLOCK[int(type_id)][1] * (2 if int(type_id) == IQ4_NL else 1)  # (the gemm's: a pair of iq4_nl blocks)
-    if xq.shape[0] >= 2 and raw.shape[0] % TILE_ROWS == 0 and raw.shape[1] >= unit:
+    unit = ROW_BYTES[int(type_id)] * (2 if int(type_id) == IQ4_NL else 1)  # (the gemm's: a pair of iq4_nl blocks)
+    if int(type_id) in BLOCK and xq.shape[0] >= 2 and raw.shape[0] % TILE_ROWS == 0 and raw.shape[1] >= unit:
         _over_threads(GEMM_ROWS[int(type_id)], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
     else:
         _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)

@@ -10,7 +10,8 @@ hsum_float_8 of the 8 lanes, times the type's constant (iq2: 0.125, iq3_xxs: 0.2
 iq1_s adds 0.125 * (a scalar fma chain of d * the delta term from the activations' 16-element
 sums); iq1_m keeps its delta term in a second 8-lane accumulator (0.125 * its hsum).
 
-The block's decoding is scalar Numba; its signs (`_x86_iq.apply_signs`) and the per-token
+iq3_s and iq2_xxs run whole-row vector intrinsics instead (`_x86_iq.row_dot_iq3_s` /
+`row_dot_iq2_xxs`, through `iquants.ROWS_INT8`). For the others the block's decoding is scalar Numba; its signs (`_x86_iq.apply_signs`) and the per-token
 products (`_x86_iq.block_isums`: `pmaddubsw(|w|, sign(x, w))` + `pmaddwd` by the scales, ggml's
 lanes) are vector intrinsics. Grids: `qllama.dequant.iq_grids.grid` (frozen into the compiled
 code as constants).
@@ -238,7 +239,10 @@ ROWS_INT8 = Variants(_rows_of, "ROWS_INT8", **_NOPY)
 
 
 def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
-    """The int8 mat-mul of a grid type's rows times q8_K activations: rows over the threads."""
+    """The int8 mat-mul of a grid type's rows times q8_K activations: rows over the threads (iq3_s
+    and iq2_xxs: the whole-row intrinsics of `_x86_iq`, through `iquants.ROWS_INT8`)."""
+    from . import iquants
     from .int8 import _over_threads
 
-    _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
+    rows = (iquants.ROWS_INT8 if int(type_id) in iquants.ROW_BYTES else ROWS_INT8)[int(type_id)]
+    _over_threads(rows, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
