@@ -40,30 +40,103 @@ def calibration_text() -> str:
     return shared_path("models", "shakespeare-val.txt").read_text()[6000:]
 
 
+def calibration_chunks(ids: list[int], n_ctx: int, max_chunks: int) -> list[list[int]]:
+    """llama-imatrix's chunks of a tokenized text (BOS first): n_ctx tokens each, BOS in front."""
+    chunks = [list(ids[c * n_ctx:(c + 1) * n_ctx]) for c in range(min(len(ids) // n_ctx, max_chunks))]
+    for chunk in chunks:
+        chunk[0] = ids[0]
+    return chunks
+
+
+def _accumulate(stats: dict, name: str, x: np.ndarray) -> None:
+    """Add the rows of x (tokens, ne0) to name's (sum of squares, token count)."""
+    x = np.asarray(x, np.float64)
+    s, n = stats.get(name, (0.0, 0))
+    stats[name] = (s + (x * x).sum(axis=0), n + x.shape[0])
+
+
 def collect_imatrix(model_path, text: str, n_ctx: int = CALIBRATION_CTX, max_chunks: int = CALIBRATION_CHUNKS
                     ) -> tuple[dict, int]:
-    """llama-imatrix's statistics: ({weight name: (float64 (ne0,) sum of x^2, token count)}, chunks)."""
+    """llama-imatrix's statistics from qllama's activations: ({weight name: (float64 (ne0,) sum of
+    x^2, token count)}, chunks)."""
     import qllama
 
     model = qllama.load(model_path, n_ctx=n_ctx)
-    ids = model.tokenize(text)  # BOS first, as llama-imatrix tokenizes
-    n_chunk = min(len(ids) // n_ctx, max_chunks)
-    n_layer = model.args.n_layer
-    stats: dict[str, list] = {}
-    for c in range(n_chunk):
-        chunk = list(ids[c * n_ctx:(c + 1) * n_ctx])
-        chunk[0] = ids[0]  # every chunk starts with BOS
+    chunks = calibration_chunks(model.tokenize(text), n_ctx, max_chunks)
+    stats: dict = {}
+    for chunk in chunks:
         with model.trace(capture=[f"blk.*.{p}" for p in FEEDS]) as t:
             model.logits(chunk)
-        for il in range(n_layer):
+        for il in range(model.args.n_layer):
             for point, weights in FEEDS.items():
-                x = np.asarray(t[f"blk.{il}.{point}"], np.float64).reshape(n_ctx, -1)  # (tokens, ne0)
-                sq = (x * x).sum(axis=0)
+                x = np.asarray(t[f"blk.{il}.{point}"]).reshape(len(chunk), -1)  # (tokens, ne0)
                 for w in weights:
-                    e = stats.setdefault(f"blk.{il}.{w}.weight", [0.0, 0])
-                    e[0] = e[0] + sq
-                    e[1] += n_ctx
-    return {k: (v[0], v[1]) for k, v in stats.items()}, n_chunk
+                    _accumulate(stats, f"blk.{il}.{w}.weight", x)
+    return stats, len(chunks)
+
+
+def llama_cpp_imatrix(model_path, chunks: list[list[int]]) -> dict:
+    """The same statistics from llama.cpp's own forward pass, collected as llama-imatrix does: an
+    eval callback (llama_context_params.cb_eval) that, for every MUL_MAT whose weight is a `blk.*`
+    tensor and whose f32 input has >= 16 rows, adds the input rows' squares. Every position's
+    logits are asked for (as llama-imatrix does), so the last layer runs on every token."""
+    import ctypes as C
+    import os
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
+    base = C.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+    base.ggml_op_name.restype, base.ggml_op_name.argtypes = C.c_char_p, [C.c_int]
+    base.ggml_tensor_overhead.restype = C.c_size_t
+
+    class Tensor(C.Structure):  # ggml.h's struct ggml_tensor (GGML_MAX_SRC 10, GGML_MAX_NAME 64)
+        _fields_ = [("type", C.c_int), ("buffer", C.c_void_p), ("ne", C.c_int64 * 4), ("nb", C.c_size_t * 4),
+                    ("op", C.c_int), ("op_params", C.c_int32 * 16), ("flags", C.c_int32), ("src", C.c_void_p * 10),
+                    ("view_src", C.c_void_p), ("view_offs", C.c_size_t), ("data", C.c_void_p),
+                    ("name", C.c_char * 64), ("extra", C.c_void_p), ("padding", C.c_char * 8)]
+
+    assert C.sizeof(Tensor) + 32 == base.ggml_tensor_overhead(), "ggml_tensor's layout differs from this build"
+    stats: dict = {}
+
+    def weight_name(t: Tensor) -> str:  # "CPU#blk.0.attn_q.weight#0" -> "blk.0.attn_q.weight"
+        name = Tensor.from_address(t.src[0]).name.decode()
+        return name.split("#")[1] if "#" in name else name
+
+    def callback(ptr, ask, _):
+        t = Tensor.from_address(ptr)
+        if base.ggml_op_name(t.op) != b"MUL_MAT":
+            return not ask
+        x = Tensor.from_address(t.src[1])
+        if ask:
+            return x.ne[1] >= 16 and x.type == 0 and weight_name(t).startswith("blk.")
+        ne, nb = list(x.ne), list(x.nb)
+        n_bytes = sum((n - 1) * b for n, b in zip(ne, nb)) + 4
+        rows = np.ndarray(tuple(ne[::-1]), np.float32, (C.c_char * n_bytes).from_address(x.data), 0,
+                          tuple(nb[::-1]))  # (ne3, ne2, ne1, ne0)
+        _accumulate(stats, weight_name(t), rows.reshape(-1, ne[0]))
+        return True
+
+    cb = llama_cpp.ggml_backend_sched_eval_callback(callback)
+    model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), llama_cpp.llama_model_default_params())
+    cp = llama_cpp.llama_context_default_params()
+    n = len(chunks[0])
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = n
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.cb_eval, cp.cb_eval_user_data = cb, None
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    batch = llama_cpp.llama_batch_init(n, 0, 1)
+    try:
+        for chunk in chunks:
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+            batch.n_tokens = n
+            for i, tok in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, True
+                batch.seq_id[i][0] = 0
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    return stats
 
 
 def write_imatrix_gguf(path, stats: dict, dataset: str, chunk_size: int, n_chunk: int) -> None:
@@ -146,6 +219,28 @@ def test_imatrix_file_round_trips_and_covers_every_block_matrix(imatrix_files):
         assert imatrix[name].size == (768 if "ffn_down" in name else 256) and (imatrix[name] > 0).all()
     # q, k and v share their input: one vector
     np.testing.assert_array_equal(imatrix["blk.2.attn_q.weight"], imatrix["blk.2.attn_v.weight"])
+
+
+@pytest.mark.oracle
+def test_imatrix_equals_llama_cpps_own_activations():
+    """qllama's importance matrix == the one llama.cpp's forward pass gives through llama-imatrix's
+    collection (its eval callback), on the same chunks of the f32 model: same entries, same token
+    counts, and the same sums to float rounding (f16 KV caches on both sides)."""
+    import qllama
+    from conftest import shared_path
+
+    src = shared_path("models", "shakespeare-spm-f32.gguf")
+    chunks = calibration_chunks(qllama.load(src, n_ctx=CALIBRATION_CTX).tokenize(calibration_text()),
+                                CALIBRATION_CTX, 4)
+    ours, _ = collect_imatrix(src, calibration_text(), max_chunks=4)
+    theirs = llama_cpp_imatrix(src, chunks)
+    assert sorted(theirs) == sorted(ours)
+    worst = 0.0
+    for name, (s, count) in ours.items():
+        assert theirs[name][1] == count == 4 * CALIBRATION_CTX
+        worst = max(worst, float(np.abs(s / theirs[name][0] - 1).max()))
+    print(f"\nIMATRIX vs llama.cpp: max relative difference {worst:.2e}")
+    assert worst < 2e-3  # measured 3.1e-4
 
 
 @pytest.mark.oracle
