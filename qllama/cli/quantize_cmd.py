@@ -17,21 +17,27 @@ import click
 @click.option("--dry-run", is_flag=True, help="Only print the type each tensor would get.")
 @click.option("--allow-requantize", is_flag=True,
               help="Accept an already quantized IN (dequantized, then quantized again: the errors add up).")
-def command(src, dst, preset, force, dry_run, allow_requantize):
+@click.option("--imatrix", "imatrix_path", metavar="FILE", type=click.Path(dir_okay=False),
+              help="llama.cpp's importance matrix (llama-imatrix's GGUF, or its legacy .dat), applied as llama-quantize does.")
+def command(src, dst, preset, force, dry_run, allow_requantize, imatrix_path):
     """Quantize the model IN to OUT with llama.cpp's TYPE mix.
 
     TYPE: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, IQ4_XS, IQ4_NL, Q3_K_M, Q2_K (also Q4_K_S, Q5_K_S, Q3_K_S,
     Q3_K_L, Q4_1, Q5_0, Q5_1, MXFP4_MOE, F16, BF16, F32).
-    No importance matrix is used, as llama-quantize without --imatrix. A quantized IN needs
-    --allow-requantize, as in llama-quantize.
+    Q2_K_S needs --imatrix. A quantized IN needs --allow-requantize, as in llama-quantize.
     """
     from ..errors import QllamaError
     from ..gguf.types import type_name
     from ..quantize import FLOAT_TYPES, RequantizeError, get_preset, plan_quantization, quantize_gguf
+    from ..quantize.imatrix import read_imatrix
+    from ..quantize.presets import NEEDS_IMATRIX, needs_imatrix_message
 
     p = get_preset(preset)  # unknown TYPE: error before touching any file
+    if p.name in NEEDS_IMATRIX and not imatrix_path:
+        raise QllamaError(needs_imatrix_message(p.name))
+    imatrix = read_imatrix(imatrix_path) if imatrix_path else None
     try:
-        plans = plan_quantization(src, p.name, allow_requantize=allow_requantize)
+        plans = plan_quantization(src, p.name, allow_requantize=allow_requantize, has_imatrix=imatrix is not None)
     except RequantizeError as e:  # the library names no options: add the one that allows it
         raise QllamaError(f"{e}; or requantize anyway with --allow-requantize") from None
     requant = sorted({type_name(pl.src_type) for pl in plans if pl.src_type != pl.dst_type and pl.src_type not in FLOAT_TYPES})
@@ -56,7 +62,7 @@ def command(src, dst, preset, force, dry_run, allow_requantize):
         state["done"] = done
 
     try:
-        quantize_gguf(src, dst, p.name, progress=progress, force=force, allow_requantize=allow_requantize)
+        quantize_gguf(src, dst, p.name, progress=progress, force=force, allow_requantize=allow_requantize, imatrix=imatrix)
     finally:
         if state["bar"] is not None:
             state["bar"].__exit__(None, None, None)

@@ -822,3 +822,28 @@ def quantize_iq4(nsub, values, has_w, x, qw, out, dd):
     scales = np.empty(nsub, np.float32)
     for ib in range(x.shape[0]):
         _iq4_block(x[ib], qw[ib], has_w, nsub, out[ib], dd, ib, values, L, weight, scales)
+
+
+@kernel(nogil=True)
+def quantize_legacy_weighted(nmax, with_min, x, qw, L, dm):
+    """q4_0 / q5_0 (nmax 8 / 16) or q4_1 / q5_1 (with_min, nmax 15 / 31) with an importance matrix
+    (quantize_row_q4_0_impl ...): x (rows, ne0) float32, qw (ne0,) -> L (rows * ne0 / 32, 32) codes
+    and dm (rows * ne0 / 32, 2) the block's d and m (unrounded) for NumPy to pack. The weights are
+    qw * sqrt(sigma2 + x^2) with sigma2 the mean square of the whole row."""
+    nb = x.shape[1] // 32
+    weight = np.empty(32, np.float32)
+    Laux = np.empty(32, np.int64)
+    for r in range(x.shape[0]):
+        xr = x[r]
+        sigma2 = _sum_squares(xr, x.shape[1]) / _F32(x.shape[1])
+        for b in range(nb):
+            k = r * nb + b
+            _importance(xr, 32 * b, 32, qw, sigma2, weight)
+            if with_min:
+                d, the_min = _make_qkx2_quants(xr[32 * b:32 * b + 32], 0, 32, nmax, weight, L[k], Laux, _F32(-0.9),
+                                               _F32(0.05), 36, False, True)
+                dm[k, 0] = d
+                dm[k, 1] = -the_min
+            else:
+                dm[k, 0] = _make_qx_quants(xr[32 * b:32 * b + 32], 0, 32, nmax, L[k], weight, True)
+                dm[k, 1] = _F32(0)

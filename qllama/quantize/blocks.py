@@ -236,6 +236,20 @@ def _iq4(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarra
     return _run_blocks(kernel, type_id, b, _weights_or_none(b, qw))
 
 
+def _legacy_weighted(x: np.ndarray, type_id: int, imatrix: np.ndarray) -> np.ndarray:
+    """q4_0, q5_0, q4_1, q5_1 rows x (rows, ne0) with importance weights (ggml's quantize_row_*_impl)."""
+    from ..kernels.quantize_k import quantize_legacy_weighted
+
+    nmax, with_min = _LEGACY_WEIGHTED[type_id]
+    nb = x.size // 32
+    L = np.empty((nb, 32), np.int64)  # codes
+    dm = np.empty((nb, 2), np.float32)  # d, m
+    quantize_legacy_weighted(nmax, with_min, x, imatrix, L, dm)
+    parts = [_fp16_bytes(dm[:, :1])] + ([_fp16_bytes(dm[:, 1:])] if with_min else [])
+    parts += ([_pack_high_bits(L)] if type_id in (Q5_0, Q5_1) else []) + [_pack_nibbles(L)]
+    return np.concatenate(parts, axis=1)
+
+
 # type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8: the row
 # references (ggml's quantize_row_*_ref: the KV cache and activations use these)
 _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
@@ -248,6 +262,8 @@ _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
 _CHUNK_QUANTIZERS = {**_BLOCK_QUANTIZERS, IQ4_NL: partial(_iq4, IQ4_NL)}
 # the types whose chunk quantizer takes importance weights (qw=, (nb, block) float32)
 WEIGHTED_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+# and the 32-blocks whose weights depend on the whole row: (nmax, with a min)
+_LEGACY_WEIGHTED = {Q4_0: (8, False), Q5_0: (16, False), Q4_1: (15, True), Q5_1: (31, True)}
 # and those that ignore a matrix, as ggml does
 _IGNORE_WEIGHTS = (F32, F16, BF16, Q8_0, MXFP4)
 FLOAT_TYPES = (F32, F16, BF16)
@@ -273,7 +289,7 @@ def quantize_chunk(x: np.ndarray, type_id: int, imatrix: np.ndarray | None = Non
     column (ne0,) float32 (llama.cpp's matrix, sums / counts), shared by every row, or None."""
     if imatrix is None or type_id in _IGNORE_WEIGHTS:
         return _quantize_2d(x, type_id, _CHUNK_QUANTIZERS)
-    if type_id not in WEIGHTED_TYPES:
+    if type_id not in WEIGHTED_TYPES and type_id not in _LEGACY_WEIGHTED:
         raise UnsupportedError(f"cannot quantize to {type_name(type_id)} with an importance matrix yet")
     imatrix = np.ascontiguousarray(imatrix, np.float32).reshape(-1)  # (ne0,)
     return _quantize_2d(x, type_id, _CHUNK_QUANTIZERS, imatrix)
@@ -319,5 +335,7 @@ def _quantize_rows(x: np.ndarray, type_id: int, quantizers: dict, imatrix: np.nd
     blocks = x.reshape(-1, gtype.block_size)  # (n_blocks, block_size), a view
     if imatrix is None:
         return quantizers[type_id](blocks)
+    if type_id in _LEGACY_WEIGHTED:
+        return _legacy_weighted(x, type_id, imatrix)
     qw = np.broadcast_to(imatrix, x.shape).reshape(blocks.shape)  # (n_blocks, block_size): a copy
     return quantizers[type_id](blocks, qw)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, NamedTuple
 
-from ..errors import QllamaError
+from ..errors import QllamaError, UnsupportedError
 from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
                           Q5_K, Q6_K, Q8_0)
 from .blocks import FLOAT_TYPES
@@ -30,7 +30,17 @@ PRESETS: dict[str, Preset] = {name: Preset(name, ftype, t) for name, ftype, t in
     ("MXFP4_MOE", 38, MXFP4),  # experts (3-D tensors) MXFP4, every other quantized tensor q8_0
     ("Q2_K", 10, Q2_K), ("Q3_K_S", 11, Q3_K), ("Q3_K_M", 12, Q3_K), ("Q3_K_L", 13, Q3_K),
     ("IQ4_NL", 25, IQ4_NL), ("IQ4_XS", 30, IQ4_XS),
+    ("Q2_K_S", 21, Q2_K),  # needs an importance matrix
 )}
+NEEDS_IMATRIX = ("Q2_K_S",)
+# llama-quantize's presets qllama cannot write yet (the i-quant grid searches)
+NOT_YET = ("IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
+
+
+def needs_imatrix_message(name: str) -> str:
+    from .imatrix import IMATRIX_HOWTO
+
+    return f"{name} needs an importance matrix: give one with --imatrix FILE ({IMATRIX_HOWTO})"
 
 
 def get_preset(name: str) -> Preset:
@@ -38,6 +48,9 @@ def get_preset(name: str) -> Preset:
     for key, preset in PRESETS.items():
         if key.lower() == str(name).lower():
             return preset
+    if str(name).upper() in NOT_YET:
+        raise UnsupportedError(f"qllama cannot write {str(name).upper()} files yet (llama.cpp's llama-quantize can); "
+                               f"choose one of: {', '.join(PRESETS)}")
     raise QllamaError(f"unknown quantization type {name!r}; choose one of: {', '.join(PRESETS)}")
 
 
@@ -119,6 +132,8 @@ def choose_tensor_type(
         n = n_attn_v if n_attn_v is not None else n_layers
         if ft == "Q2_K":
             new = Q4_K if n_gqa >= 4 else Q3_K
+        elif ft == "Q2_K_S" and n_gqa >= 4:
+            new = Q4_K
         elif ft == "Q3_K_M":
             new = Q5_K if i < 2 else Q4_K
         elif ft == "Q3_K_L":
@@ -139,6 +154,8 @@ def choose_tensor_type(
     elif "ffn_down" in name:
         if ft == "Q2_K":
             new = Q3_K
+        elif ft == "Q2_K_S":
+            new = Q4_K if i < n_layers // 8 else new
         elif ft == "Q3_K_M":
             new = Q5_K if i < n_layers // 16 else Q4_K
         elif ft == "Q3_K_L":

@@ -15,9 +15,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import GGUFError, OutputExistsError, QllamaError, UnsupportedError
-from ..gguf.types import BF16, GGML_TYPES, type_name
+from ..gguf.types import BF16, GGML_TYPES, Q2_K, type_name
 from .blocks import CHUNK_ELEMENTS, FLOAT_TYPES, bf16_to_f32, quantize_chunk
-from .presets import choose_tensor_type, get_preset
+from .presets import NEEDS_IMATRIX, choose_tensor_type, get_preset, needs_imatrix_message
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ class RequantizeError(UnsupportedError):
     """A tensor that must be converted is already quantized, and requantizing was not allowed."""
 
 
-def plan_quantization(src, preset: str, allow_requantize: bool = False) -> list[TensorPlan]:
-    """The per-tensor types quantize_gguf would write for `src` (a path or an open GGUFFile).
+def plan_quantization(src, preset: str, allow_requantize: bool = False, has_imatrix: bool = False) -> list[TensorPlan]:
+    """The per-tensor types quantize_gguf would write for `src` (a path or an open GGUFFile);
+    has_imatrix: with an importance matrix (a few of llama.cpp's choices depend on it).
 
     Raises RequantizeError when a tensor that must be converted is already quantized, unless
     allow_requantize (then it is dequantized and quantized again: the errors add up).
@@ -67,7 +68,7 @@ def plan_quantization(src, preset: str, allow_requantize: bool = False) -> list[
         for t in g.tensors.values():
             dst = choose_tensor_type(
                 t.name, t.shape, p.name, n_layers, current_type=t.type_id, n_attn_v=n_attn_v,
-                tied_embeddings=tied, n_expert=n_expert, is_70b=is_70b, n_gqa=n_gqa,
+                tied_embeddings=tied, n_expert=n_expert, is_70b=is_70b, n_gqa=n_gqa, has_imatrix=has_imatrix,
             )
             if dst != t.type_id and t.type_id not in FLOAT_TYPES and not allow_requantize:
                 raise RequantizeError(
@@ -146,6 +147,26 @@ def _tensor_as_f32_rows(g, t, r0: int, r1: int) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+def _quantize_tensor(g, t, pl: TensorPlan, imatrix, preset: str) -> np.ndarray:
+    """One tensor's bytes (n_rows, row_bytes): each matrix (expert) with its own importance
+    weights, as llama-quantize passes imatrix + i03 * n_per_row."""
+    ne0 = pl.shape[0] if pl.shape else 1
+    n_rows = pl.n_elements // ne0
+    n_mat = pl.shape[2] if len(pl.shape) > 2 else 1
+    rows_per_mat = n_rows // n_mat
+    qw = imatrix.for_tensor(pl.name, ne0, n_mat) if imatrix is not None else None  # (n_mat, ne0) or None
+    if qw is None and pl.dst_type == Q2_K and preset in NEEDS_IMATRIX and pl.name != "token_embd.weight":
+        raise QllamaError(f"the importance matrix has no entry for {pl.name}, which {preset} needs")
+    data = np.empty((n_rows, GGML_TYPES[pl.dst_type].row_bytes(ne0)), np.uint8)
+    step = max(1, CHUNK_ELEMENTS // max(ne0, 1))
+    for m in range(n_mat):
+        end = (m + 1) * rows_per_mat
+        for r0 in range(m * rows_per_mat, end, step):
+            r1 = min(r0 + step, end)
+            data[r0:r1] = quantize_chunk(_tensor_as_f32_rows(g, t, r0, r1), pl.dst_type, None if qw is None else qw[m])
+    return data
+
+
 def quantize_gguf(
     src_path,
     dst_path,
@@ -154,6 +175,7 @@ def quantize_gguf(
     *,
     force: bool = False,
     allow_requantize: bool = False,
+    imatrix=None,
 ) -> None:
     """Quantize a f32/f16/bf16 GGUF model to a llama.cpp preset (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0...).
 
@@ -163,12 +185,19 @@ def quantize_gguf(
     called after each tensor (done/total count elements). The output appears atomically (a
     temporary file is renamed); it refuses to overwrite the input, and an existing output unless
     force=True. A quantized input is refused unless allow_requantize (see plan_quantization).
+    imatrix: llama.cpp's importance matrix (a path, or an ImportanceMatrix), applied per tensor as
+    llama-quantize does; a preset that needs one (Q2_K_S) is refused without it.
     """
     import gguf as gguf_py
 
     from ..gguf.reader import GGUFFile
+    from .imatrix import ImportanceMatrix, read_imatrix
 
     p = get_preset(preset)
+    if imatrix is not None and not isinstance(imatrix, ImportanceMatrix):
+        imatrix = read_imatrix(imatrix)
+    if imatrix is None and p.name in NEEDS_IMATRIX:
+        raise QllamaError(needs_imatrix_message(p.name))
     src_path = os.fspath(src_path)
     dst_path = os.fspath(dst_path)
     if not os.path.exists(src_path):
@@ -185,7 +214,7 @@ def quantize_gguf(
         arch = g.metadata.get("general.architecture")
         if not isinstance(arch, str) or not arch:
             raise GGUFError(f"{src_path}: no general.architecture: not a model file")
-        plans = plan_quantization(g, p.name, allow_requantize=allow_requantize)
+        plans = plan_quantization(g, p.name, allow_requantize=allow_requantize, has_imatrix=imatrix is not None)
         total = sum(pl.n_elements for pl in plans)
 
         tmp_path = f"{dst_path}.tmp{os.getpid()}"
@@ -196,6 +225,13 @@ def quantize_gguf(
             copy_metadata(writer, g)
             writer.add_quantization_version(GGML_QNT_VERSION)
             writer.add_file_type(p.ftype)
+            if imatrix is not None:  # the keys llama-quantize adds
+                writer.add_string("quantize.imatrix.file", imatrix.path)
+                if imatrix.datasets:
+                    writer.add_string("quantize.imatrix.dataset", imatrix.datasets[0])
+                writer.add_int32("quantize.imatrix.entries_count", len(imatrix.weights))
+                if imatrix.chunk_count > 0:
+                    writer.add_int32("quantize.imatrix.chunks_count", imatrix.chunk_count)
             for pl in plans:
                 # GGUFWriter wants the numpy (reversed) shape; with uint8 + raw_dtype, the byte shape
                 np_shape = tuple(reversed(pl.shape)) or (1,)
@@ -212,14 +248,7 @@ def quantize_gguf(
                 if pl.dst_type == pl.src_type:
                     data = g.tensor_bytes(pl.name)
                 else:
-                    ne0 = pl.shape[0] if pl.shape else 1
-                    n_rows = pl.n_elements // ne0
-                    row_bytes = GGML_TYPES[pl.dst_type].row_bytes(ne0)
-                    data = np.empty((n_rows, row_bytes), np.uint8)
-                    step = max(1, CHUNK_ELEMENTS // max(ne0, 1))
-                    for r0 in range(0, n_rows, step):
-                        rows = _tensor_as_f32_rows(g, t, r0, r0 + step)
-                        data[r0 : r0 + step] = quantize_chunk(rows, pl.dst_type)
+                    data = _quantize_tensor(g, t, pl, imatrix, p.name)
                 writer.write_tensor_data(data.reshape(-1))
                 done += pl.n_elements
                 if progress is not None:
