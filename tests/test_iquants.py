@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -464,13 +466,12 @@ def llama_cpp_files(tmp_path_factory):
 
     src = shared_path("models", "shakespeare-spm-f32.gguf")
     root = tmp_path_factory.mktemp("iq-oracle")
-    made = {}
 
+    @functools.cache
     def get(name: str):
-        if name not in made:
-            made[name] = root / f"shakespeare-{name}.gguf"
-            llama_cpp_quantize(src, made[name], ORACLE_FTYPES[name][0])
-        return made[name]
+        path = root / f"shakespeare-{name}.gguf"
+        llama_cpp_quantize(src, path, ORACLE_FTYPES[name][0])
+        return path
 
     return get
 

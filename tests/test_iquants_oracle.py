@@ -15,6 +15,7 @@ quantizer and the file layout are llama.cpp's own.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -194,13 +195,12 @@ def imatrix_files(tmp_path_factory):
     # llama-quantize records where its matrix came from
     kv = {"quantize.imatrix.file": str(imatrix_path), "quantize.imatrix.dataset": "shakespeare-val.txt[6000:]",
           "quantize.imatrix.entries_count": len(imatrix), "quantize.imatrix.chunks_count": n_chunk}
-    made = {}
 
+    @functools.cache
     def get(name: str) -> Path:
-        if name not in made:
-            made[name] = root / f"shakespeare-{name}.gguf"
-            llama_cpp_quantize(src, made[name], IMATRIX_FTYPES[name][0], imatrix=imatrix, kv=kv)
-        return made[name]
+        path = root / f"shakespeare-{name}.gguf"
+        llama_cpp_quantize(src, path, IMATRIX_FTYPES[name][0], imatrix=imatrix, kv=kv)
+        return path
 
     get.imatrix, get.stats, get.n_chunk = imatrix, stats, n_chunk
     return get
