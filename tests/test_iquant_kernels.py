@@ -1,4 +1,4 @@
-"""The i-quants' batch kernels (issue 30 item 4): iq4_xs / iq4_nl gemms (`kernels/_x86_gemm.py`,
+"""The i-quants' batch kernels (issue 30 item 4): iq4_xs / iq4_nl / iq3_s / iq2_xxs gemms (`kernels/_x86_gemm.py`,
 driven by `kernels/iquants.GEMM_ROWS`) give every row the one-token row kernel's bits, and the
 live ggml's `vec_dot` bits (oracle)."""
 
@@ -7,19 +7,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qllama.gguf.types import IQ4_NL, IQ4_XS
+from qllama.gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS
 from qllama.qtensor import QTensor, get_threads, quantize_activation, set_threads
 
 pytest.importorskip("gguf.quants")
-from test_iquants import FORM, _needs_int8, bits, ggml_matvec, random_blocks  # noqa: E402  (tests/ is on sys.path)
+from test_iquants import _needs_int8, bits, ggml_matvec, random_blocks  # noqa: E402  (tests/ is on sys.path)
+
+FORM = {IQ4_NL: "q8_0", IQ4_XS: "q8_K", IQ3_S: "q8_K", IQ2_XXS: "q8_K"}
+BLOCK_BYTES = {IQ4_NL: 18, IQ4_XS: 136, IQ3_S: 110, IQ2_XXS: 66}
+CASES = [(IQ4_XS, 4096), (IQ4_XS, 256), (IQ4_NL, 4096), (IQ4_NL, 32 * 129), (IQ4_NL, 64), (IQ3_S, 4096), (IQ3_S, 256),
+         (IQ2_XXS, 4096), (IQ2_XXS, 512)]
 
 
-@pytest.mark.parametrize("tid,ne0", [(IQ4_XS, 4096), (IQ4_XS, 256), (IQ4_NL, 4096), (IQ4_NL, 32 * 129), (IQ4_NL, 64)],
-                         ids=["iq4_xs-4096", "iq4_xs-256", "iq4_nl-4096", "iq4_nl-odd", "iq4_nl-64"])
+@pytest.mark.parametrize("tid,ne0", CASES, ids=[f"{t}-{n}" for t, n in CASES])
 def test_gemm_equals_the_row_kernel(tid, ne0):
     """GEMM_ROWS (TILE_ROWS rows a pass; 4096 columns: 3 ranges of units that stay in L1; iq4_nl
-    with an odd block count: ggml's tail block) == ROWS_INT8 bit for bit at 2..33 tokens and 1 and
-    2 threads; a NaN scale spoils its row only; q.matmul takes the gemm and equals q.matvec."""
+    with an odd block count: ggml's tail block; iq3_s / iq2_xxs: the grid values signed and packed
+    as iq4_xs) == ROWS_INT8 bit for bit at 2..33 tokens and 1 and 2 threads; a NaN scale spoils
+    its row only; q.matmul takes the gemm and equals q.matvec."""
     from qllama.kernels import iquants
     from qllama.kernels._x86_gemm import IQ_PACKED_BYTES, L1_BLOCK_BYTES, TILE_ROWS
     from qllama.kernels.int8 import _over_threads
@@ -27,11 +32,11 @@ def test_gemm_equals_the_row_kernel(tid, ne0):
 
     _needs_int8()
     if ne0 == 4096:
-        assert ne0 // (256 if tid == IQ4_XS else 64) * IQ_PACKED_BYTES[tid] > 2 * L1_BLOCK_BYTES  # (iq4_nl: pairs)
+        assert ne0 // (64 if tid == IQ4_NL else 256) * IQ_PACKED_BYTES[tid] > 2 * L1_BLOCK_BYTES  # (iq4_nl: pairs)
     rng = np.random.default_rng(ne0 + tid)
     n_rows = 3 * TILE_ROWS
-    raw = random_blocks(tid, n_rows, ne0, rng)
-    at = 136 if tid == IQ4_XS and ne0 > 256 else 18 if tid == IQ4_NL else 0
+    raw = random_blocks(tid, n_rows, ne0, rng, scale=0.03)
+    at = BLOCK_BYTES[tid] if ne0 > 256 or tid == IQ4_NL else 0
     raw[5, at:at + 2] = np.array([0x7E00], np.uint16).view(np.uint8)  # row 5, block 1 (or 0): d = NaN
     q = QTensor.from_bytes(tid, raw, (ne0, n_rows))
     before = get_threads()
@@ -54,14 +59,14 @@ def test_gemm_equals_the_row_kernel(tid, ne0):
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("tid,ne0", [(IQ4_XS, 2048), (IQ4_NL, 2048), (IQ4_NL, 32 * 45)])
+@pytest.mark.parametrize("tid,ne0", [(IQ4_XS, 2048), (IQ4_NL, 2048), (IQ4_NL, 32 * 45), (IQ3_S, 2048), (IQ2_XXS, 2048)])
 def test_gemm_equals_live_ggml_vec_dot(tid, ne0):
     """A batch through the gemm (whole groups of TILE_ROWS rows) == ggml's vec_dot, row by row."""
     from qllama.kernels._x86_gemm import TILE_ROWS
 
     _needs_int8()
     rng = np.random.default_rng(ne0 + 7)
-    raw = random_blocks(tid, 2 * TILE_ROWS, ne0, rng)
+    raw = random_blocks(tid, 2 * TILE_ROWS, ne0, rng, scale=0.03)
     q = QTensor.from_bytes(tid, raw, (ne0, 2 * TILE_ROWS))
     x = rng.standard_normal((5, ne0)).astype(np.float32)
     ref = np.stack([ggml_matvec(tid, raw, xi) for xi in x])

@@ -34,9 +34,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ..gguf.types import GGML_TYPES, IQ4_NL, IQ4_XS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
+from ..gguf.types import GGML_TYPES, IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
 from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _fifth_bits, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
-from ._x86_iq import _iq4_values, _xs_scales
+from ._x86_iq import GRID_ROWS, _iq4_values, _xs_scales, odd_scale, sign_mask
 
 HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector
 TILE_ROWS = 8 * HALVES  # rows per pass (lane r of a vector: row r)
@@ -59,8 +59,9 @@ PACKED_BYTES = {Q4_K: 2624 * HALVES, Q6_K: 2592 * HALVES, Q4_0: 288 * HALVES, Q5
 # as an i16 in both halves), then 64 vectors of transposed kvalues (sub-blocks j, byte quads k)
 _DX4, _SCALESX4, _QUANTSX4 = 0, 32, 288
 # the i-quants' gemms (`kernels/iquants.py` drives them); iq4_nl's unit is a pair of blocks, each
-# laid out as q4_0's (d, 8 quad vectors of signed kvalues)
-IQ_PACKED_BYTES = {IQ4_XS: 2336 * HALVES, IQ4_NL: 576 * HALVES}
+# laid out as q4_0's (d, 8 quad vectors of signed kvalues); iq3_s and iq2_xxs as iq4_xs (their
+# 32-element chunks' scales 2s + 1, the grid values with their signs)
+IQ_PACKED_BYTES = {IQ4_XS: 2336 * HALVES, IQ4_NL: 576 * HALVES, IQ3_S: 2336 * HALVES, IQ2_XXS: 2336 * HALVES}
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -298,7 +299,7 @@ def _splat_scalar(builder, x, n=None):
     return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, n), [0] * n))
 
 
-def _tile_codegen(context, builder, signature, args, block_sum, n_acc=8):
+def _tile_codegen(context, builder, signature, args, block_sum, n_acc=8, factor=1.0):
     """Blocks b0..b1-1 of the packed rows times tokens t0..t1-1, one token per iteration, so that
     each weight vector is loaded for one `pmaddubsw` (with the weights reused for several tokens
     in registers, LLVM hoisted and spilled them).
@@ -309,7 +310,8 @@ def _tile_codegen(context, builder, signature, args, block_sum, n_acc=8):
     (b1 = nb) each row gets the row kernel's pairwise sum ((0+4)+(2+6)) + ((1+5)+(3+7)) in out,
     else they go back to `acc`. (A range of blocks whose packed bytes stay in L1 is read by every
     token before the next: a whole long row's would not fit.) With n_acc = 16 (iq4_nl: the row
-    kernel's accumulators of even and odd blocks) vector l + vector 8 + l is summed first, as there."""
+    kernel's accumulators of even and odd blocks) vector l + vector 8 + l is summed first, as there;
+    a factor other than 1 (iq2_xxs: 0.125) multiplies the sum, as the row kernel's last step."""
     vf = _vec(ir.FloatType(), TILE_ROWS)
     pack = context.make_array(signature.args[0])(context, builder, args[0])
     nb, b0, b1, t0, t1, r0 = args[1], args[2], args[3], args[7], args[8], args[10]
@@ -332,6 +334,8 @@ def _tile_codegen(context, builder, signature, args, block_sum, n_acc=8):
                 s04, s26 = _exact("fadd", builder, a[0], a[4]), _exact("fadd", builder, a[2], a[6])
                 s15, s37 = _exact("fadd", builder, a[1], a[5]), _exact("fadd", builder, a[3], a[7])
                 y = _exact("fadd", builder, _exact("fadd", builder, s04, s26), _exact("fadd", builder, s15, s37))
+                if factor != 1.0:
+                    y = _exact("fmul", builder, _splat_scalar(builder, ir.Constant(ir.FloatType(), factor)), y)
                 orow = _token_ptr(context, builder, sa[9], args[9], t, ir.FloatType())
                 _store(builder, y, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
             with otherwise:
@@ -477,10 +481,10 @@ def _tile_sig(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
     return types.none(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
 
 
-def _tile_intrinsic(block_sum, kind, form, n_acc=8):
+def _tile_intrinsic(block_sum, kind, form, n_acc=8, factor=1.0):
     def tile(typingctx, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
         sig = _tile_sig(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
-        return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, block_sum, n_acc)) if sig else None
+        return (sig, lambda c, b, sg, a: _tile_codegen(c, b, sg, a, block_sum, n_acc, factor)) if sig else None
 
     tile.__name__ = tile.__qualname__ = f"tile_{kind.lower()}"
     tile.__doc__ = (f"Blocks b0..b1-1 of the rows packed by `pack_{kind.lower()}` (nb blocks) times tokens t0..t1-1 "
@@ -523,12 +527,28 @@ def _pack_half_iq4_nl(builder, blks, put):
         _pack_half_legacy(builder, [_gep8(builder, p, 18 * h) for p in blks], lambda v, off: put(v, 288 * h + off), "iq4_nl")
 
 
+def _pack_half_grid(builder, blks, put, type_id):
+    chunk = GRID_ROWS[type_id][1]
+    put(_rows_f16(builder, blks, 0), _DX4)
+    for c in range(8):  # 32-element chunk c of each row: grid values signed, its scale
+        rows, scales = [], ir.Constant(_V8I, None)
+        for r, p in enumerate(blks):
+            q, signs, s = chunk(builder, p, c)
+            m = sign_mask(builder, signs)
+            rows.append(builder.bitcast(builder.sub(builder.xor(q, m), m), _V8I))
+            scales = builder.insert_element(scales, odd_scale(builder, s), ir.Constant(_I32, r))
+        put(builder.or_(scales, builder.shl(scales, ir.Constant(_V8I, [16] * 8))), _SCALESX4 + 32 * c)
+        for k, v in enumerate(_transpose8(builder, rows)):
+            put(v, _QUANTSX4 + 256 * c + 32 * k)
+
+
 def _iq4_xs_block(tile, b, accs):
-    """iq4_xs: per super-block acc_l = fma(d*dx, isum_l, acc_l), isum_l = sum over the 8 sub-blocks
-    of (ls - 32) * (4 products |q| . sign(x, q)), exact in int32, as `_x86_iq._row_iq4_xs`."""
+    """iq4_xs (and iq3_s, iq2_xxs, packed alike): per super-block acc_l = fma(d*dx, isum_l, acc_l),
+    isum_l = sum over the 8 sub-blocks of their scale * (4 products |q| . sign(x, q)), exact in
+    int32, as `_x86_iq._row_iq4_xs` (`_row_grid`)."""
     builder = tile.b
     vi = _vec(_I32, TILE_ROWS)
-    src = tile.src(b, IQ_PACKED_BYTES[IQ4_XS])
+    src = tile.src(b, IQ_PACKED_BYTES[IQ4_XS])  # (= iq3_s's, iq2_xxs's)
     xq_off = builder.mul(b, _c64(256))
 
     def sub_block(j, isums):
@@ -564,3 +584,7 @@ pack_iq4_xs = _pack_intrinsic(IQ4_XS, _pack_half_iq4_xs)
 pack_iq4_nl = _pack_intrinsic(IQ4_NL, _pack_half_iq4_nl)
 tile_iq4_xs = _tile_intrinsic(_iq4_xs_block, "iq4_xs", "q8_K")
 tile_iq4_nl = _tile_intrinsic(_iq4_nl_pair, "iq4_nl", "q8_0", n_acc=16)
+pack_iq3_s = _pack_intrinsic(IQ3_S, lambda b, blks, put: _pack_half_grid(b, blks, put, IQ3_S))
+pack_iq2_xxs = _pack_intrinsic(IQ2_XXS, lambda b, blks, put: _pack_half_grid(b, blks, put, IQ2_XXS))
+tile_iq3_s = _tile_intrinsic(_iq4_xs_block, "iq3_s", "q8_K")
+tile_iq2_xxs = _tile_intrinsic(_iq4_xs_block, "iq2_xxs", "q8_K", factor=GRID_ROWS[IQ2_XXS][2])

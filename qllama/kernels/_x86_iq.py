@@ -310,18 +310,28 @@ def _chunk_iq2_xxs(builder, blk, c):
 
 # type -> (block bytes, chunk decoder, the row's final factor): ggml's AVX2 vec_dot_iq3_s_q8_K /
 # vec_dot_iq2_xxs_q8_K
-_GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0), 16: (66, _chunk_iq2_xxs, 0.125)}
+GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0), 16: (66, _chunk_iq2_xxs, 0.125)}
+
+
+def sign_mask(builder, signs):
+    """<4 x i8> sign bytes -> <32 x i8> -1 where bit e % 8 of byte e // 8 is set, else 0."""
+    bit = ir.Constant(_vec(_I8, 32), [1 << (e % 8) for e in range(32)])
+    spread = builder.and_(_lanes(builder, signs, [e // 8 for e in range(32)]), bit)
+    return builder.sext(builder.icmp_unsigned("!=", spread, ir.Constant(_vec(_I8, 32), [0] * 32)), _vec(_I8, 32))
+
+
+def odd_scale(builder, s):
+    """2 s + 1, the grid types' scale from its stored bits (any integer type or vector)."""
+    return builder.add(builder.shl(s, ir.Constant(s.type, 1)), ir.Constant(s.type, 1))
 
 
 def _row_grid(context, builder, signature, args, type_id):
     """Grid-type row(s) of nb super-blocks times q8_K activation(s), as ggml: per 32-element chunk,
     x signed by the weights' sign bits ((x ^ m) - m), `pmaddubsw(grid, x)`, `pmaddwd` by 2s+1 into
     8 int32 lanes; per super-block one fma of fp16(d) * dx; the row: factor * hsum_float_8."""
-    bb, chunk, factor = _GRID_ROWS[type_id]
+    bb, chunk, factor = GRID_ROWS[type_id]
     rowp, toks = _row_ptrs(context, builder, signature, args)
     v32 = ir.PointerType(_vec(_I8, 32))
-    bit = ir.Constant(_vec(_I8, 32), [1 << (e % 8) for e in range(32)])
-    zero8 = ir.Constant(_vec(_I8, 32), [0] * 32)
 
     def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bb)))
@@ -329,9 +339,8 @@ def _row_grid(context, builder, signature, args, type_id):
         isums = [ir.Constant(_vec(_I32, 8), [0] * 8)] * len(toks)
         for c in range(8):
             q, signs, s = chunk(builder, blk, c)
-            m = builder.sext(builder.icmp_unsigned("!=", builder.and_(_lanes(builder, signs, [e // 8 for e in range(32)]), bit),
-                                                   zero8), _vec(_I8, 32))
-            s16 = builder.trunc(builder.add(builder.shl(s, ir.Constant(_I32, 1)), ir.Constant(_I32, 1)), _I16)
+            m = sign_mask(builder, signs)
+            s16 = builder.trunc(odd_scale(builder, s), _I16)
             scale = _lanes(builder, builder.insert_element(ir.Constant(_vec(_I16, 1), None), s16, ir.Constant(_I32, 0)), [0] * 16)
             for t, xp in enumerate(xps):
                 x = builder.load(builder.gep(xp, [ir.Constant(_I32, c)]), align=1)

@@ -19,7 +19,8 @@ from numba import prange
 
 from ..dequant.iq_grids import KVALUES_IQ4NL
 from ._fp16 import f16_at
-from ._x86_gemm import IQ_PACKED_BYTES, L1_BLOCK_BYTES, TILE_ROWS, pack_iq4_nl, pack_iq4_xs, tile_iq4_nl, tile_iq4_xs
+from ._x86_gemm import (IQ_PACKED_BYTES, L1_BLOCK_BYTES, TILE_ROWS, pack_iq2_xxs, pack_iq3_s, pack_iq4_nl, pack_iq4_xs,
+                        tile_iq2_xxs, tile_iq3_s, tile_iq4_nl, tile_iq4_xs)
 from ._x86_iq import (row_dot4_iq2_xxs, row_dot4_iq3_s, row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq2_xxs, row_dot_iq3_s,
                       row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl)
 from .int8 import _aligned_bytes, _over_threads
@@ -168,8 +169,8 @@ def _gemm_rows_of(type_id: int):
     a scratch (`_x86_gemm.pack_iq4_*`: kvalues looked up and transposed), then every token
     through ranges of its units whose packed bytes stay in L1 (`tile_iq4_*`); the same values as
     ROWS_INT8 bit for bit (iq4_nl: units are pairs of blocks, ggml's odd tail block added after)."""
-    nl = type_id == IQ4_NL
-    bb1 = BLOCK[type_id][1]
+    nl, xs4, iq3s = type_id == IQ4_NL, type_id == IQ4_XS, type_id == IQ3_S  # (else iq2_xxs)
+    bb1 = ROW_BYTES[type_id]
     bb = bb1 * (2 if nl else 1)  # bytes per unit
     packed = IQ_PACKED_BYTES[type_id]
     n_acc = 16 if nl else 8
@@ -185,13 +186,22 @@ def _gemm_rows_of(type_id: int):
             r = g * TILE_ROWS
             if nl:
                 pack_iq4_nl(raw, r, nu, scratch)
-            else:
+            elif xs4:
                 pack_iq4_xs(raw, r, nu, scratch)
+            elif iq3s:
+                pack_iq3_s(raw, r, nu, scratch)
+            else:
+                pack_iq2_xxs(raw, r, nu, scratch)
             for u0 in range(0, nu, per):
+                u1 = min(nu, u0 + per)
                 if nl:
-                    tile_iq4_nl(scratch, nu, u0, min(nu, u0 + per), xq, xd, xs, 0, n_tok, out, r, acc)
+                    tile_iq4_nl(scratch, nu, u0, u1, xq, xd, xs, 0, n_tok, out, r, acc)
+                elif xs4:
+                    tile_iq4_xs(scratch, nu, u0, u1, xq, xd, xs, 0, n_tok, out, r, acc)
+                elif iq3s:
+                    tile_iq3_s(scratch, nu, u0, u1, xq, xd, xs, 0, n_tok, out, r, acc)
                 else:
-                    tile_iq4_xs(scratch, nu, u0, min(nu, u0 + per), xq, xd, xs, 0, n_tok, out, r, acc)
+                    tile_iq2_xxs(scratch, nu, u0, u1, xq, xd, xs, 0, n_tok, out, r, acc)
             if nl and nb % 2 == 1:  # ggml's scalar tail block
                 for t in range(n_tok):
                     for i in range(r, r + TILE_ROWS):
@@ -208,7 +218,7 @@ def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
     each chunk by ROWS_INT8[type_id] (`int8._over_threads`); batches of 2+ tokens take
     GEMM_ROWS when the rows are whole groups of TILE_ROWS (the same values)."""
     unit = ROW_BYTES[int(type_id)] * (2 if int(type_id) == IQ4_NL else 1)  # (the gemm's: a pair of iq4_nl blocks)
-    if int(type_id) in BLOCK and xq.shape[0] >= 2 and raw.shape[0] % TILE_ROWS == 0 and raw.shape[1] >= unit:
+    if int(type_id) in IQ_PACKED_BYTES and xq.shape[0] >= 2 and raw.shape[0] % TILE_ROWS == 0 and raw.shape[1] >= unit:
         _over_threads(GEMM_ROWS[int(type_id)], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
     else:
         _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
