@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from qllama import quantize as qz
+from qllama.errors import QllamaError
 from qllama.gguf.reader import GGUFFile
-from qllama.gguf.types import GGML_TYPES, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, type_name
+from qllama.gguf.types import GGML_TYPES, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, type_name
 from qllama.quantize.blocks import quantize_chunk
 
 from test_iquants import _ggml_cpu
@@ -93,3 +94,60 @@ def test_shared_model_file_equals_llama_cpp(tmp_path, preset):
     qz.quantize_gguf(src, ours, preset)
     _llama_quantize(llama_cpp, src, theirs, qz.PRESETS[preset].ftype)
     _assert_same_tensors(ours, theirs)
+
+
+def _importance(seed: int, ne0: int) -> np.ndarray:
+    """(ne0,) positive weights with the spread of a real matrix, and one zero column."""
+    rng = np.random.default_rng(seed)
+    w = (rng.lognormal(0, 1.5, ne0) * 1e-3).astype(np.float32)
+    w[3] = 0
+    return w
+
+
+WEIGHTED = [IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("type_id", WEIGHTED, ids=type_name)
+def test_chunk_with_imatrix_bytes_equal_ggml(type_id):
+    x = _awkward_rows(100 + type_id)
+    qw = _importance(type_id, x.shape[1])
+    np.testing.assert_array_equal(quantize_chunk(x, type_id, qw), ggml_quantize_chunk(type_id, x, qw))
+
+
+IMATRIX_PRESETS = NEW_PRESETS + ["Q2_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("preset", IMATRIX_PRESETS)
+def test_tiny_model_with_imatrix_equals_ggml(tmp_path, preset):
+    """Every tensor of a file quantized with a matrix (written in llama.cpp's layout, one tensor's
+    count 0, one tensor without an entry) == ggml_quantize_chunk of the f32 rows with sums / counts."""
+    from qllama.quantize.imatrix import write_imatrix
+
+    src, ours = tmp_path / "in.gguf", tmp_path / "ours.gguf"
+    weights = _write_model(src, nested=False, tied=True)
+    sums, counts = {}, {}
+    for i, (name, x) in enumerate(weights.items()):
+        if x.ndim == 2 and (name != "blk.1.attn_q.weight" or preset == "Q2_K_S"):  # (no entry: no weights)
+            sums[name] = (_importance(i, x.shape[1]) * 7)[None, :]  # (1, ne0)
+            counts[name] = np.array([0.0 if name == "blk.2.ffn_up.weight" else 7.0], np.float32)
+    write_imatrix(tmp_path / "imatrix.gguf", sums, counts)
+    if preset == "Q2_K_S":  # llama.cpp refuses a q2_K tensor without weights in this preset
+        write_imatrix(tmp_path / "partial.gguf", {"blk.0.attn_q.weight": sums["blk.0.attn_q.weight"]},
+                      {"blk.0.attn_q.weight": counts["blk.0.attn_q.weight"]})
+        with pytest.raises(QllamaError, match="no entry for blk.0.attn_k.weight, which Q2_K_S needs"):
+            qz.quantize_gguf(src, ours, preset, imatrix=tmp_path / "partial.gguf")
+    qz.quantize_gguf(src, ours, preset, imatrix=tmp_path / "imatrix.gguf")
+    out = GGUFFile(ours)
+    assert out.metadata["quantize.imatrix.entries_count"] == len(sums)
+    for name, t in out.tensors.items():
+        x = weights[name]
+        if x.ndim == 1:
+            continue
+        qw = None
+        if name in sums:
+            c = counts[name][0]
+            qw = sums[name][0] / np.float32(c) if c > 0 else np.ones(x.shape[1], np.float32)
+        ref = ggml_quantize_chunk(t.type_id, x, qw)
+        assert bytes(out.tensor_bytes(name)) == ref.tobytes(), (name, t.type_name)
