@@ -19,7 +19,7 @@ Every step is the kernel (row kernels, gemms, act_quant row functions, glu) the 
 calls, by its address (`jit.call_address`: compiled once, not again in here), and the float
 steps are the same operations in the same order, so the bits are those of the unfused path and
 a prompt's rows equal a decoded token's. Matrices run over the threads as int8.py's do (one
-chunk of rows per thread; none at one thread).
+chunk of rows per thread; none at one thread), gate and up in one parallel region.
 
 Shapes: hq/hd/hs (T, n_embd) the activation in gate/up's form; raw_g/raw_u (n_expert, n_ff,
 row bytes), raw_d (n_expert, n_embd, row bytes) uint8; biases (n_expert, width) float32 or
@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .int8 import _row_chunks
+from numba import prange
+
 from .jit import call_address, kernel
 
 _NOPY = dict(boundscheck=False)
@@ -50,18 +51,37 @@ def swiglu_oai(gate, up, out, act):
             out[t, i] = x / (one + np.exp(SWIGLU_OAI_ALPHA * -x)) * (y + one)
 
 
+@kernel(parallel=True, **_NOPY)
+def _units(address, raw_a, out_a, raw_b, out_b, both, xq, xd, xs, tab, n_units, n_threads):
+    """Units (rows or row groups) 0..n_units-1 of matrix a, then (both) of matrix b, taken end to
+    end in one chunk per thread, each chunk by the serial kernel at address."""
+    total = 2 * n_units if both else n_units
+    n_chunks = max(1, min(total, n_threads))
+    per = (total + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        lo, hi = c * per, min(total, (c + 1) * per)
+        if lo < n_units:
+            call_address(address, raw_a, xq, xd, xs, tab, out_a, np.int64(lo), np.int64(min(hi, n_units)))
+        if hi > n_units:
+            call_address(address, raw_b, xq, xd, xs, tab, out_b, np.int64(max(lo, n_units) - n_units),
+                         np.int64(hi - n_units))
+
+
 @kernel(**_NOPY)
-def _matmul(rows_address, gemm_address, tile_rows, gemm_from, raw, xq, xd, xs, tab, out, n_threads):
-    """out (n, rows) = xa raw^T: the gemm (groups of tile_rows rows) when there is one and n >=
-    gemm_from, else the row kernel; on this thread, or one chunk per thread."""
-    n_rows = raw.shape[0]
-    address, units = rows_address, n_rows
+def _matmul(rows_address, gemm_address, tile_rows, gemm_from, raw_a, out_a, raw_b, out_b, both, xq, xd, xs, tab,
+            n_threads):
+    """out_a (n, rows) = xa raw_a^T and (both) the same for b, in one parallel
+    region (none at one thread): the gemm (groups of tile_rows rows) when there is one and n >=
+    gemm_from, else the row kernel."""
+    address, units = rows_address, raw_a.shape[0]
     if gemm_address != 0 and xq.shape[0] >= gemm_from:
-        address, units = gemm_address, n_rows // tile_rows
-    if n_threads <= 1:
-        call_address(address, raw, xq, xd, xs, tab, out, np.int64(0), np.int64(units))
-    else:
-        _row_chunks(address, raw, xq, xd, xs, tab, out, np.int64(units), n_threads)
+        address, units = gemm_address, units // tile_rows
+    if n_threads > 1:
+        _units(address, raw_a, out_a, raw_b, out_b, both, xq, xd, xs, tab, units, n_threads)
+        return
+    call_address(address, raw_a, xq, xd, xs, tab, out_a, np.int64(0), np.int64(units))
+    if both:
+        call_address(address, raw_b, xq, xd, xs, tab, out_b, np.int64(0), np.int64(units))
 
 
 @kernel(**_NOPY)
@@ -101,8 +121,7 @@ def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bi
             xs[i] = hs[t]
         g = np.empty((n, n_ff), np.float32)
         u = np.empty((n, n_ff), np.float32)
-        _matmul(rows_gu, gemm_gu, tile_rows, gemm_from, raw_g[e], xq, xd, xs, tab, g, n_threads)
-        _matmul(rows_gu, gemm_gu, tile_rows, gemm_from, raw_u[e], xq, xd, xs, tab, u, n_threads)
+        _matmul(rows_gu, gemm_gu, tile_rows, gemm_from, raw_g[e], g, raw_u[e], u, True, xq, xd, xs, tab, n_threads)
         _add_bias(g, bias_g, e)
         _add_bias(u, bias_u, e)
         call_address(act_address, g, u, g, act)
@@ -112,7 +131,7 @@ def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bi
         for i in range(n):
             call_address(quant_address, g, np.int64(i), gq, gd, gs)
         y = np.empty((n, n_embd), np.float32)
-        _matmul(rows_d, gemm_d, tile_rows, gemm_from, raw_d[e], gq, gd, gs, tab, y, n_threads)
+        _matmul(rows_d, gemm_d, tile_rows, gemm_from, raw_d[e], y, raw_d[e], y, False, gq, gd, gs, tab, n_threads)
         _add_bias(y, bias_d, e)
         for i in range(n):
             t, s = pos[p0 + i] // k, pos[p0 + i] % k
