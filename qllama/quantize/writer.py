@@ -215,6 +215,9 @@ def quantize_gguf(
         if not isinstance(arch, str) or not arch:
             raise GGUFError(f"{src_path}: no general.architecture: not a model file")
         plans = plan_quantization(g, p.name, allow_requantize=allow_requantize, has_imatrix=imatrix is not None)
+        for pl in plans if imatrix is not None else ():  # a matrix of another model: refused before writing
+            if pl.dst_type != pl.src_type:
+                imatrix.for_tensor(pl.name, pl.shape[0], pl.shape[2] if len(pl.shape) > 2 else 1)
         total = sum(pl.n_elements for pl in plans)
 
         tmp_path = f"{dst_path}.tmp{os.getpid()}"
