@@ -49,7 +49,7 @@ def _dispatchers() -> dict[str, Dispatcher]:
             if isinstance(obj, Dispatcher) and obj.py_func.__module__ == name:
                 found[f"{name}.{attr}"] = obj
             if isinstance(obj, Variants):  # a family of kernels from one source: its members made so far, and one more
-                for key in set(obj) | set(list(getattr(mod, "DECODERS", {}))[:1]):
+                for key in set(obj) | set(list(getattr(mod, "DECODERS", getattr(mod, "BLOCK_DOTS", {})))[:1]):
                     found[f"{name}.{attr}[{key}]"] = obj[key]
     return found
 
@@ -58,8 +58,8 @@ def test_the_walk_finds_the_kernels():
     found = _dispatchers()
     # one known kernel of each kernel family, so that an empty walk cannot pass
     for name in ("qllama.kernels.floats.matvec_f32", "qllama.kernels.int8._row_chunks",
-                 "qllama.kernels.kquants.matvec_q6_k", "qllama.kernels.legacy.matvec_q8_0",
-                 "qllama.kernels.dequantize.ROWS[12]", "qllama.kernels.quantize_k.quantize_q6_k"):
+                 "qllama.kernels.block_matvec.MATVEC[2]",
+                 "qllama.kernels.dequantize.ROWS[12]", "qllama.kernels.quantize_k.quantize_kquant"):
         assert name in found
     assert len(found) >= 40
 

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ..gguf.types import Q5_K
+from ..gguf.types import Q2_K, Q3_K, Q4_K, Q5_K
 from .jit import kernel
 
 _F32 = np.float32
@@ -269,10 +269,15 @@ def _make_qp_quants(n, nmax, x, L, qw):
 
 @kernel(inline="always")
 def _importance(xb, off, n, qw, sigma2, weight):
-    """ggml's weights from an importance matrix: weight[i] = qw[off+i] * sqrt(sigma2 + x^2)."""
+    """ggml's weights from an importance matrix: weight[i] = qw[off+i] * sqrt(sigma2 + x^2); returns
+    their sum (in order, as the k-quants' sw[j])."""
+    sumw = _F32(0)
     for i in range(n):
         v = xb[off + i]
         weight[i] = qw[off + i] * np.sqrt(sigma2 + v * v)
+    for i in range(n):
+        sumw += weight[i]
+    return sumw
 
 
 @kernel(inline="always")
@@ -299,11 +304,7 @@ def _kx_block_scales(xb, qw, has_w, nmax, rmin, rdelta, nstep, L, Laux, weights,
         sigma2 = _F32(2) * _sum_squares(xb, 256) / _F32(256)
         sw = np.empty(8, np.float32)
         for j in range(8):
-            _importance(xb, 32 * j, 32, qw, sigma2, weights)
-            sumw = _F32(0)
-            for l in range(32):
-                sumw += weights[l]
-            sw[j] = sumw
+            sw[j] = _importance(xb, 32 * j, 32, qw, sigma2, weights)
             scales[j], mins[j] = _make_qkx2_quants(xb, 32 * j, 32, nmax, weights, L, Laux, _F32(-0.9), _F32(0.05),
                                                    36, False, True)
         d = fp16_round(_make_qp_quants(8, 63, scales, ls, sw))
@@ -464,11 +465,7 @@ def _q2_K_block(xb, qw, has_w, o, dd, ib, L, Laux, weights, scales, mins):
         ls = np.empty(16, np.int64)
         lm = np.empty(16, np.int64)
         for j in range(16):
-            _importance(xb, 16 * j, 16, qw, sigma2, weights)
-            sumw = _F32(0)
-            for l in range(16):
-                sumw += weights[l]
-            sw[j] = sumw
+            sw[j] = _importance(xb, 16 * j, 16, qw, sigma2, weights)
             scales[j], mins[j] = _make_qkx2_quants(xb, 16 * j, 16, 3, weights, L, Laux, _F32(-0.9), _F32(0.05), 36,
                                                    False, True)
         d = fp16_round(_make_qp_quants(16, 15, scales, ls, sw))
@@ -585,11 +582,7 @@ def _q3_K_block(xb, qw, has_w, o, dd, ib, L, scales, weight):
         sw = np.empty(16, np.float32)
         ls = np.empty(16, np.int64)
         for j in range(16):
-            _importance(xb, 16 * j, 16, qw, sigma2, weight)
-            sumw = _F32(0)
-            for l in range(16):
-                sumw += weight[l]
-            sw[j] = sumw
+            sw[j] = _importance(xb, 16 * j, 16, qw, sigma2, weight)
             scales[j] = _make_qx_quants(xb, 16 * j, 16, 4, L, weight, True)
         for k in range(12):
             o[96 + k] = 0
@@ -765,51 +758,28 @@ def _iq4_block(xb, qw, has_w, nsub, o, dd, ib, values, L, weight, scales):
 # Blocks are independent, so the split cannot change the bytes.
 
 @kernel(nogil=True)
-def quantize_q4_k_q5_k(type_id, has_w, x, qw, out, dd):
-    """q4_K or q5_K super-blocks (by type_id): x (nb, 256) float32 -> out (nb, 144 or 176), dd (nb, 2);
-    qw (nb, 256): importance weights, read when has_w."""
+def quantize_kquant(type_id, has_w, x, qw, out, dd):
+    """q2_K..q6_K super-blocks (by type_id): x (nb, 256) float32 -> out (nb, type_size) uint8, with
+    the fp16 scales left in dd (nb, 2: d, dmin; q3_K / q6_K: d only); qw (nb, 256): importance
+    weights, read when has_w."""
     L = np.empty(256, np.int64)
     Laux = np.empty(32, np.int64)
     weights = np.empty(32, np.float32)
-    ls = np.empty(8, np.int64)
-    lm = np.empty(8, np.int64)
-    for ib in range(x.shape[0]):
-        if type_id == Q5_K:
-            _q5_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, ls, lm)
-        else:
-            _q4_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, ls, lm)
-
-
-@kernel(nogil=True)
-def quantize_q6_k(has_w, x, qw, out, dd):
-    """q6_K super-blocks: x (nb, 256) float32 -> out (nb, 210) uint8, dd (nb, 1); qw as q4_K's."""
-    L = np.empty(256, np.int64)
-    scales = np.empty(16, np.float32)
-    qsc = np.empty(16, np.int64)
-    for ib in range(x.shape[0]):
-        _q6_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, scales, qsc)
-
-
-@kernel(nogil=True)
-def quantize_q2_k(has_w, x, qw, out, dd):
-    """q2_K super-blocks: x (nb, 256) float32 -> out (nb, 84) uint8, dd (nb, 2) (d, dmin); qw as q4_K's."""
-    L = np.empty(256, np.int64)
-    Laux = np.empty(16, np.int64)
-    weights = np.empty(16, np.float32)
+    ls = np.empty(16, np.int64)
+    lm = np.empty(16, np.int64)
     scales = np.empty(16, np.float32)
     mins = np.empty(16, np.float32)
     for ib in range(x.shape[0]):
-        _q2_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, scales, mins)
-
-
-@kernel(nogil=True)
-def quantize_q3_k(has_w, x, qw, out, dd):
-    """q3_K super-blocks: x (nb, 256) float32 -> out (nb, 110) uint8, dd (nb, 1); qw as q4_K's."""
-    L = np.empty(256, np.int64)
-    scales = np.empty(16, np.float32)
-    weight = np.empty(16, np.float32)
-    for ib in range(x.shape[0]):
-        _q3_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, scales, weight)
+        if type_id == Q2_K:
+            _q2_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, scales, mins)
+        elif type_id == Q3_K:
+            _q3_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, scales, weights)
+        elif type_id == Q4_K:
+            _q4_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, ls, lm)
+        elif type_id == Q5_K:
+            _q5_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, Laux, weights, ls, lm)
+        else:
+            _q6_K_block(x[ib], qw[ib], has_w, out[ib], dd, ib, L, scales, ls)
 
 
 @kernel(nogil=True)

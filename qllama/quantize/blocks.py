@@ -217,9 +217,7 @@ def _kquant(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.nda
     importance weight of each value, (nb, 256)) quantize_row_*_impl."""
     from ..kernels import quantize_k as k
 
-    kernel = {Q2_K: k.quantize_q2_k, Q3_K: k.quantize_q3_k, Q6_K: k.quantize_q6_k}.get(type_id)
-    kernel = partial(kernel, qw is not None) if kernel else partial(k.quantize_q4_k_q5_k, type_id, qw is not None)
-    return _run_blocks(kernel, type_id, b, _weights_or_none(b, qw))
+    return _run_blocks(partial(k.quantize_kquant, type_id, qw is not None), type_id, b, _weights_or_none(b, qw))
 
 
 def _weights_or_none(b: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
