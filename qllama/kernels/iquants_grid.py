@@ -240,9 +240,11 @@ ROWS_INT8 = Variants(_rows_of, "ROWS_INT8", **_NOPY)
 
 def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
     """The int8 mat-mul of a grid type's rows times q8_K activations: rows over the threads (iq3_s
-    and iq2_xxs: the whole-row intrinsics of `_x86_iq`, through `iquants.ROWS_INT8`)."""
+    and iq2_xxs: `iquants.matmul_int8`, the whole-row intrinsics of `_x86_iq` and a gemm)."""
     from . import iquants
     from .int8 import _over_threads
 
-    rows = (iquants.ROWS_INT8 if int(type_id) in iquants.ROW_BYTES else ROWS_INT8)[int(type_id)]
-    _over_threads(rows, raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
+    if int(type_id) in iquants.ROW_BYTES:
+        iquants.matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads)
+    else:
+        _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)
