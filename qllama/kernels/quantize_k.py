@@ -164,6 +164,19 @@ def _qx_sums(x, off, n, nmax, iscale, qw, has_w):
 
 
 @kernel(inline="always")
+def _signed_absmax(x, off, n):
+    """(max |x|, the value that has it, the first one) over x[off:off+n]."""
+    amax = _F32(0)
+    mx = _F32(0)
+    for i in range(n):
+        ax = abs(x[off + i])
+        if ax > amax:
+            amax = ax
+            mx = x[off + i]
+    return amax, mx
+
+
+@kernel(inline="always")
 def _qx_store(x, off, n, nmax, iscale, L):
     """L[off:off+n] = nmax + l, the l of `_qx_sums`."""
     for i in range(n):
@@ -177,16 +190,9 @@ def _make_qx_quants(x, off, n, nmax, L, qw, has_w):
     Symmetric fit x ~ scale * (L - nmax), L in 0..2*nmax-1, weights qw or x^2, 19 trial scales.
     """
     fnmax = _F32(nmax)
-    mx = _F32(0)
-    amax = _F32(0)
-    for i in range(n):
-        ax = abs(x[off + i])
-        if ax > amax:
-            amax = ax
-            mx = x[off + i]
+    amax, mx = _signed_absmax(x, off, n)
     if amax < _GROUP_MAX_EPS:
-        for i in range(n):
-            L[off + i] = 0
+        L[off:off + n] = 0
         return _F32(0)
     iscale = -fnmax / mx
     _qx_store(x, off, n, nmax, iscale, L)
@@ -324,12 +330,9 @@ def _kx_block_scales(xb, qw, has_w, nmax, rmin, rdelta, nstep, L, Laux, weights,
         for l in range(32):
             weights[l] = av_x + abs(xb[32 * j + l])
         sc, mi = _make_qkx2_quants(xb, 32 * j, 32, nmax, weights, L, Laux, rmin, rdelta, nstep, False, False)
-        scales[j] = sc
-        mins[j] = mi
-        if sc > max_scale:
-            max_scale = sc
-        if mi > max_min:
-            max_min = mi
+        scales[j], mins[j] = sc, mi
+        max_scale = sc if sc > max_scale else max_scale
+        max_min = mi if mi > max_min else max_min
     inv_scale = _F32(63) / max_scale if max_scale > _F32(0) else _F32(0)
     inv_min = _F32(63) / max_min if max_min > _F32(0) else _F32(0)
     for j in range(8):
@@ -483,12 +486,9 @@ def _q2_K_block(xb, qw, has_w, o, dd, ib, L, Laux, weights, scales, mins):
         for l in range(16):
             weights[l] = abs(xb[16 * j + l])
         sc, mi = _make_qkx2_quants(xb, 16 * j, 16, 3, weights, L, Laux, _F32(-0.5), _F32(0.1), 15, True, False)
-        scales[j] = sc
-        mins[j] = mi
-        if sc > max_scale:
-            max_scale = sc
-        if mi > max_min:
-            max_min = mi
+        scales[j], mins[j] = sc, mi
+        max_scale = sc if sc > max_scale else max_scale
+        max_min = mi if mi > max_min else max_min
     for j in range(16):
         o[j] = 0
     d = _F32(0)
@@ -526,16 +526,9 @@ def _make_q3_quants_rmse(x, off, n, nmax, L):
     """ggml's make_q3_quants(n, nmax, x, L, do_rmse=true) on x[off:off+n]: a symmetric start at
     -nmax/max, then up to 5 sweeps moving single values while the weighted (x^2) fit improves.
     Writes L[off:off+n] = nmax + l, returns the scale."""
-    mx = _F32(0)
-    amax = _F32(0)
-    for i in range(n):
-        ax = abs(x[off + i])
-        if ax > amax:
-            amax = ax
-            mx = x[off + i]
+    amax, mx = _signed_absmax(x, off, n)
     if amax < _GROUP_MAX_EPS:
-        for i in range(n):
-            L[off + i] = 0
+        L[off:off + n] = 0
         return _F32(0)
     iscale = -_F32(nmax) / mx
     sumlx = _F32(0)
@@ -682,13 +675,7 @@ def _iq4_block(xb, qw, has_w, nsub, o, dd, ib, values, L, weight, scales):
         for j in range(32):
             v = xb[off + j]
             weight[j] = qw[off + j] * np.sqrt(sigma2 + v * v) if has_w else v * v
-        amax = _F32(0)
-        mx = _F32(0)
-        for j in range(32):
-            ax = abs(xb[off + j])
-            if ax > amax:
-                amax = ax
-                mx = xb[off + j]
+        amax, mx = _signed_absmax(xb, off, 32)
         if amax < _GROUP_MAX_EPS:
             scales[b] = _F32(0)
             continue
