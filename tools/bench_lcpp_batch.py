@@ -1,7 +1,7 @@
 """How much one weight pass serving k sequences costs, llama.cpp and qllama, in one run (a developer tool).
 
     python tools/bench_lcpp_batch.py MODEL [-t 2] [--ks 1,2,4,8] [--depth 64] [--steps 8] [--reps 3]
-                                           [--engines llama.cpp,qllama]
+                                           [--engines llama.cpp,qllama] [--profile]
 
 Issue 32 asks qllama's server for 4 streams >= 2.5x one stream and >= llama.cpp's batched
 ratio at every stream count. Per engine: k sequences, each with `depth` tokens in its cache,
@@ -12,7 +12,8 @@ k: the median step time, its cost in one-token steps c(k) and the throughput rat
 by wall clock and by the process's CPU time (user + system; steadier when other processes
 share the machine, but it counts the threads' spin-waits). The engines alternate (llama.cpp
 rep 0, qllama rep 0, llama.cpp rep 1, ...) and so do the ks within a repetition, so that a
-drifting machine load favours neither.
+drifting machine load favours neither. --profile: then qllama's steps once more with every
+kernel call timed by kind (where a k-sequence step's time goes, against k = 1).
 """
 
 from __future__ import annotations
@@ -101,6 +102,26 @@ class Qllama:
         segs = [([t], c) for t, c in zip(step_tokens(k, step), self.caches)]
         self.model.forward_many(segs, n_threads=self.threads)
 
+    def profile(self, ks: list[int], steps: int) -> str:
+        """Where a k-sequence step's time goes: every kernel call timed by kind (models/step.Timed)."""
+        from qllama.models.decode import KernelClock
+        from qllama.models.step import Timed
+
+        lines = []
+        for k in ks:
+            self.prepare(k)
+            clock = KernelClock()
+            with self.model.executing(Timed(clock)):
+                t0 = time.perf_counter()
+                for step in range(steps):
+                    self.step(k, step)
+                wall = time.perf_counter() - t0
+            lines.append(f"qllama k={k}: {1000 * wall / steps:.1f} ms per step, "
+                         f"{1000 * sum(clock.seconds.values()) / steps:.1f} ms in timed calls")
+            for kind, sec in sorted(clock.seconds.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  {kind:48s} {1000 * sec / steps:8.2f} ms  {clock.calls[kind] / steps:4.0f} calls")
+        return "\n".join(lines)
+
     def close(self) -> None:
         pass
 
@@ -117,6 +138,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engines", default="llama.cpp,qllama", help="comma-separated: llama.cpp, qllama")
+    ap.add_argument("--profile", action="store_true", help="then qllama's steps once more, each kernel call timed by kind")
     a = ap.parse_args()
     names = a.engines.split(",")
     if any(n not in ENGINES for n in names):
@@ -129,6 +151,9 @@ def main() -> int:
             print("error: llama-cpp-python is not installed (pip install 'qllama[oracle]')", file=sys.stderr)
             return 2
     ks = [int(k) for k in a.ks.split(",")]
+    if a.profile and "qllama" not in names:
+        print("error: --profile needs the qllama engine", file=sys.stderr)
+        return 2
     engines = [ENGINES[n](a.model, a.threads, max(ks), a.depth, a.steps) for n in names]
     # (engine, k) -> per repetition: median step wall seconds, median step CPU seconds
     wall: dict[tuple[str, int], list[float]] = {}
@@ -150,7 +175,8 @@ def main() -> int:
                     loads.append(os.getloadavg()[0])
     finally:
         for e in engines:
-            e.close()
+            if not (a.profile and e.name == "qllama"):  # (closed after its profile: nothing to close)
+                e.close()
     version = f"llama.cpp {sys.modules['llama_cpp'].__version__}, " if "llama.cpp" in names else ""
     print(f"{version}{a.threads} threads, depth {a.depth}, {a.steps} steps x {a.reps} reps, "
           f"load average {min(loads):.1f}-{max(loads):.1f}")
@@ -164,6 +190,8 @@ def main() -> int:
             rel = f"{m / one:.2f} | {k * one / m:.2f}" if one else "| "
             rel_cpu = f"{mc / one_cpu:.2f} | {k * one_cpu / mc:.2f}" if one_cpu else "| "
             print(f"| {e.name} | {k} | {1000 * m:.1f} | {rel} | {1000 * mc:.1f} | {rel_cpu} |")
+    if a.profile:
+        print(next(e for e in engines if e.name == "qllama").profile(ks, a.steps))
     return 0
 
 
