@@ -56,14 +56,14 @@ def _accumulate(stats: dict, name: str, x: np.ndarray) -> None:
     stats[name] = (s + (x * x).sum(axis=0), n + x.shape[0])
 
 
-def collect_imatrix(model_path, text: str, n_ctx: int = CALIBRATION_CTX, max_chunks: int = CALIBRATION_CHUNKS
-                    ) -> tuple[dict, int]:
-    """llama-imatrix's statistics from qllama's activations: ({weight name: (float64 (ne0,) sum of
-    x^2, token count)}, chunks)."""
+def collect_imatrix(model_path, text: str | list[int], n_ctx: int = CALIBRATION_CTX,
+                    max_chunks: int = CALIBRATION_CHUNKS) -> tuple[dict, int]:
+    """llama-imatrix's statistics from qllama's activations over a text (or token ids, BOS first):
+    ({weight name: (float64 (ne0,) sum of x^2, token count)}, chunks)."""
     import qllama
 
     model = qllama.load(model_path, n_ctx=n_ctx)
-    chunks = calibration_chunks(model.tokenize(text), n_ctx, max_chunks)
+    chunks = calibration_chunks(model.tokenize(text) if isinstance(text, str) else text, n_ctx, max_chunks)
     stats: dict = {}
     for chunk in chunks:
         with model.trace(capture=[f"blk.*.{p}" for p in FEEDS]) as t:
@@ -259,3 +259,31 @@ def test_imatrix_presets_match_llama_cpp(imatrix_files, name, tmp_path):
     assert gf.metadata["quantize.imatrix.chunks_count"] == imatrix_files.n_chunk
     del gf
     compare_with_llama_cpp(path, name, IMATRIX_FTYPES[name][1], tmp_path)
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_rows_not_a_multiple_of_256_fall_back_as_llama_cpp_does(tmp_path):
+    """llama.cpp's IQ2_XXS preset on a model whose n_embd (288) is not a multiple of 256: the
+    iq2_xxs matrices with 288-long rows fall back to iq4_nl, the q2_K ones (attn_v, token_embd) to
+    q4_0, output to q8_0; only ffn_down (768-long rows) stays iq2_xxs. qllama runs llama.cpp's file and matches it
+    (synthetic weights, imatrix from random tokens; compare_with_llama_cpp)."""
+    from qllama.gguf.reader import GGUFFile
+    from test_iquants import compare_with_llama_cpp, llama_cpp_quantize
+    from tools.make_model import ModelSpec, write_model
+
+    src = tmp_path / "f32.gguf"
+    write_model(src, ModelSpec(n_embd=288, n_layer=2, n_head=4, n_head_kv=4, n_ff=768, n_ctx=256, seed=11))
+    ids = [1] + np.random.default_rng(0).integers(3, 300, 8 * 128).tolist()
+    stats, _ = collect_imatrix(src, ids, n_ctx=128, max_chunks=8)
+    dst = tmp_path / "iq2_xxs.gguf"
+    llama_cpp_quantize(src, dst, IMATRIX_FTYPES["IQ2_XXS"][0], imatrix={k: s / n for k, (s, n) in stats.items()})
+    gf = GGUFFile(dst)
+    types = {n: info.type_name for n, info in gf.tensors.items() if info.type_name != "f32"}
+    del gf
+    assert types == {"token_embd.weight": "q4_0", "output.weight": "q8_0",
+                     **{f"blk.{i}.{w}.weight": "iq4_nl" for i in range(2)
+                        for w in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")},
+                     **{f"blk.{i}.attn_v.weight": "q4_0" for i in range(2)},
+                     **{f"blk.{i}.ffn_down.weight": "iq2_xxs" for i in range(2)}}, types
+    compare_with_llama_cpp(dst, "IQ2_XXS n_embd 288", gt.IQ4_NL, tmp_path, cli_text=False)
