@@ -1,13 +1,14 @@
 """Mixture-of-experts speed, qllama against llama.cpp (llama-cpp-python), same run, A B A B.
 
-Random-weight files with real shapes (tools/make_moe.py presets: Qwen3-30B-A3B, OLMoE-1B-7B),
-only the first few layers (a layer's cost is what is measured; the embedding and output of the
+Random-weight files with real shapes (tools/make_moe.py presets: Qwen3-30B-A3B, OLMoE-1B-7B,
+gpt-oss-20b), only the first few layers (a layer's cost is what is measured; the embedding and output of the
 tiny test vocabulary are negligible). For each thread count: prompt processing (pp tokens in one
 batch) and decode (tg tokens one at a time), alternating engines `--rounds` times; the median of
 each is reported with the weight bytes a decoded token reads (`qllama inspect`'s figure) and the
 bandwidth that implies.
 
     python tools/bench_moe.py --preset qwen3-30b-a3b --n-layer 2 --threads 1,2 --pp 64 --tg 16 --rounds 2
+    python tools/bench_moe.py --preset gpt-oss-20b ...   (q8_0, MXFP4 experts: the published files' types)
     python tools/bench_moe.py --model FILE.gguf ...
 """
 
@@ -61,8 +62,9 @@ def main() -> None:
     ap.add_argument("--model", help="a GGUF file (else one is written from --preset)")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--type", default="q4_K")
-    ap.add_argument("--down-type", default="q6_K")
+    ap.add_argument("--type", default=None, help="the matrices' type (default q4_K; gpt-oss: q8_0)")
+    ap.add_argument("--down-type", default=None, help="ffn_down_exps' type (default q6_K)")
+    ap.add_argument("--exps-type", default=None, help="every expert tensor's type (gpt-oss default: mxfp4)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=16)
@@ -87,8 +89,13 @@ def main() -> None:
         tmp = tempfile.TemporaryDirectory()
         path = str(Path(tmp.name) / f"{a.preset}-{a.n_layer}l.gguf")
         kw = dict(PRESETS[a.preset])
-        write_moe(path, moe_spec(kw.pop("arch"), n_layer=a.n_layer, weight_type=a.type,
-                                 types={"ffn_down_exps": a.down_type}, direct=True, **kw))
+        arch = kw.pop("arch")
+        oss = arch == "gpt-oss"
+        exps = a.exps_type or ("mxfp4" if oss else None)
+        types = {k: exps for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")} if exps else {}
+        types["ffn_down_exps"] = a.down_type or exps or "q6_K"
+        write_moe(path, moe_spec(arch, n_layer=a.n_layer, weight_type=a.type or ("q8_0" if oss else "q4_K"),
+                                 types=types, direct=True, **kw))
     s = summarize(GGUFFile(path))
     print(f"{path}: {s.architecture}, {s.block_count} layers, {s.expert_count} experts / {s.expert_used_count} used; "
           f"reads {s.bytes_per_token / 1e6:.1f} MB of {s.tensor_bytes / 1e6:.1f} MB per decoded token")
