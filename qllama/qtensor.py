@@ -67,9 +67,11 @@ __all__ = [
 
 FLOAT_MATMUL_TILE_BYTES = 1 << 20  # decoded rows per step of the float mat-mat of quantized types
 # batches of at least this many tokens take a type's int8 gemm kernel when it has one (the same
-# values as its row kernel, faster from 2 tokens on: kernels/_x86_gemm.py); the warm-up's prompt
-# (warmup.PREFILL_TOKENS) is longer, so it compiles or loads that kernel
-GEMM_MIN_TOKENS = 2
+# values as its row kernel: kernels/_x86_gemm.py); the warm-up's prompt (warmup.PREFILL_TOKENS) is
+# longer, so it compiles or loads that kernel. Up to 4 tokens (a server step of 2-4 streams) the
+# row kernel is cheaper: its 4-token intrinsic unpacks each row once for them, with no packing pass
+# (1B Q4_K_M, 1 thread, CPU time per step: 4 streams 224 ms against the gemm's 289, 2: 199 vs 230)
+GEMM_MIN_TOKENS = 5
 
 
 # -- the per-type table ------------------------------------------------------------------------
