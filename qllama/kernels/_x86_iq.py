@@ -19,6 +19,8 @@ float32, or 2-D activations and a first token -> `N_TILE` float32s (weights unpa
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -51,14 +53,18 @@ def _load_f16(builder, p):
     return builder.fpext(h, ir.FloatType())
 
 
-def _iq4_values(builder, p):
-    """<32 x i8> signed values of the 32 elements of the 16 packed bytes at i8* p: the low
-    nibbles (elements 0-15), then the high ones (16-31), each looked up in kvalues_iq4nl."""
+def nibble_lookup(builder, p, table):
+    """<32 x i8> the values of the 32 elements of the 16 packed bytes at i8* p: the low nibbles
+    (elements 0-15), then the high ones (16-31), each looked up in the 16 int8s `table` (`vpshufb`)."""
     v = builder.load(builder.bitcast(p, ir.PointerType(_vec(_I8, 16))), align=1)
     lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
     idx = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
-    table = ir.Constant(_vec(_I8, 32), [int(k) for k in KVALUES_IQ4NL] * 2)
-    return _call(builder, "llvm.x86.avx2.pshuf.b", _vec(_I8, 32), [table, idx])
+    return _call(builder, "llvm.x86.avx2.pshuf.b", _vec(_I8, 32), [ir.Constant(_vec(_I8, 32), [int(k) for k in table] * 2), idx])
+
+
+def _iq4_values(builder, p):
+    """<32 x i8> signed kvalues_iq4nl of the 32 elements packed at i8* p."""
+    return nibble_lookup(builder, p, KVALUES_IQ4NL)
 
 
 def _hsum8(builder, v):
@@ -68,8 +74,21 @@ def _hsum8(builder, v):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _row_iq4_nl(context, builder, signature, args):
-    """iq4_nl row(s) of nb blocks (nb even: the caller adds ggml's tail block) times q8_0 activation(s)."""
+class Pairs(NamedTuple):
+    """A 32-element type whose row kernel takes blocks in pairs (ggml's two accumulators): iq4_nl, mxfp4."""
+
+    block_bytes: int
+    qs: int  # offset of the 16 packed bytes in a block
+    scale: Callable  # (builder, i8* block) -> its float32 scale
+    values: Callable  # (builder, i8* packed bytes) -> <32 x i8> signed values
+
+
+IQ4_NL_PAIRS = Pairs(18, 2, lambda builder, blk: _load_f16(builder, blk), _iq4_values)
+
+
+def _row_pairs(context, builder, signature, args, kind):
+    """Row(s) of nb blocks (nb even: the caller adds ggml's tail block) times q8_0 activation(s):
+    block b's 8 lane sums times dx_b * d_b (rounded once) added with one fma into accumulator b % 2."""
     rowp, toks = _row_ptrs(context, builder, signature, args)
     n = len(toks)
     v32 = ir.PointerType(_vec(_I8, 32))
@@ -79,9 +98,9 @@ def _row_iq4_nl(context, builder, signature, args):
         out = list(accs)
         for h in range(2):
             b = builder.add(builder.shl(i, ir.Constant(_I64, 1)), ir.Constant(_I64, h))
-            blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 18)))
-            d = _load_f16(builder, blk)
-            q = _iq4_values(builder, _gep8(builder, blk, 2))
+            blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, kind.block_bytes)))
+            d = kind.scale(builder, blk)
+            q = kind.values(builder, _gep8(builder, blk, kind.qs))
             aq = _psign(builder, q, q)  # |q|
             for t, (xq, xd, _) in enumerate(toks):
                 x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), v32), align=1)
@@ -94,6 +113,53 @@ def _row_iq4_nl(context, builder, signature, args):
     accs = _loop(builder, ir.Constant(_I64, 0), pairs, body, [zero] * (2 * n))
     sums = [_hsum8(builder, builder.fadd(accs[t], accs[n + t])) for t in range(n)]
     return _pack(context, builder, signature, sums)
+
+
+def row_intrinsics(codegen, name: str, what: str):
+    """(row_dot_<name>, row_dot4_<name>): codegen(context, builder, signature, args) for one token
+    (1-D activations) -> float32, and for tokens t0..t0+3 of 2-D ones -> 4 float32, each bit for
+    bit the one-token value (`_x86._row_sig`). what: the rows and activations, for the docstring."""
+
+    def one(typingctx, row, nb, xq, xd, xs):
+        sig = _row_sig(row, nb, xq, xd, xs)
+        return (sig, codegen) if sig else None
+
+    def four(typingctx, row, nb, xq, xd, xs, t0):
+        sig = _row_sig(row, nb, xq, xd, xs, t0)
+        return (sig, codegen) if sig else None
+
+    for fn, n in ((one, ""), (four, "4")):
+        fn.__name__ = fn.__qualname__ = f"row_dot{n}_{name}"
+        fn.__doc__ = f"{what} -> float32" + (" (tokens t0..t0+3 of 2-D activations: 4 of them)" if n else "")
+    return intrinsic(one), intrinsic(four)
+
+
+def tail_intrinsic(kind: Pairs, name: str):
+    """tail_<name>: ggml's scalar tail of a row of nb (odd) blocks, y + (dx * d) * sumi of block
+    nb - 1 with one rounding (`sumf += d * (sumi1 + sumi2)` compiled with FMA) -> float32. One
+    token (1-D xq, xd)."""
+
+    def tail(typingctx, row, nb, xq, xd, y):
+        if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xd, types.float32) and y == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            b = builder.sub(args[1], ir.Constant(_I64, 1))
+            blk = _gep8(builder, _ptr(context, builder, signature.args[0], args[0], ir.Constant(_I64, 0), _I8),
+                        builder.mul(b, ir.Constant(_I64, kind.block_bytes)))
+            xp = _ptr(context, builder, signature.args[2], args[2], builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
+            q = kind.values(builder, _gep8(builder, blk, kind.qs))
+            isum = _hsum(builder, _dot4(builder, _psign(builder, q, q), _psign(builder, builder.load(xp, align=1), q)))
+            dx = builder.load(_ptr(context, builder, signature.args[3], args[3], b, ir.FloatType()), align=4)
+            f = ir.FloatType()
+            fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(f, [f] * 3))
+            return builder.call(fn, [builder.fmul(dx, kind.scale(builder, blk)), builder.sitofp(isum, f), args[4]])
+
+        return types.float32(row, nb, xq, xd, y), codegen
+
+    tail.__name__ = tail.__qualname__ = f"tail_{name}"
+    tail.__doc__ = tail_intrinsic.__doc__.replace("tail_<name>", f"tail_{name}")
+    return intrinsic(tail)
 
 
 def _xs_scales(builder, blk):
@@ -137,56 +203,10 @@ def _row_iq4_xs(context, builder, signature, args):
     return _pack(context, builder, signature, [_hsum8(builder, a) for a in accs])
 
 
-@intrinsic
-def row_dot_iq4_nl(typingctx, row, nb, xq, xd, xs):
-    """The first nb (even) blocks of an iq4_nl row times one q8_0 activation -> float32 (ggml's
-    two accumulators, summed)."""
-    sig = _row_sig(row, nb, xq, xd, xs)
-    return (sig, _row_iq4_nl) if sig else None
-
-
-@intrinsic
-def row_dot4_iq4_nl(typingctx, row, nb, xq, xd, xs, t0):
-    """row_dot_iq4_nl for tokens t0..t0+3 of 2-D activations -> 4 float32 (bit for bit the same)."""
-    sig = _row_sig(row, nb, xq, xd, xs, t0)
-    return (sig, _row_iq4_nl) if sig else None
-
-
-@intrinsic
-def row_dot_iq4_xs(typingctx, row, nb, xq, xd, xs):
-    """An iq4_xs row (nb super-blocks) times one q8_K activation -> float32."""
-    sig = _row_sig(row, nb, xq, xd, xs)
-    return (sig, _row_iq4_xs) if sig else None
-
-
-@intrinsic
-def row_dot4_iq4_xs(typingctx, row, nb, xq, xd, xs, t0):
-    """row_dot_iq4_xs for tokens t0..t0+3 of 2-D activations -> 4 float32 (bit for bit the same)."""
-    sig = _row_sig(row, nb, xq, xd, xs, t0)
-    return (sig, _row_iq4_xs) if sig else None
-
-
-@intrinsic
-def tail_iq4_nl(typingctx, row, nb, xq, xd, y):
-    """ggml's scalar tail of an iq4_nl row of nb (odd) blocks: y + (dx * d) * sumi of block nb - 1,
-    with one rounding (`sumf += d * (sumi1 + sumi2)` compiled with FMA) -> float32. One token
-    (1-D xq, xd)."""
-    if not (_is_arr(row, types.uint8) and _is_arr(xq, types.int8) and _is_arr(xd, types.float32) and y == types.float32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        b = builder.sub(args[1], ir.Constant(_I64, 1))
-        blk = _gep8(builder, _ptr(context, builder, signature.args[0], args[0], ir.Constant(_I64, 0), _I8),
-                    builder.mul(b, ir.Constant(_I64, 18)))
-        xp = _ptr(context, builder, signature.args[2], args[2], builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
-        q = _iq4_values(builder, _gep8(builder, blk, 2))
-        isum = _hsum(builder, _dot4(builder, _psign(builder, q, q), _psign(builder, builder.load(xp, align=1), q)))
-        dx = builder.load(_ptr(context, builder, signature.args[3], args[3], b, ir.FloatType()), align=4)
-        f = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(f, [f] * 3))
-        return builder.call(fn, [builder.fmul(dx, _load_f16(builder, blk)), builder.sitofp(isum, f), args[4]])
-
-    return types.float32(row, nb, xq, xd, y), codegen
+row_dot_iq4_nl, row_dot4_iq4_nl = row_intrinsics(lambda c, b, sg, a: _row_pairs(c, b, sg, a, IQ4_NL_PAIRS), "iq4_nl",
+                                                  "The first nb (even) blocks of an iq4_nl row times q8_0 activations")
+row_dot_iq4_xs, row_dot4_iq4_xs = row_intrinsics(_row_iq4_xs, "iq4_xs", "An iq4_xs row (nb super-blocks) times q8_K activations")
+tail_iq4_nl = tail_intrinsic(IQ4_NL_PAIRS, "iq4_nl")
 
 
 @intrinsic
@@ -360,23 +380,7 @@ def _row_grid(context, builder, signature, args, type_id):
     return _pack(context, builder, signature, sums)
 
 
-def _grid_intrinsic(type_id, tokens):
-    name = {21: "iq3_s", 16: "iq2_xxs"}[type_id]
-
-    def one(typingctx, row, nb, xq, xd, xs):
-        sig = _row_sig(row, nb, xq, xd, xs)
-        return (sig, lambda c, b, sg, a: _row_grid(c, b, sg, a, type_id)) if sig else None
-
-    def four(typingctx, row, nb, xq, xd, xs, t0):
-        sig = _row_sig(row, nb, xq, xd, xs, t0)
-        return (sig, lambda c, b, sg, a: _row_grid(c, b, sg, a, type_id)) if sig else None
-
-    fn = four if tokens == 4 else one
-    fn.__name__ = fn.__qualname__ = f"row_dot{'4' if tokens == 4 else ''}_{name}"
-    fn.__doc__ = (f"An {name} row (nb super-blocks) times {'tokens t0..t0+3 of 2-D' if tokens == 4 else 'one'} q8_K "
-                  f"activation(s) -> float32 ({'4, each bit for bit the one-token value' if tokens == 4 else 'ggml vec_dot'}).")
-    return intrinsic(fn)
-
-
-row_dot_iq3_s, row_dot4_iq3_s = _grid_intrinsic(21, 1), _grid_intrinsic(21, 4)
-row_dot_iq2_xxs, row_dot4_iq2_xxs = _grid_intrinsic(16, 1), _grid_intrinsic(16, 4)
+row_dot_iq3_s, row_dot4_iq3_s = row_intrinsics(lambda c, b, sg, a: _row_grid(c, b, sg, a, 21), "iq3_s",
+                                                "An iq3_s row (nb super-blocks) times q8_K activations (ggml vec_dot)")
+row_dot_iq2_xxs, row_dot4_iq2_xxs = row_intrinsics(lambda c, b, sg, a: _row_grid(c, b, sg, a, 16), "iq2_xxs",
+                                                    "An iq2_xxs row (nb super-blocks) times q8_K activations (ggml vec_dot)")

@@ -23,12 +23,13 @@ from ._x86_gemm import (IQ_PACKED_BYTES, L1_BLOCK_BYTES, TILE_ROWS, pack_iq2_xxs
                         tile_iq2_xxs, tile_iq3_s, tile_iq4_nl, tile_iq4_xs)
 from ._x86_iq import (row_dot4_iq2_xxs, row_dot4_iq3_s, row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq2_xxs, row_dot_iq3_s,
                       row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl)
+from ._x86_mxfp4 import row_dot4_mxfp4, row_dot_mxfp4, tail_mxfp4
 from .int8 import _aligned_bytes, _over_threads
 from .jit import Variants, kernel
 
-IQ4_NL, IQ4_XS, IQ3_S, IQ2_XXS = 20, 23, 21, 16
+IQ4_NL, IQ4_XS, IQ3_S, IQ2_XXS, MXFP4 = 20, 23, 21, 16, 39
 BLOCK = {IQ4_NL: (32, 18), IQ4_XS: (256, 136)}  # type -> (elements, bytes) per block
-ROW_BYTES = {IQ4_NL: 18, IQ4_XS: 136, IQ3_S: 110, IQ2_XXS: 66}  # the types of ROWS_INT8: bytes per block
+ROW_BYTES = {IQ4_NL: 18, IQ4_XS: 136, IQ3_S: 110, IQ2_XXS: 66, MXFP4: 17}  # the types of ROWS_INT8: bytes per block
 TOKEN_TILE = 64
 _NOPY = dict(boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -62,21 +63,24 @@ def decode_iq4_xs(row, bo, tab, out, oo):
             out[o + 16 + l] = dl * np.float32(_KV[b >> 4])
 
 
+@kernel(**_NOPY)
+def _decode_row(nl, row, tab, out):
+    """An iq4_nl (nl) or iq4_xs row -> out float32 (ne0,)."""
+    block, bb = (32, 18) if nl else (256, 136)
+    for b in range(out.shape[0] // block):
+        if nl:
+            decode_iq4_nl(row, b * bb, tab, out, b * block)
+        else:
+            decode_iq4_xs(row, b * bb, tab, out, b * block)
+
+
 def _rows_of(type_id: int):
     """Rows -> float32 of one type, over the threads (type_id a constant of the closure)."""
     nl = type_id == IQ4_NL
-    block, bb = BLOCK[type_id]
 
     def rows_of(raw, rows, tab, out):
-        nb = out.shape[1] // block
         for i in prange(rows.shape[0]):
-            row = raw[rows[i]]
-            o = out[i]
-            for b in range(nb):
-                if nl:
-                    decode_iq4_nl(row, b * bb, tab, o, b * block)
-                else:
-                    decode_iq4_xs(row, b * bb, tab, o, b * block)
+            _decode_row(nl, raw[rows[i]], tab, out[i])
 
     return rows_of
 
@@ -84,18 +88,10 @@ def _rows_of(type_id: int):
 def _rows_serial_of(type_id: int):
     """`_rows_of` on the calling thread (its own function: Numba's cache keys on the code, not the options)."""
     nl = type_id == IQ4_NL
-    block, bb = BLOCK[type_id]
 
     def rows_serial(raw, rows, tab, out):
-        nb = out.shape[1] // block
         for i in range(rows.shape[0]):
-            row = raw[rows[i]]
-            o = out[i]
-            for b in range(nb):
-                if nl:
-                    decode_iq4_nl(row, b * bb, tab, o, b * block)
-                else:
-                    decode_iq4_xs(row, b * bb, tab, o, b * block)
+            _decode_row(nl, raw[rows[i]], tab, out[i])
 
     return rows_serial
 
@@ -110,17 +106,24 @@ def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) ->
     (ROWS if parallel else ROWS_SERIAL)[int(type_id)](raw, rows, tab, out)
 
 
+@kernel(**_NOPY)
+def _tail(mx, row, nb, xq, xd, y):
+    """ggml's scalar tail block of an mxfp4 (mx) or iq4_nl row."""
+    return tail_mxfp4(row, nb, xq, xd, y) if mx else tail_iq4_nl(row, nb, xq, xd, y)
+
+
 def _int8_rows_of(type_id: int):
     """The int8 row kernel of one type: out[t, r] = row r . x[t] for rows r0..r1-1, every token.
 
     iq4_nl: x in q8_0 form (xq (n_tok, ne0) int8, xd (n_tok, ne0/32) float32, xs unused);
-    iq4_xs, iq3_s, iq2_xxs: q8_K (xd (n_tok, ne0/256); xs unused)."""
-    nl, xs4, iq3s = type_id == IQ4_NL, type_id == IQ4_XS, type_id == IQ3_S  # (else iq2_xxs)
+    iq4_xs, iq3_s, iq2_xxs: q8_K (xd (n_tok, ne0/256); xs unused); mxfp4 as iq4_nl."""
+    nl, xs4, iq3s, mx = type_id == IQ4_NL, type_id == IQ4_XS, type_id == IQ3_S, type_id == MXFP4  # (else iq2_xxs)
+    pairs = nl or mx  # blocks in pairs, ggml's scalar tail after
     bb = ROW_BYTES[type_id]
 
     def rows(raw, xq, xd, xs, tab, out, r0, r1):
         n_tok, nb = xq.shape[0], raw.shape[1] // bb
-        odd = nl and nb % 2 == 1
+        odd = pairs and nb % 2 == 1
         nbe = nb - 1 if odd else nb  # blocks the intrinsic takes (iq4_nl: pairs)
         for t0 in range(0, n_tok, TOKEN_TILE):
             t1 = min(n_tok, t0 + TOKEN_TILE)
@@ -130,23 +133,24 @@ def _int8_rows_of(type_id: int):
                 while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
                     if nl:
                         y = row_dot4_iq4_nl(row, nbe, xq, xd, xs, t)
+                    elif mx:
+                        y = row_dot4_mxfp4(row, nbe, xq, xd, xs, t)
                     elif xs4:
                         y = row_dot4_iq4_xs(row, nbe, xq, xd, xs, t)
                     elif iq3s:
                         y = row_dot4_iq3_s(row, nbe, xq, xd, xs, t)
                     else:
                         y = row_dot4_iq2_xxs(row, nbe, xq, xd, xs, t)
+                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
                     if odd:
-                        out[t, r] = tail_iq4_nl(row, nb, xq[t], xd[t], y[0])
-                        out[t + 1, r] = tail_iq4_nl(row, nb, xq[t + 1], xd[t + 1], y[1])
-                        out[t + 2, r] = tail_iq4_nl(row, nb, xq[t + 2], xd[t + 2], y[2])
-                        out[t + 3, r] = tail_iq4_nl(row, nb, xq[t + 3], xd[t + 3], y[3])
-                    else:
-                        out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
+                        for u in range(t, t + 4):
+                            out[u, r] = _tail(mx, row, nb, xq[u], xd[u], out[u, r])
                     t += 4
                 while t < t1:
                     if nl:
                         v = row_dot_iq4_nl(row, nbe, xq[t], xd[t], xs[t])
+                    elif mx:
+                        v = row_dot_mxfp4(row, nbe, xq[t], xd[t], xs[t])
                     elif xs4:
                         v = row_dot_iq4_xs(row, nbe, xq[t], xd[t], xs[t])
                     elif iq3s:
@@ -154,7 +158,7 @@ def _int8_rows_of(type_id: int):
                     else:
                         v = row_dot_iq2_xxs(row, nbe, xq[t], xd[t], xs[t])
                     if odd:
-                        v = tail_iq4_nl(row, nb, xq[t], xd[t], v)
+                        v = _tail(mx, row, nb, xq[t], xd[t], v)
                     out[t, r] = v
                     t += 1
 

@@ -15,12 +15,11 @@ import numpy as np
 from numba import prange
 
 from ..dequant.mxfp4_rows import BLOCK, BLOCK_BYTES, E8M0_HALF, KVALUES_MXFP4
-from ._x86_mxfp4 import row_dot4_mxfp4, row_dot_mxfp4, tail_mxfp4
+from . import iquants
+from .iquants import MXFP4
 from .jit import kernel
 
-TOKEN_TILE = 64
 _NOPY = dict(boundscheck=False)
-FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _KV = KVALUES_MXFP4  # (16,) int8, constants of the compiled code
 _E = E8M0_HALF  # (256,) float32
 
@@ -35,24 +34,22 @@ def decode_mxfp4(row, bo, out, oo):
         out[oo + 16 + l] = d * np.float32(_KV[b >> 4])
 
 
+@kernel(**_NOPY)
+def _decode_row(row, out):
+    for b in range(out.shape[0] // BLOCK):
+        decode_mxfp4(row, b * BLOCK_BYTES, out, b * BLOCK)
+
+
 @kernel(parallel=True, **_NOPY)
 def _rows(raw, rows, out):
-    nb = out.shape[1] // BLOCK
     for i in prange(rows.shape[0]):
-        row = raw[rows[i]]
-        o = out[i]
-        for b in range(nb):
-            decode_mxfp4(row, b * BLOCK_BYTES, o, b * BLOCK)
+        _decode_row(raw[rows[i]], out[i])
 
 
 @kernel(**_NOPY)
 def _rows_serial(raw, rows, out):
-    nb = out.shape[1] // BLOCK
     for i in range(rows.shape[0]):
-        row = raw[rows[i]]
-        o = out[i]
-        for b in range(nb):
-            decode_mxfp4(row, b * BLOCK_BYTES, o, b * BLOCK)
+        _decode_row(raw[rows[i]], out[i])
 
 
 def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) -> None:
@@ -61,34 +58,9 @@ def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) ->
     (_rows if parallel else _rows_serial)(raw, rows, out)
 
 
-@kernel(fastmath=FASTMATH, **_NOPY)
-def rows_int8(raw, xq, xd, xs, tab, out, r0, r1):
-    """out[t, r] = row r . x[t] for rows r0..r1-1, every token; x in q8_0 form (xq (n_tok, ne0)
-    int8, xd (n_tok, ne0/32) float32, xs unused)."""
-    n_tok, nb = xq.shape[0], raw.shape[1] // BLOCK_BYTES
-    odd = nb % 2 == 1
-    nbe = nb - 1 if odd else nb  # blocks the intrinsic takes (pairs)
-    for t0 in range(0, n_tok, TOKEN_TILE):
-        t1 = min(n_tok, t0 + TOKEN_TILE)
-        for r in range(r0, r1):
-            row = raw[r]
-            t = t0
-            while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
-                y = row_dot4_mxfp4(row, nbe, xq, xd, xs, t)
-                if odd:
-                    out[t, r] = tail_mxfp4(row, nb, xq[t], xd[t], y[0])
-                    out[t + 1, r] = tail_mxfp4(row, nb, xq[t + 1], xd[t + 1], y[1])
-                    out[t + 2, r] = tail_mxfp4(row, nb, xq[t + 2], xd[t + 2], y[2])
-                    out[t + 3, r] = tail_mxfp4(row, nb, xq[t + 3], xd[t + 3], y[3])
-                else:
-                    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
-                t += 4
-            while t < t1:
-                v = row_dot_mxfp4(row, nbe, xq[t], xd[t], xs[t])
-                if odd:
-                    v = tail_mxfp4(row, nb, xq[t], xd[t], v)
-                out[t, r] = v
-                t += 1
+# out[t, r] = row r . x[t] for rows r0..r1-1, every token; x in q8_0 form (xq (n_tok, ne0) int8,
+# xd (n_tok, ne0/32) float32, xs unused): iq4_nl's row kernel with mxfp4's intrinsics
+rows_int8 = iquants.ROWS_INT8[MXFP4]
 
 
 def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
