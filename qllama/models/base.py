@@ -308,6 +308,11 @@ class Transformer:
 
         Returns one logits array per segment: (T_i, n_vocab) if all_logits, else (1, n_vocab).
         Runs longer than a cache's max_batch are evaluated in rounds.
+
+        A server step (one token of each of k streams) is one k-row batch: every projection reads
+        its weights once for all rows (the row kernels' 4-token intrinsic up to 4 rows, the gemm
+        from 5: qtensor.GEMM_MIN_TOKENS), attention runs per segment over its own cache, and each
+        row equals that stream's one-token step bit for bit (tests/test_multi_sequence.py).
         """
         runs = [(self._check(tokens, cache), cache) for tokens, cache in segments]
         if len({id(c) for _, c in runs}) != len(runs):
