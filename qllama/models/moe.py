@@ -255,10 +255,12 @@ class MoeFFN:
         """The routed experts' weighted sum (T, n_embd) by one kernels.experts.experts_ffn call,
         or None (the per-expert calls) when its kernels do not run these types or their
         addresses are not there yet (a recording warm-up)."""
-        plan = self._experts_plan(act)
+        from ..kernels.experts import experts_ffn
+        from ..qtensor import int8_enabled
+
+        plan = self._experts_plan(act) if int8_enabled() else None  # (the float path: per expert)
         if not plan:
             return None
-        from ..kernels.experts import experts_ffn
 
         (fg, raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, act_address,
          quant_address, dd, ds) = plan
@@ -282,11 +284,11 @@ class MoeFFN:
         from ..kernels.fused import quant_address
         from ..kernels.int8 import TILE_ROWS
         from ..kernels.jit import address_of
-        from ..qtensor import TYPES, _fp16_table, int8_enabled
+        from ..qtensor import TYPES, _fp16_table
         from .decode import form_buffers
 
         g, u, d = self.gate, self.up, self.down
-        kinds = [kx.row_kernels(t.type_id) for t in (g, u, d)] if g is not None and int8_enabled() else [None]
+        kinds = [kx.row_kernels(t.type_id) for t in (g, u, d)] if g is not None else [None]
         if None in kinds or g.type_id != u.type_id:
             self._plan = False
             return None
@@ -294,7 +296,7 @@ class MoeFFN:
         (n_embd, n_ff), tab = g.shape, _fp16_table()
         raw_g, raw_u, raw_d = g.rows3, u.rows3, d.rows3
 
-        def addresses(kernels, raw3, form, n_cols) -> tuple[int, int]:  # (row kernel, gemm or 0)
+        def addresses(kernels, raw3, form, n_cols) -> tuple[int, int]:  # (row kernel, gemm; -1: none)
             xa = form_buffers(form, 1, n_cols)
             args = (raw3[0], *xa, tab, np.empty((1, raw3.shape[1]), np.float32), np.int64(0), np.int64(0))
             found = [address_of(kn, args, lambda kn=kn: kn(*args)) for kn in kernels if kn is not None]
