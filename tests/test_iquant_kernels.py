@@ -1,5 +1,5 @@
 """The i-quants' batch kernels (issue 30 item 4): iq4_xs / iq4_nl / iq3_s / iq2_xxs gemms (`kernels/_x86_gemm.py`,
-driven by `kernels/iquants.GEMM_ROWS`) give every row the one-token row kernel's bits, and the
+driven by `kernels/int8.GEMM_ROWS`) give every row the one-token row kernel's bits, and the
 live ggml's `vec_dot` bits (oracle)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ CASES = [(IQ4_XS, 4096), (IQ4_XS, 256), (IQ4_NL, 4096), (IQ4_NL, 32 * 129), (IQ4
 
 @pytest.mark.parametrize("tid,ne0", CASES, ids=[f"{t}-{n}" for t, n in CASES])
 def test_gemm_equals_the_row_kernel(tid, ne0):
-    """GEMM_ROWS (TILE_ROWS rows a pass; 4096 columns: 3 ranges of units that stay in L1; iq4_nl
+    """int8.GEMM_ROWS (TILE_ROWS rows a pass; 4096 columns: 3 ranges of units that stay in L1; iq4_nl
     with an odd block count: ggml's tail block; iq3_s / iq2_xxs: the grid values signed and packed
     as iq4_xs) == ROWS_INT8 bit for bit at 2..33 tokens and 1 and 2 threads; a NaN scale spoils
     its row only; q.matmul takes the gemm and equals q.matvec."""

@@ -5,7 +5,7 @@ vec_dot bit for bit). The grid types (iq2/iq3/iq1, tq1_0/tq2_0) decode in NumPy
 
 Families of kernels, one per type (`jit.Variants`; type ids: iq4_nl 20, iq4_xs 23):
 
-- `ROWS[t]` / `ROWS_SERIAL[t]`: rows -> float32 (the float mat-mat's tiles; the embedding lookup
+- `ROWS[t]`: rows -> float32 (the float mat-mat's tiles; the embedding lookup
   uses NumPy instead).
 - `ROWS_INT8[t]`: rows r0..r1 times int8 activations (q8_0 for iq4_nl, q8_K for iq4_xs), over
   tokens in tiles of TOKEN_TILE, 4 tokens per intrinsic call (weights unpacked once), each token
@@ -19,12 +19,11 @@ from numba import prange
 
 from ..dequant.iq_grids import KVALUES_IQ4NL
 from ._fp16 import f16_at
-from ._x86_gemm import (IQ_PACKED_BYTES, L1_BLOCK_BYTES, TILE_ROWS, pack_iq2_xxs, pack_iq3_s, pack_iq4_nl, pack_iq4_xs,
-                        tile_iq2_xxs, tile_iq3_s, tile_iq4_nl, tile_iq4_xs)
+from ._x86_gemm import IQ_PACKED_BYTES, TILE_ROWS
 from ._x86_iq import (row_dot4_iq2_xxs, row_dot4_iq3_s, row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq2_xxs, row_dot_iq3_s,
                       row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl)
 from ._x86_mxfp4 import row_dot4_mxfp4, row_dot_mxfp4, tail_mxfp4
-from .int8 import _aligned_bytes, _over_threads
+from .int8 import _over_threads, gemm
 from .jit import Variants, kernel
 
 IQ4_NL, IQ4_XS, IQ3_S, IQ2_XXS, MXFP4 = 20, 23, 21, 16, 39
@@ -85,25 +84,15 @@ def _rows_of(type_id: int):
     return rows_of
 
 
-def _rows_serial_of(type_id: int):
-    """`_rows_of` on the calling thread (its own function: Numba's cache keys on the code, not the options)."""
-    nl = type_id == IQ4_NL
-
-    def rows_serial(raw, rows, tab, out):
-        for i in range(rows.shape[0]):
-            _decode_row(nl, raw[rows[i]], tab, out[i])
-
-    return rows_serial
-
-
 ROWS = Variants(_rows_of, "ROWS", parallel=True, **_NOPY)
-ROWS_SERIAL = Variants(_rows_serial_of, "ROWS_SERIAL", **_NOPY)
 
 
 def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) -> None:
-    """out[i] = row rows[i] as float32. raw: uint8 (n_rows, row bytes); rows: int64 (n,);
-    tab: `_fp16.FP16_TO_F32`; out: float32 (n, ne0)."""
-    (ROWS if parallel else ROWS_SERIAL)[int(type_id)](raw, rows, tab, out)
+    """out[i] = row rows[i] as float32 (the float path's tiles). raw: uint8 (n_rows, row bytes);
+    rows: int64 (n,); tab: `_fp16.FP16_TO_F32`; out: float32 (n, ne0). parallel: the decoders'
+    common signature; always over the threads (no serial kernel: the embedding lookup decodes
+    in NumPy, `dequant/iq_rows.py`)."""
+    ROWS[int(type_id)](raw, rows, tab, out)
 
 
 @kernel(**_NOPY)
@@ -168,61 +157,12 @@ def _int8_rows_of(type_id: int):
 ROWS_INT8 = Variants(_int8_rows_of, "ROWS_INT8", fastmath=FASTMATH, **_NOPY)
 
 
-def _gemm_rows_of(type_id: int):
-    """The batch kernel of one type: row groups g0..g1-1 of TILE_ROWS rows, each packed once into
-    a scratch (`_x86_gemm.pack_iq4_*`: kvalues looked up and transposed), then every token
-    through ranges of its units whose packed bytes stay in L1 (`tile_iq4_*`); the same values as
-    ROWS_INT8 bit for bit (iq4_nl: units are pairs of blocks, ggml's odd tail block added after)."""
-    nl, xs4, iq3s = type_id == IQ4_NL, type_id == IQ4_XS, type_id == IQ3_S  # (else iq2_xxs)
-    bb1 = ROW_BYTES[type_id]
-    bb = bb1 * (2 if nl else 1)  # bytes per unit
-    packed = IQ_PACKED_BYTES[type_id]
-    n_acc = 16 if nl else 8
-
-    def gemm_rows(raw, xq, xd, xs, tab, out, g0, g1):
-        n_tok, nu = xq.shape[0], raw.shape[1] // bb
-        nb = raw.shape[1] // bb1
-        scratch = _aligned_bytes(nu * packed)  # TILE_ROWS rows, packed: in L2
-        n_ranges = (nu * packed + L1_BLOCK_BYTES - 1) // L1_BLOCK_BYTES
-        per = (nu + n_ranges - 1) // n_ranges  # units per range: their packed bytes stay in L1
-        acc = _aligned_bytes(n_tok * 4 * n_acc * TILE_ROWS).view(np.float32).reshape(n_tok, n_acc * TILE_ROWS)
-        for g in range(g0, g1):
-            r = g * TILE_ROWS
-            if nl:
-                pack_iq4_nl(raw, r, nu, scratch)
-            elif xs4:
-                pack_iq4_xs(raw, r, nu, scratch)
-            elif iq3s:
-                pack_iq3_s(raw, r, nu, scratch)
-            else:
-                pack_iq2_xxs(raw, r, nu, scratch)
-            for u0 in range(0, nu, per):
-                u1 = min(nu, u0 + per)
-                if nl:
-                    tile_iq4_nl(scratch, nu, u0, u1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif xs4:
-                    tile_iq4_xs(scratch, nu, u0, u1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif iq3s:
-                    tile_iq3_s(scratch, nu, u0, u1, xq, xd, xs, 0, n_tok, out, r, acc)
-                else:
-                    tile_iq2_xxs(scratch, nu, u0, u1, xq, xd, xs, 0, n_tok, out, r, acc)
-            if nl and nb % 2 == 1:  # ggml's scalar tail block
-                for t in range(n_tok):
-                    for i in range(r, r + TILE_ROWS):
-                        out[t, i] = tail_iq4_nl(raw[i], nb, xq[t], xd[t], out[t, i])
-
-    return gemm_rows
-
-
-GEMM_ROWS = Variants(_gemm_rows_of, "GEMM_ROWS", fastmath=FASTMATH, **_NOPY)
-
-
 def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
-    """The int8 mat-mul of iq4_nl / iq4_xs rows (decode and prompts): rows over the threads,
-    each chunk by ROWS_INT8[type_id] (`int8._over_threads`); batches of 2+ tokens take
-    GEMM_ROWS when the rows are whole groups of TILE_ROWS (the same values)."""
+    """The int8 mat-mul of iq4_nl / iq4_xs / iq3_s / iq2_xxs / mxfp4 rows (decode and prompts): rows
+    over the threads, each chunk by ROWS_INT8[type_id] (`int8._over_threads`); batches of 2+
+    tokens take `int8.gemm` when the rows are whole groups of TILE_ROWS (the same values)."""
     unit = ROW_BYTES[int(type_id)] * (2 if int(type_id) == IQ4_NL else 1)  # (the gemm's: a pair of iq4_nl blocks)
     if int(type_id) in IQ_PACKED_BYTES and xq.shape[0] >= 2 and raw.shape[0] % TILE_ROWS == 0 and raw.shape[1] >= unit:
-        _over_threads(GEMM_ROWS[int(type_id)], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
+        gemm(type_id, raw, xq, xd, xs, tab, out, n_threads)
     else:
         _over_threads(ROWS_INT8[int(type_id)], raw.shape[0], raw, xq, xd, xs, tab, out, n_threads)

@@ -69,6 +69,14 @@ def _tq1_digit(b, p):
 
 
 @kernel(**_NOPY)
+def _nibble_scales(byte, sc, c):
+    """iq2_xs / iq2_s: the scale byte of chunk c -> sc[2c], sc[2c + 1] = 2 * nibble + 1."""
+    s = np.int64(byte)
+    sc[2 * c] = 2 * (s & 15) + 1
+    sc[2 * c + 1] = 2 * (s >> 4) + 1
+
+
+@kernel(**_NOPY)
 def decode_block(type_id, row, o, tab, wb, w64, w32, sb, sc, dl):
     """The super-block at row[o:] -> wb int8 (256) grid values (w64 / w32: the same bytes as uint64 /
     uint32, a grid entry copied at once), sb uint8 (32) sign bits per 8 elements (bit j: element j
@@ -84,9 +92,7 @@ def decode_block(type_id, row, o, tab, wb, w64, w32, sb, sc, dl):
         return f16_at(row, o, tab)
     if type_id == IQ2_XS:
         for c in range(8):
-            s = np.int64(row[o + 66 + c])
-            sc[2 * c] = 2 * (s & 15) + 1
-            sc[2 * c + 1] = 2 * (s >> 4) + 1
+            _nibble_scales(row[o + 66 + c], sc, c)
             for k in range(4):
                 q = _u16(row, o + 2 + 8 * c + 2 * k)
                 w64[4 * c + k] = _G2XS64[q & 511]
@@ -94,9 +100,7 @@ def decode_block(type_id, row, o, tab, wb, w64, w32, sb, sc, dl):
         return f16_at(row, o, tab)
     if type_id == IQ2_S:
         for c in range(8):
-            s = np.int64(row[o + 74 + c])
-            sc[2 * c] = 2 * (s & 15) + 1
-            sc[2 * c + 1] = 2 * (s >> 4) + 1
+            _nibble_scales(row[o + 74 + c], sc, c)
             qh = np.int64(row[o + 66 + c])
             for k in range(4):
                 w64[4 * c + k] = _G2S64[np.int64(row[o + 2 + 4 * c + k]) | (((qh >> (2 * k)) & 3) << 8)]

@@ -46,16 +46,11 @@ def _rows(raw, rows, out):
         _decode_row(raw[rows[i]], out[i])
 
 
-@kernel(**_NOPY)
-def _rows_serial(raw, rows, out):
-    for i in range(rows.shape[0]):
-        _decode_row(raw[rows[i]], out[i])
-
-
 def dequantize_rows(type_id: int, raw, rows, tab, out, parallel: bool = True) -> None:
     """out[i] = row rows[i] as float32. raw: uint8 (n_rows, row bytes); rows: int64 (n,);
-    tab: unused (the signature of the other decoders); out: float32 (n, ne0)."""
-    (_rows if parallel else _rows_serial)(raw, rows, out)
+    tab, parallel: unused (the signature of the other decoders: always over the threads, the
+    embedding lookup decodes in NumPy, `dequant/mxfp4_rows.py`); out: float32 (n, ne0)."""
+    _rows(raw, rows, out)
 
 
 # out[t, r] = row r . x[t] for rows r0..r1-1, every token; x in q8_0 form (xq (n_tok, ne0) int8,
