@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ..gguf.types import GGML_TYPES, IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
 from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _fifth_bits, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
@@ -588,3 +588,37 @@ pack_iq3_s = _pack_intrinsic(IQ3_S, lambda b, blks, put: _pack_half_grid(b, blks
 pack_iq2_xxs = _pack_intrinsic(IQ2_XXS, lambda b, blks, put: _pack_half_grid(b, blks, put, IQ2_XXS))
 tile_iq3_s = _tile_intrinsic(_iq4_xs_block, "iq3_s", "q8_K")
 tile_iq2_xxs = _tile_intrinsic(_iq4_xs_block, "iq2_xxs", "q8_K", factor=GRID_ROWS[IQ2_XXS][2])
+
+# type id -> (pack, tile) of the batch kernels, chosen by `pack_rows` / `tile_rows` at compile time
+GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0: (pack_q4_0, tile_q4_0),
+                Q5_0: (pack_q5_0, tile_q5_0), Q8_0: (pack_q8_0, tile_q8_0), IQ4_NL: (pack_iq4_nl, tile_iq4_nl),
+                IQ4_XS: (pack_iq4_xs, tile_iq4_xs), IQ3_S: (pack_iq3_s, tile_iq3_s), IQ2_XXS: (pack_iq2_xxs, tile_iq2_xxs)}
+
+
+def pack_rows(type_id, raw, r0, nb, pack):
+    """`pack_<type>` of the type type_id (a compile-time constant in a kernel)."""
+
+
+def tile_rows(type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
+    """`tile_<type>` of the type type_id (a compile-time constant in a kernel)."""
+
+
+def _of_type(type_id, which):
+    """GEMM_KERNELS[type_id][which] when type_id is a literal of a type that has them, else None."""
+    if isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in GEMM_KERNELS:
+        return GEMM_KERNELS[type_id.literal_value][which]
+    return None
+
+
+@overload(pack_rows, prefer_literal=True, inline="always")
+def _pack_rows(type_id, raw, r0, nb, pack):
+    fn = _of_type(type_id, 0)
+    return None if fn is None else lambda type_id, raw, r0, nb, pack: fn(raw, r0, nb, pack)
+
+
+@overload(tile_rows, prefer_literal=True, inline="always")
+def _tile_rows(type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
+    fn = _of_type(type_id, 1)
+    if fn is None:
+        return None
+    return lambda type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc: fn(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)

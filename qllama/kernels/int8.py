@@ -28,7 +28,7 @@ from numba import prange
 
 from .jit import Variants, address_of, call_address, kernel
 
-from ..gguf.types import GGML_TYPES, IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import GGML_TYPES, IQ4_NL, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._fp16 import f16_at
 from ._x86 import (
     dot_q2_k,
@@ -46,30 +46,7 @@ from ._x86 import (
     row_dot_q6_k,
     row_dot_q8_0,
 )
-from ._x86_gemm import (
-    IQ_PACKED_BYTES,
-    L1_BLOCK_BYTES,
-    PACKED_BYTES,
-    TILE_ROWS,
-    pack_iq2_xxs,
-    pack_iq3_s,
-    pack_iq4_nl,
-    pack_iq4_xs,
-    tile_iq2_xxs,
-    tile_iq3_s,
-    tile_iq4_nl,
-    tile_iq4_xs,
-    pack_q4_0,
-    pack_q5_0,
-    pack_q4_k,
-    pack_q6_k,
-    pack_q8_0,
-    tile_q4_0,
-    tile_q5_0,
-    tile_q4_k,
-    tile_q6_k,
-    tile_q8_0,
-)
+from ._x86_gemm import IQ_PACKED_BYTES, L1_BLOCK_BYTES, PACKED_BYTES, TILE_ROWS, pack_rows, tile_rows
 from ._x86_iq import tail_iq4_nl
 from .kquants import scale_q3_k
 
@@ -145,8 +122,6 @@ def _gemm_rows_of(type_id: int):
     bb = GGML_TYPES[type_id].type_size * (2 if nl else 1)  # bytes per unit (a block, or iq4_nl's pair)
     packed = {**PACKED_BYTES, **IQ_PACKED_BYTES}[type_id]
     n_acc = 16 if nl else 8
-    q4k, q6k, q40, q50, q80 = type_id == Q4_K, type_id == Q6_K, type_id == Q4_0, type_id == Q5_0, type_id == Q8_0
-    xs4, iq3s = type_id == IQ4_XS, type_id == IQ3_S  # else iq2_xxs
 
     def gemm_rows(raw, xq, xd, xs, tab, out, g0, g1):
         nb, n_tok = raw.shape[1] // bb, xq.shape[0]
@@ -157,44 +132,9 @@ def _gemm_rows_of(type_id: int):
         acc = _aligned_bytes(n_tok * 4 * n_acc * TILE_ROWS).view(np.float32).reshape(n_tok, n_acc * TILE_ROWS)
         for g in range(g0, g1):
             r = g * TILE_ROWS
-            if q4k:
-                pack_q4_k(raw, r, nb, pack)
-            elif q6k:
-                pack_q6_k(raw, r, nb, pack)
-            elif q40:
-                pack_q4_0(raw, r, nb, pack)
-            elif q50:
-                pack_q5_0(raw, r, nb, pack)
-            elif q80:
-                pack_q8_0(raw, r, nb, pack)
-            elif nl:
-                pack_iq4_nl(raw, r, nb, pack)
-            elif xs4:
-                pack_iq4_xs(raw, r, nb, pack)
-            elif iq3s:
-                pack_iq3_s(raw, r, nb, pack)
-            else:
-                pack_iq2_xxs(raw, r, nb, pack)
+            pack_rows(type_id, raw, r, nb, pack)
             for b0 in range(0, nb, per):
-                b1 = min(nb, b0 + per)
-                if q4k:
-                    tile_q4_k(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif q6k:
-                    tile_q6_k(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif q40:
-                    tile_q4_0(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif q50:
-                    tile_q5_0(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif q80:
-                    tile_q8_0(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif nl:
-                    tile_iq4_nl(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif xs4:
-                    tile_iq4_xs(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
-                elif iq3s:
-                    tile_iq3_s(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
-                else:
-                    tile_iq2_xxs(pack, nb, b0, b1, xq, xd, xs, 0, n_tok, out, r, acc)
+                tile_rows(type_id, pack, nb, b0, min(nb, b0 + per), xq, xd, xs, 0, n_tok, out, r, acc)
             if nl and (raw.shape[1] // 18) % 2 == 1:  # ggml's scalar tail block
                 for t in range(n_tok):
                     for i in range(r, r + TILE_ROWS):
