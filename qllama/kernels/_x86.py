@@ -123,22 +123,24 @@ def _by_halves(fn, builder, a, b):
     return _concat(builder, *(fn(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
 
 
+def _pair_sums(builder, a, b, out, zmm_name, ymm_name):
+    """Adjacent lane pairs of a 256- or 512-bit a*b summed into lanes of type `out` (half as
+    many): the 512-bit instruction `zmm_name` (by 256-bit halves where the ISA lacks zmm) or
+    the 256-bit `ymm_name`."""
+    zmm = a.type.count * a.type.element.width == 512
+    if zmm and not _ZMM_FEATURES <= _FEATURES:
+        return _by_halves(lambda bl, x, y: _pair_sums(bl, x, y, out, zmm_name, ymm_name), builder, a, b)
+    return _call(builder, zmm_name if zmm else ymm_name, _vec(out, a.type.count // 2), [a, b])
+
+
 def _maddubs(builder, a, b):
     """pmaddubsw: <32 or 64 x i8> u8 a, i8 b -> <16 or 32 x i16> saturated pair sums."""
-    if a.type.count == 64:
-        if not _ZMM_FEATURES <= _FEATURES:
-            return _by_halves(_maddubs, builder, a, b)
-        return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vec(_I16, 32), [a, b])
-    return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [a, b])
+    return _pair_sums(builder, a, b, _I16, "llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx2.pmadd.ub.sw")
 
 
 def _maddwd(builder, a, b):
     """pmaddwd: <16 or 32 x i16> -> <8 or 16 x i32> pair sums."""
-    if a.type.count == 32:
-        if not _ZMM_FEATURES <= _FEATURES:
-            return _by_halves(_maddwd, builder, a, b)
-        return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _vec(_I32, 16), [a, b])
-    return _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [a, b])
+    return _pair_sums(builder, a, b, _I32, "llvm.x86.avx512.pmaddw.d.512", "llvm.x86.avx2.pmadd.wd")
 
 
 def _native_vnni(n_lanes: int) -> bool:
