@@ -26,17 +26,7 @@ from numba import prange, types
 from numba.extending import overload, register_jitable
 
 from ..gguf.types import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
-from ._x86 import (
-    row2_dot_q4_legacy,
-    row2_dot_q5_legacy,
-    row2_dot_q8_0,
-    row_dot_q4_k,
-    row_dot_q4_legacy,
-    row_dot_q5_k,
-    row_dot_q5_legacy,
-    row_dot_q6_k,
-    row_dot_q8_0,
-)
+from . import _x86  # the whole-row intrinsics, as _x86.row_dot_<type>
 from ._x86_iq import row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
 from .act_quant import q8_0_row, q8_1_row, q8_k_row
 from .int8 import FASTMATH
@@ -68,9 +58,9 @@ def _paired(one, two):
     return rows
 
 
-_rows_q4_legacy = _paired(row_dot_q4_legacy, row2_dot_q4_legacy)
-_rows_q5_legacy = _paired(row_dot_q5_legacy, row2_dot_q5_legacy)
-_rows_q8_0 = _paired(row_dot_q8_0, row2_dot_q8_0)
+_rows_q4_legacy = _paired(_x86.row_dot_q4_legacy, _x86.row2_dot_q4_legacy)
+_rows_q5_legacy = _paired(_x86.row_dot_q5_legacy, _x86.row2_dot_q5_legacy)
+_rows_q8_0 = _paired(_x86.row_dot_q8_0, _x86.row2_dot_q8_0)
 
 
 def _rows(type_id, raw, out, lo, hi, xq, xd, xs):
@@ -93,15 +83,15 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
         if type_id == Q4_K:
             nb = raw.shape[1] // 144
             for r in range(lo, hi):
-                out[0, r] = row_dot_q4_k(raw[r], nb, xq, xd, xs)
+                out[0, r] = _x86.row_dot_q4_k(raw[r], nb, xq, xd, xs)
         elif type_id == Q5_K:
             nb = raw.shape[1] // 176
             for r in range(lo, hi):
-                out[0, r] = row_dot_q5_k(raw[r], nb, xq, xd, xs)
+                out[0, r] = _x86.row_dot_q5_k(raw[r], nb, xq, xd, xs)
         elif type_id == Q6_K:
             nb = raw.shape[1] // 210
             for r in range(lo, hi):
-                out[0, r] = row_dot_q6_k(raw[r], nb, xq, xd, xs)
+                out[0, r] = _x86.row_dot_q6_k(raw[r], nb, xq, xd, xs)
         elif type_id == Q8_0:
             _rows_q8_0(raw, raw.shape[1] // 34, out, lo, hi, xq, xd, xs)
         elif type_id == Q4_0:
