@@ -804,3 +804,155 @@ def quantize_legacy_weighted(nmax, with_min, x, qw, L, dm):
             else:
                 dm[k, 0] = _make_qx_quants(xr[32 * b:32 * b + 32], 0, 32, nmax, L[k], weight, True)
                 dm[k, 1] = _F32(0)
+
+
+@kernel(inline="always")
+def _iq3_best_neighbour(neigh, at, grid, xval, waux, off, scale, L):
+    """ggml's iq3_find_best_neighbour: of the grid points listed at neigh[at] (count, then indices),
+    the one nearest scale * point to xval[off:off+4] (weights waux); its levels to L[off:off+4]."""
+    best_d2 = np.float32(3.4028234663852886e38)
+    gi = -1
+    for j in range(1, neigh[at] + 1):
+        g = neigh[at + j]
+        d2 = _F32(0)
+        for i in range(4):
+            diff = scale * _F32(grid[g, i]) - xval[off + i]
+            d2 += waux[off + i] * diff * diff
+        if d2 < best_d2:
+            best_d2 = d2
+            gi = g
+    for i in range(4):
+        L[off + i] = (grid[gi, i] - 1) // 2
+    return gi
+
+
+@kernel(inline="always")
+def _iq3_levels(xval, off, inv, L):
+    """The 4 levels nearest inv * xval[off:off+4] (0..7) into L[off:], and their 12-bit grid code."""
+    u = 0
+    for i in range(4):
+        l = max(0, min(7, nearest_int(_F32(0.5) * (inv * xval[off + i] - _F32(1)))))
+        L[off + i] = l
+        u |= l << (3 * i)
+    return u
+
+
+@kernel(inline="always")
+def _iq3_fit(weight, xval, L):
+    """(sum w x q, sum w q^2) over a block of 32, q = 2 L + 1."""
+    sumqx = _F32(0)
+    sumq2 = _F32(0)
+    for i in range(32):
+        q = _F32(2 * L[i] + 1)
+        sumqx += weight[i] * xval[i] * q
+        sumq2 += weight[i] * q * q
+    return sumqx, sumq2
+
+
+@kernel
+def _iq3s_block(xbl, qw, has_w, o, dd, ib, grid, kmap, neigh, weight, waux, xval, L, Laux, on_grid, on_aux,
+                signs, scales):
+    """ggml's quantize_row_iq3_s_impl (block 32) on one super-block xbl (256,) -> o (110,): d (2, left
+    as float32 in dd[ib]), qs (64), qh (8), signs (32), scales (4). Per block of 32: signs apart,
+    19 trial scales, each group of 4 levels on the 512-point grid or its nearest listed neighbour."""
+    for k in range(110):
+        o[k] = 0
+    dd[ib, 0] = _F32(0)
+    sigma2 = _F32(2) * _sum_squares(xbl, 256) / _F32(256)
+    max_scale = _F32(0)
+    nq = 0  # blocks written so far: ggml moves its qs/signs pointers past written blocks only (an
+    # all-zero block is skipped, and the next block's qs and signs take its place)
+    for b in range(8):
+        off = 32 * b
+        if has_w:
+            _importance(xbl, off, 32, qw, sigma2, weight)
+        else:
+            for i in range(32):
+                weight[i] = xbl[off + i] * xbl[off + i]
+        for i in range(32):
+            waux[i] = np.sqrt(weight[i])
+        for k in range(4):
+            s = 0
+            for i in range(8):
+                v = xbl[off + 8 * k + i]
+                if v >= _F32(0):
+                    xval[8 * k + i] = v
+                else:
+                    xval[8 * k + i] = -v
+                    s |= 1 << i
+            signs[k] = s
+        mx = xval[0]
+        for i in range(1, 32):
+            mx = xval[i] if xval[i] > mx else mx
+        L[:] = 0
+        if mx == _F32(0):
+            scales[b] = _F32(0)
+            continue
+        best = _F32(0)
+        scale = mx / _F32(15)
+        on_grid[:] = False
+        for step in range(-9, 10):
+            inv = (_F32(15) + _F32(step) * _F32(0.2)) / mx
+            this_scale = _F32(1) / inv
+            for k in range(8):
+                u = _iq3_levels(xval, 4 * k, inv, Laux)
+                on_aux[k] = kmap[u] >= 0
+                if kmap[u] < 0:
+                    _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 4 * k, this_scale, Laux)
+            sumqx, sumq2 = _iq3_fit(weight, xval, Laux)
+            if sumq2 > _F32(0) and sumqx * sumqx > best * sumq2:
+                scale = sumqx / sumq2
+                best = scale * sumqx
+                L[:] = Laux
+                on_grid[:] = on_aux
+        if not on_grid.all() and scale > _F32(0):
+            inv = _F32(1) / scale
+            for k in range(8):
+                u = _iq3_levels(xval, 4 * k, inv, L)
+                if kmap[u] < 0:
+                    _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 4 * k, scale, L)
+            sumqx, sumq2 = _iq3_fit(weight, xval, L)
+            if sumq2 > _F32(0):
+                scale = sumqx / sumq2
+        if scale < _F32(0):  # (ggml: should never happen) a positive scale, the signs flipped
+            scale = -scale
+            for k in range(4):
+                signs[k] = ~signs[k] & 0xFF
+        for k in range(8):
+            u = L[4 * k] | (L[4 * k + 1] << 3) | (L[4 * k + 2] << 6) | (L[4 * k + 3] << 9)
+            gi = kmap[u]
+            o[2 + 8 * nq + k] = gi & 255
+            o[66 + b] |= (gi >> 8) << k
+        for k in range(4):
+            o[74 + 4 * nq + k] = signs[k]
+        nq += 1
+        scales[b] = scale
+        max_scale = scale if scale > max_scale else max_scale
+    if max_scale == _F32(0):
+        return
+    d = max_scale / _F32(31)
+    dd[ib, 0] = d * _F32(1.033)
+    inv = _F32(1) / d
+    for b in range(0, 8, 2):
+        l1 = max(0, min(15, nearest_int(_F32(0.5) * (inv * scales[b] - _F32(1)))))
+        l2 = max(0, min(15, nearest_int(_F32(0.5) * (inv * scales[b + 1] - _F32(1)))))
+        o[106 + b // 2] = l1 | (l2 << 4)
+
+
+@kernel(nogil=True)
+def quantize_iq3s(has_w, grid, kmap, neigh, x, qw, out, dd):
+    """iq3_s super-blocks: x (nb, 256) float32 -> out (nb, 110) uint8 but the fp16 d, dd (nb, 1); grid
+    (512, 4) the grid's odd values, kmap (4096,) a 12-bit code's grid index or -(its neighbour list
+    offset + 1), neigh the lists (count, indices...); qw (nb, 256) read when has_w."""
+    weight = np.empty(32, np.float32)
+    waux = np.empty(32, np.float32)
+    xval = np.empty(32, np.float32)
+    L = np.empty(32, np.int64)
+    Laux = np.empty(32, np.int64)
+    on_grid = np.empty(8, np.bool_)
+    on_aux = np.empty(8, np.bool_)
+    signs = np.empty(4, np.int64)
+    scales = np.empty(8, np.float32)
+    for ib in range(x.shape[0]):
+        _iq3s_block(x[ib], qw[ib], has_w, out[ib], dd, ib, grid, kmap, neigh, weight, waux, xval, L, Laux, on_grid,
+                    on_aux, signs, scales)

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
                           Q5_K, Q6_K, Q8_0, type_name)
 
 _F32 = np.float32
@@ -185,7 +185,7 @@ def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
 _MIN_BLOCKS_PER_THREAD = 256
 _pool: ThreadPoolExecutor | None = None
 # where each kernel's fp16 block scales (d, and dmin) go in the block, and how many there are
-_SCALE_FIELDS = {Q2_K: (80, 2), Q3_K: (108, 1), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, 1), IQ4_NL: (0, 1), IQ4_XS: (0, 1)}
+_SCALE_FIELDS = {IQ3_S: (0, 1), Q2_K: (80, 2), Q3_K: (108, 1), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, 1), IQ4_NL: (0, 1), IQ4_XS: (0, 1)}
 
 
 def _run_blocks(kernel, type_id: int, b: np.ndarray, *per_block: np.ndarray) -> np.ndarray:
@@ -248,18 +248,53 @@ def _legacy_weighted(x: np.ndarray, type_id: int, imatrix: np.ndarray) -> np.nda
     return np.concatenate(parts, axis=1)
 
 
+def _iq3s_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's iq3xs_init_impl(512): the grid (512, 4) of odd values 1..15, the map of each 12-bit
+    code of 4 levels (0..7) to its grid index, or for a code off the grid to -(offset + 1) of its
+    neighbour list: the grid points within its 3 nearest squared distances, by distance then index."""
+    global _IQ3S
+    if _IQ3S is None:
+        from ..dequant.iq_grids import grid
+
+        g = grid(IQ3_S).astype(np.int64)  # (512, 4)
+        kmap = np.full(4096, -1, np.int64)
+        kmap[(((g - 1) // 2) << (3 * np.arange(4))).sum(axis=1)] = np.arange(512)
+        codes = np.arange(4096)
+        pos = 2 * ((codes[:, None] >> (3 * np.arange(4))) & 7) + 1  # (4096, 4)
+        neigh: list[int] = []
+        for i in np.nonzero(kmap < 0)[0]:
+            d2 = ((g - pos[i]) ** 2).sum(axis=1)  # (512,)
+            order = np.lexsort((np.arange(512), d2))
+            near = order[d2[order] <= np.unique(d2)[:3].max()]
+            kmap[i] = -(len(neigh) + 1)
+            neigh += [len(near), *near.tolist()]
+        _IQ3S = (g, kmap, np.array(neigh, np.int64))
+    return _IQ3S
+
+
+_IQ3S: tuple | None = None
+
+
+def _iq3s(b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """ggml's quantize_iq3_s on super-blocks b (nb, 256), with importance weights qw (nb, 256) or None."""
+    from ..kernels.quantize_k import quantize_iq3s
+
+    return _run_blocks(partial(quantize_iq3s, qw is not None, *_iq3s_tables()), IQ3_S, b, _weights_or_none(b, qw))
+
+
 # type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8: the row
 # references (ggml's quantize_row_*_ref: the KV cache and activations use these)
 _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     Q8_0: _quantize_q8_0, Q4_0: _quantize_q4_0, Q4_1: _quantize_q4_1,
     Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1, IQ4_NL: _quantize_iq4_nl, MXFP4: _quantize_mxfp4,
     **{t: partial(_kquant, t) for t in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}, IQ4_XS: partial(_iq4, IQ4_XS),
+    IQ3_S: _iq3s,
 }
 # where ggml_quantize_chunk (what llama-quantize writes into files) differs from the row reference:
 # iq4_nl searches its scales there
 _CHUNK_QUANTIZERS = {**_BLOCK_QUANTIZERS, IQ4_NL: partial(_iq4, IQ4_NL)}
 # the types whose chunk quantizer takes importance weights (qw=, (nb, block) float32)
-WEIGHTED_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+WEIGHTED_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S)
 # and the 32-blocks whose weights depend on the whole row: (nmax, with a min)
 _LEGACY_WEIGHTED = {Q4_0: (8, False), Q5_0: (16, False), Q4_1: (15, True), Q5_1: (31, True)}
 # and those that ignore a matrix, as ggml does

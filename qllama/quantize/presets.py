@@ -9,7 +9,7 @@ import re
 from typing import Iterable, NamedTuple
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
                           Q5_K, Q6_K, Q8_0)
 from .blocks import FLOAT_TYPES
 
@@ -31,10 +31,11 @@ PRESETS: dict[str, Preset] = {name: Preset(name, ftype, t) for name, ftype, t in
     ("Q2_K", 10, Q2_K), ("Q3_K_S", 11, Q3_K), ("Q3_K_M", 12, Q3_K), ("Q3_K_L", 13, Q3_K),
     ("IQ4_NL", 25, IQ4_NL), ("IQ4_XS", 30, IQ4_XS),
     ("Q2_K_S", 21, Q2_K),  # needs an importance matrix
+    ("IQ3_S", 26, IQ3_S), ("IQ3_M", 27, IQ3_S),
 )}
 NEEDS_IMATRIX = ("Q2_K_S",)
 # llama-quantize's presets qllama cannot write yet (the i-quant grid searches)
-NOT_YET = ("IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
+NOT_YET = ("IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
 
 
 def needs_imatrix_message(name: str) -> str:
@@ -55,7 +56,7 @@ def get_preset(name: str) -> Preset:
 
 
 # When ne0 is not a multiple of a k-quant's 256, llama.cpp falls back to a 32-block type.
-_FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, IQ4_XS: IQ4_NL, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}  # (the pinned llama.cpp)
+_FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, IQ3_S: IQ4_NL, IQ4_XS: IQ4_NL, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}  # (the pinned llama.cpp)
 
 # Substrings of weight names llama.cpp never quantizes (besides 1-D tensors and *_norm.weight).
 _NEVER_QUANTIZED = (
@@ -134,6 +135,8 @@ def choose_tensor_type(
             new = Q4_K if n_gqa >= 4 else Q3_K
         elif ft == "Q2_K_S" and n_gqa >= 4:
             new = Q4_K
+        elif (ft == "IQ3_S" and n_gqa >= 4) or ft == "IQ3_M":
+            new = Q4_K
         elif ft == "Q3_K_M":
             new = Q5_K if i < 2 else Q4_K
         elif ft == "Q3_K_L":
@@ -158,6 +161,8 @@ def choose_tensor_type(
             new = Q4_K if i < n_layers // 8 else new
         elif ft == "Q3_K_M":
             new = Q5_K if i < n_layers // 16 else Q4_K
+        elif ft == "IQ3_M" and (i < n_layers // 8 or (n_expert == 8 and use_more_bits(i, n_layers))):
+            new = Q4_K
         elif ft == "Q3_K_L":
             new = Q5_K
         elif ft in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n_layers):
@@ -170,10 +175,10 @@ def choose_tensor_type(
             new = Q4_1 if ft == "Q4_0" else Q5_1  # llama.cpp's guard for the first ffn_down layers
     elif "attn_output.weight" in name:
         if n_expert == 8:
-            if ft in ("Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ4_XS"):
+            if ft in ("Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", "IQ4_XS"):
                 new = Q5_K
         else:
-            new = {"Q2_K": Q3_K, "Q3_K_M": Q4_K, "Q3_K_L": Q5_K}.get(ft, new)
+            new = {"Q2_K": Q3_K, "Q3_K_M": Q4_K, "Q3_K_L": Q5_K, "IQ3_M": Q4_K}.get(ft, new)
     # shapes a type cannot hold
     if ne0 % GGML_TYPES[new].block_size:
         new = _FALLBACK.get(new, F16)
