@@ -24,30 +24,32 @@ DECODERS = {Q4_K: kq.decode_q4_k, Q6_K: kq.decode_q6_k, Q5_K: kq.decode_q5_k, Q3
             Q5_1: lg.decode_q5_1, Q8_0: lg.decode_q8_0}
 
 
-def _decode(type_id, row, bo, tab, out, oo):
-    """The block of `type_id` (a literal) at byte bo of row -> out[oo:oo + block size] (float32)."""
+def _decode_row(type_id, row, tab, out):
+    """Every block of `row` (uint8, one row of type `type_id`, a literal) -> out (float32, its elements)."""
 
 
-@overload(_decode, prefer_literal=True, inline="always")
-def _decode_impl(type_id, row, bo, tab, out, oo):
+@overload(_decode_row, prefer_literal=True, inline="always")
+def _decode_row_impl(type_id, row, tab, out):
     if not isinstance(type_id, types.IntegerLiteral) or type_id.literal_value not in DECODERS:
         return None
     decode = DECODERS[type_id.literal_value]
-    return lambda type_id, row, bo, tab, out, oo: decode(row, bo, tab, out, oo)
+    block = QK_K if Q2_K <= type_id.literal_value <= Q6_K else lg.QK  # elements per block (k-quants: ids 10..14)
+
+    def decode_row(type_id, row, tab, out):
+        nb = out.shape[0] // block
+        bb = row.shape[0] // max(nb, 1)  # bytes per block
+        for b in range(nb):
+            decode(row, b * bb, tab, out, b * block)
+
+    return decode_row
 
 
 def _rows_of(type_id: int):
     """The parallel kernel of one type: type_id is a constant of the closure (a literal to Numba)."""
-    block = QK_K if Q2_K <= type_id <= Q6_K else lg.QK  # elements per block (k-quants: ids 10..14)
 
     def rows_of(raw, rows, tab, out):
-        nb = out.shape[1] // block
-        bb = raw.shape[1] // max(nb, 1)  # bytes per block
         for i in prange(rows.shape[0]):
-            row = raw[rows[i]]
-            o = out[i]
-            for b in range(nb):
-                _decode(type_id, row, b * bb, tab, o, b * block)
+            _decode_row(type_id, raw[rows[i]], tab, out[i])
 
     return rows_of
 
@@ -58,16 +60,10 @@ def _rows_serial_of(type_id: int):
     Its own function rather than `_rows_of` compiled without parallel=True: Numba keys a cached
     kernel on the function's name, code and closure values, not on its options, so the two would
     share (and overwrite) one cache entry."""
-    block = QK_K if Q2_K <= type_id <= Q6_K else lg.QK
 
     def rows_serial(raw, rows, tab, out):
-        nb = out.shape[1] // block
-        bb = raw.shape[1] // max(nb, 1)
         for i in range(rows.shape[0]):
-            row = raw[rows[i]]
-            o = out[i]
-            for b in range(nb):
-                _decode(type_id, row, b * bb, tab, o, b * block)
+            _decode_row(type_id, raw[rows[i]], tab, out[i])
 
     return rows_serial
 
