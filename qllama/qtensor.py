@@ -148,20 +148,18 @@ def _half_ops(is_bf16: bool) -> TypeOps:
     )
 
 
-def _block_ops(type_id: int, family: str, int8_kernel: str, takes_type: bool, gemm: str | None) -> TypeOps:
-    """A quantized type. family: the module of its float mat-vec `matvec_<type>` (legacy or kquants);
-    int8_kernel: its mat-mat in kernels/int8.py, called with the type id first when `takes_type`
-    is True; gemm: its mat-mat
+def _block_ops(type_id: int, int8_kernel: str, takes_type: bool, gemm: str | None) -> TypeOps:
+    """A quantized type (float mat-vec: `kernels/block_matvec.MATVEC`). int8_kernel: its mat-mat in
+    kernels/int8.py, called with the type id first when `takes_type` is True; gemm: its mat-mat
     for batches of at least GEMM_MIN_TOKENS tokens, if it has one."""
-    import importlib
-
     from .dequant import rows as numpy_rows
     from .kernels import floats, int8
     from .kernels._x86 import HAVE_AVX2
+    from .kernels.block_matvec import MATVEC
     from .kernels.dequantize import dequantize_rows
 
     tab = _fp16_table()
-    fused = getattr(importlib.import_module(f".kernels.{family}", __package__), f"matvec_{type_name(type_id).lower()}")
+    fused = MATVEC[type_id]
     decode = partial(dequantize_rows, type_id)
 
     def matvec(q, x, out):
@@ -270,24 +268,24 @@ def _iquant_ops(type_id: int) -> TypeOps:
 _register(F32, np.float32, None, _f32_ops)
 _register(F16, np.uint16, None, partial(_half_ops, False))
 _register(BF16, np.uint16, None, partial(_half_ops, True))
-# quantized types: kernel module of the float path, int8 activation form, int8 mat-mat kernel
+# quantized types: int8 activation form, int8 mat-mat kernel
 # (kernels/int8.py), whether that kernel serves several types (then it takes the type id first),
 # its gemm for batches (or None), and whether the fused one-token kernels run it
-for _tid, _family, _form, _kernel, _shared, _gemm, _fused in (
-    (Q4_0, "legacy", "q8_0", "matmul_rows", True, "gemm", True),
-    (Q4_1, "legacy", "q8_1", "matmul_rows", True, None, True),
-    (Q5_0, "legacy", "q8_0", "matmul_rows", True, "gemm", True),
-    (Q5_1, "legacy", "q8_1", "matmul_rows", True, None, True),
-    (Q8_0, "legacy", "q8_0", "matmul_rows", True, "gemm", True),
-    (Q2_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None, False),
-    (Q3_K, "kquants", "q8_K", "matmul_q2_q3_k", True, None, False),
-    (Q4_K, "kquants", "q8_K", "matmul_rows", True, "gemm", True),
-    (Q5_K, "kquants", "q8_K", "matmul_rows", True, None, True),
-    (Q6_K, "kquants", "q8_K", "matmul_rows", True, "gemm", True),
+for _tid, _form, _kernel, _shared, _gemm, _fused in (
+    (Q4_0, "q8_0", "matmul_rows", True, "gemm", True),
+    (Q4_1, "q8_1", "matmul_rows", True, None, True),
+    (Q5_0, "q8_0", "matmul_rows", True, "gemm", True),
+    (Q5_1, "q8_1", "matmul_rows", True, None, True),
+    (Q8_0, "q8_0", "matmul_rows", True, "gemm", True),
+    (Q2_K, "q8_K", "matmul_q2_q3_k", True, None, False),
+    (Q3_K, "q8_K", "matmul_q2_q3_k", True, None, False),
+    (Q4_K, "q8_K", "matmul_rows", True, "gemm", True),
+    (Q5_K, "q8_K", "matmul_rows", True, None, True),
+    (Q6_K, "q8_K", "matmul_rows", True, "gemm", True),
 ):
-    _register(_tid, None, _form, partial(_block_ops, _tid, _family, _kernel, _shared, _gemm),
+    _register(_tid, None, _form, partial(_block_ops, _tid, _kernel, _shared, _gemm),
               fused=_fused, gemm=_gemm is not None)
-del _tid, _family, _form, _kernel, _shared, _gemm, _fused
+del _tid, _form, _kernel, _shared, _gemm, _fused
 # i-quants (kernels/iquants.py, dequant/iq_rows.py): int8 activation form, or None (float path only)
 for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K"), (IQ3_S, "q8_K"), (IQ3_XXS, "q8_K"), (IQ2_XXS, "q8_K"),
                     (IQ2_XS, "q8_K"), (IQ2_S, "q8_K"), (IQ1_S, "q8_K"), (IQ1_M, "q8_K"), (TQ1_0, "q8_K"), (TQ2_0, "q8_K")):

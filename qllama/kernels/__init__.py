@@ -2,8 +2,9 @@
 
 - `_fp16.py`   fp16 -> f32 lookup table (Numba has no float16 on the CPU)
 - `floats.py`  f32 / f16 / bf16 mat-vec and mat-mat
-- `legacy.py`  q4_0, q4_1, q5_0, q5_1, q8_0: bit-exact block decoders, fused float mat-vecs
+- `legacy.py`  q4_0, q4_1, q5_0, q5_1, q8_0: bit-exact block decoders, block dots of the float mat-vec
 - `kquants.py` q2_K .. q6_K: the same
+- `block_matvec.py` the float mat-vec of every block type (one loop, the type's block dot inlined)
 - `dequantize.py` row dequantization of every block type (one kernel, the type a parameter)
 - `act_quant.py` activation quantizers (q8_K, q8_0, q8_1) for the int8 path
 - `int8.py`    the int8-activation mat-mat kernels

@@ -16,7 +16,6 @@ Layouts (ggml-common.h); d, m are fp16:
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 
 from .jit import kernel
 
@@ -89,107 +88,62 @@ def decode_q8_0(row, bo, tab, out, oo):
 # inner loops are reductions in int32 -> float32 lanes, which LLVM vectorises (vcvtdq2ps + FMA).
 # xs: float32 (ne0/16,) sums of x over 16 elements (for the min terms).
 
-_FM = {"reassoc", "contract", "nsz", "arcp"}  # no nnan/ninf: NaN and Inf must propagate
-_PAR = dict(parallel=True, fastmath=_FM, boundscheck=False)
-ROWS_PER_TASK = 8
+# `_dot_<type>(row, o, b, qk, x, xs, tab)`: the dot of block b (at byte o of row) with x, inlined
+# into `block_matvec.MATVEC[type]` (which loops over the rows and blocks, with its fast-math flags).
 # The inner loops run over `qk` = bytes of quants per block, computed from the row size at run
 # time: with a constant trip count LLVM unrolls them and vectorises across blocks instead
 # (gathers), which is 3-5x slower.
 
-
-@kernel(**_PAR)
-def matvec_q4_0(raw, x, xs, tab, out):
-    """out[r] = row r . x for q4_0 rows. raw: uint8 (n_rows, nb*18); x: float32 (nb*32,)."""
-    n_rows, nb = raw.shape[0], raw.shape[1] // 18
-    qk = raw.shape[1] // max(nb, 1) - 2  # 16, unknown to the compiler
-    for t in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for r in range(t * ROWS_PER_TASK, min(n_rows, (t + 1) * ROWS_PER_TASK)):
-            row = raw[r]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 18
-                s = np.float32(0.0)
-                for l in range(qk):
-                    q = np.int32(row[o + 2 + l])
-                    s += np.float32(np.int32((q & 15) - 8)) * x[b * 32 + l] + np.float32(np.int32((q >> 4) - 8)) * x[b * 32 + 16 + l]
-                acc += f16_at(row, o, tab) * s
-            out[r] = acc
+_INLINE = dict(inline="always", boundscheck=False)
 
 
-@kernel(**_PAR)
-def matvec_q4_1(raw, x, xs, tab, out):
-    n_rows, nb = raw.shape[0], raw.shape[1] // 20
-    qk = raw.shape[1] // max(nb, 1) - 4  # 16, unknown to the compiler
-    for t in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for r in range(t * ROWS_PER_TASK, min(n_rows, (t + 1) * ROWS_PER_TASK)):
-            row = raw[r]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 20
-                s = np.float32(0.0)
-                for l in range(qk):
-                    q = np.int32(row[o + 4 + l])
-                    s += np.float32(np.int32(q & 15)) * x[b * 32 + l] + np.float32(np.int32(q >> 4)) * x[b * 32 + 16 + l]
-                acc += f16_at(row, o, tab) * s + f16_at(row, o + 2, tab) * (xs[2 * b] + xs[2 * b + 1])
-            out[r] = acc
+@kernel(**_INLINE)
+def _q4_sum(row, qo, qk, x, xo, off):
+    """sum_l (nibble - off) * x over the qk bytes of nibbles at row[qo:] (x from xo)."""
+    s = np.float32(0.0)
+    for l in range(qk):
+        q = np.int32(row[qo + l])
+        s += np.float32(np.int32((q & 15) - off)) * x[xo + l] + np.float32(np.int32((q >> 4) - off)) * x[xo + 16 + l]
+    return s
 
 
-@kernel(**_PAR)
-def matvec_q5_0(raw, x, xs, tab, out):
-    n_rows, nb = raw.shape[0], raw.shape[1] // 22
-    qk = raw.shape[1] // max(nb, 1) - 6  # 16, unknown to the compiler
-    for t in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for r in range(t * ROWS_PER_TASK, min(n_rows, (t + 1) * ROWS_PER_TASK)):
-            row = raw[r]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 22
-                qh = _qh32(row, o + 2)
-                s = np.float32(0.0)
-                for l in range(qk):
-                    q = np.int32(row[o + 6 + l])
-                    h0 = np.int32((qh >> l) & 1) << 4
-                    h1 = np.int32((qh >> (l + 16)) & 1) << 4
-                    s += np.float32(np.int32(((q & 15) | h0) - 16)) * x[b * 32 + l]
-                    s += np.float32(np.int32(((q >> 4) | h1) - 16)) * x[b * 32 + 16 + l]
-                acc += f16_at(row, o, tab) * s
-            out[r] = acc
+@kernel(**_INLINE)
+def _q5_sum(row, ho, qo, qk, x, xo, off):
+    """As _q4_sum with the 5th bits of the little-endian uint32 at row[ho:ho+4]."""
+    qh = _qh32(row, ho)
+    s = np.float32(0.0)
+    for l in range(qk):
+        q = np.int32(row[qo + l])
+        h0 = np.int32((qh >> l) & 1) << 4
+        h1 = np.int32((qh >> (l + 16)) & 1) << 4
+        s += np.float32(np.int32(((q & 15) | h0) - off)) * x[xo + l]
+        s += np.float32(np.int32(((q >> 4) | h1) - off)) * x[xo + 16 + l]
+    return s
 
 
-@kernel(**_PAR)
-def matvec_q5_1(raw, x, xs, tab, out):
-    n_rows, nb = raw.shape[0], raw.shape[1] // 24
-    qk = raw.shape[1] // max(nb, 1) - 8  # 16, unknown to the compiler
-    for t in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for r in range(t * ROWS_PER_TASK, min(n_rows, (t + 1) * ROWS_PER_TASK)):
-            row = raw[r]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 24
-                qh = _qh32(row, o + 4)
-                s = np.float32(0.0)
-                for l in range(qk):
-                    q = np.int32(row[o + 8 + l])
-                    h0 = np.int32((qh >> l) & 1) << 4
-                    h1 = np.int32((qh >> (l + 16)) & 1) << 4
-                    s += np.float32(np.int32((q & 15) | h0)) * x[b * 32 + l]
-                    s += np.float32(np.int32((q >> 4) | h1)) * x[b * 32 + 16 + l]
-                acc += f16_at(row, o, tab) * s + f16_at(row, o + 2, tab) * (xs[2 * b] + xs[2 * b + 1])
-            out[r] = acc
+@kernel(**_INLINE)
+def _dot_q4_0(row, o, b, qk, x, xs, tab):
+    return f16_at(row, o, tab) * _q4_sum(row, o + 2, qk, x, b * 32, 8)
 
 
-@kernel(**_PAR)
-def matvec_q8_0(raw, x, xs, tab, out):
-    n_rows, nb = raw.shape[0], raw.shape[1] // 34
-    qk = raw.shape[1] // max(nb, 1) - 2  # 32, unknown to the compiler
-    for t in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for r in range(t * ROWS_PER_TASK, min(n_rows, (t + 1) * ROWS_PER_TASK)):
-            row = raw[r]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 34
-                s = np.float32(0.0)
-                for l in range(qk):
-                    s += np.float32(np.int8(row[o + 2 + l])) * x[b * 32 + l]
-                acc += f16_at(row, o, tab) * s
-            out[r] = acc
+@kernel(**_INLINE)
+def _dot_q4_1(row, o, b, qk, x, xs, tab):
+    return f16_at(row, o, tab) * _q4_sum(row, o + 4, qk, x, b * 32, 0) + f16_at(row, o + 2, tab) * (xs[2 * b] + xs[2 * b + 1])
+
+
+@kernel(**_INLINE)
+def _dot_q5_0(row, o, b, qk, x, xs, tab):
+    return f16_at(row, o, tab) * _q5_sum(row, o + 2, o + 6, qk, x, b * 32, 16)
+
+
+@kernel(**_INLINE)
+def _dot_q5_1(row, o, b, qk, x, xs, tab):
+    return f16_at(row, o, tab) * _q5_sum(row, o + 4, o + 8, qk, x, b * 32, 0) + f16_at(row, o + 2, tab) * (xs[2 * b] + xs[2 * b + 1])
+
+
+@kernel(**_INLINE)
+def _dot_q8_0(row, o, b, qk, x, xs, tab):
+    s = np.float32(0.0)
+    for l in range(qk):
+        s += np.float32(np.int8(row[o + 2 + l])) * x[b * 32 + l]
+    return f16_at(row, o, tab) * s
