@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .jit import kernel
+from ..gguf.types import BF16, F16, F32
+from .jit import Variants, kernel
 
 from ._fp16 import f16_value
 from ._fp16 import u32_as_f32 as _u32_as_f32
@@ -22,37 +23,34 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 TOKEN_TILE = 64  # tokens per pass over a chunk of rows (their activations stay in L2)
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matvec_f32(w, x, out):
-    """out[r] = w[r] . x. w: float32 (n_rows, ne0); x: float32 (ne0,); out: float32 (n_rows,)."""
-    for r in prange(w.shape[0]):
-        acc = np.float32(0.0)
-        wr = w[r]
-        for i in range(x.shape[0]):
-            acc += wr[i] * x[i]
-        out[r] = acc
+@kernel(inline="always", boundscheck=False)
+def _value(h, kind):
+    """The float32 value of one weight element h of `kind` (F32: h itself; BF16, F16: uint16 bits);
+    kind is a constant of the caller, so only its own branch remains."""
+    if kind == BF16:
+        return _u32_as_f32(np.uint32(h) << 16)
+    if kind == F16:
+        return f16_value(np.int32(h))
+    return h
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matvec_bf16(w, x, out):
-    """w: uint16 bf16 bits (n_rows, ne0)."""
-    for r in prange(w.shape[0]):
-        acc = np.float32(0.0)
-        wr = w[r]
-        for i in range(x.shape[0]):
-            acc += _u32_as_f32(np.uint32(wr[i]) << 16) * x[i]
-        out[r] = acc
+def _matvec_of(kind: int):
+    """The mat-vec of weights of `kind` (a ggml type id, a constant of the closure):
+    out[r] = w[r] . x. w: float32 or uint16 bits (n_rows, ne0); x: float32 (ne0,); out: float32 (n_rows,)."""
+
+    def matvec(w, x, out):
+        for r in prange(w.shape[0]):
+            acc = np.float32(0.0)
+            wr = w[r]
+            for i in range(x.shape[0]):
+                acc += _value(wr[i], kind) * x[i]
+            out[r] = acc
+
+    return matvec
 
 
-@kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
-def matvec_f16(w, x, out):
-    """w: uint16 fp16 bits (n_rows, ne0)."""
-    for r in prange(w.shape[0]):
-        acc = np.float32(0.0)
-        wr = w[r]
-        for i in range(x.shape[0]):
-            acc += f16_value(np.int32(wr[i])) * x[i]
-        out[r] = acc
+MATVEC = Variants(_matvec_of, "MATVEC", parallel=True, fastmath=FASTMATH, **_NOPY)
+matvec_f32, matvec_bf16, matvec_f16 = MATVEC[F32], MATVEC[BF16], MATVEC[F16]
 
 
 @kernel(parallel=True, fastmath=FASTMATH, **_NOPY)
