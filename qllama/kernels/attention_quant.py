@@ -40,7 +40,7 @@ from numba import prange
 from .act_quant import q8_0_row, q8_1_row
 from .jit import address_of, call_address, kernel
 from ._fp16 import HAVE_F16C, f16_bits, f16_value, f16c_store, f32_as_u32, u32_as_f32
-from .layer_ops import _exp_shifted, _key_range, _softcap
+from .layer_ops import _dots4, _exp_shifted, _key_range, _softcap, rope_heads, rope_row
 
 # ggml type ids of the cache types (the `type_k` / `type_v` arguments)
 T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_IQ4_NL = 0, 1, 2, 3, 6, 7, 8, 20
@@ -342,12 +342,9 @@ def rope_store_quant(q, k, v, start, cos_table, sin_table, k_cache, v_cache, neo
     (ggml ids), both row-major. (`quantize_block` sets fastmath=False itself, so it compiles
     without the fast-math flags of this caller and its bytes stay ggml's.)
     """
-    n_tok, n_heads, head_dim = q.shape
+    n_tok, head_dim = q.shape[0], q.shape[2]
     n_kv = k.shape[1]
-    half = cos_table.shape[1]
     ring = k_cache.shape[1]
-    step = 1 if neox else 2
-    off = half if neox else 1
     nb = head_dim // QK
     bk = k_cache.shape[2] // nb
     bv = v_cache.shape[2] // nb
@@ -357,26 +354,11 @@ def rope_store_quant(q, k, v, start, cos_table, sin_table, k_cache, v_cache, neo
     for t in range(n_tok):
         p = start + t
         slot = p % ring
-        for h in range(n_heads):
-            for i in range(half):
-                c = cos_table[p, i]
-                s = sin_table[p, i]
-                i0 = i * step
-                x0 = q[t, h, i0]
-                x1 = q[t, h, i0 + off]
-                q[t, h, i0] = x0 * c - x1 * s
-                q[t, h, i0 + off] = x0 * s + x1 * c
+        rope_heads(q, t, p, cos_table, sin_table, neox)
         for h in range(n_kv):
-            for d in range(2 * half, head_dim):
+            rope_row(k[t, h], kr, p, cos_table, sin_table, neox)
+            for d in range(2 * cos_table.shape[1], head_dim):  # dims past n_rot are not rotated
                 kr[d] = k[t, h, d]
-            for i in range(half):
-                c = cos_table[p, i]
-                s = sin_table[p, i]
-                i0 = i * step
-                x0 = k[t, h, i0]
-                x1 = k[t, h, i0 + off]
-                kr[i0] = x0 * c - x1 * s
-                kr[i0 + off] = x0 * s + x1 * c
             krow = k_cache[h, slot]
             vrow = v_cache[h, slot]
             vsrc = v[t, h]
@@ -452,17 +434,7 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
             _to_float(type_k, krow, kf, vals)
             r = 0
             while r + 4 <= n_rep:
-                q0, q1, q2, q3 = qf[r], qf[r + 1], qf[r + 2], qf[r + 3]
-                a0 = _F0
-                a1 = _F0
-                a2 = _F0
-                a3 = _F0
-                for d in range(head_dim):
-                    kd = kf[d]
-                    a0 += q0[d] * kd
-                    a1 += q1[d] * kd
-                    a2 += q2[d] * kd
-                    a3 += q3[d] * kd
+                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, qf[r], qf[r + 1], qf[r + 2], qf[r + 3], 0, kf, head_dim)
                 scores[r, j] = a0
                 scores[r + 1, j] = a1
                 scores[r + 2, j] = a2

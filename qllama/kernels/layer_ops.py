@@ -190,6 +190,32 @@ def rmsnorm(x, weight, eps, out):
             out[t, i] = (x[t, i] * scale) * weight[i]
 
 
+@kernel(inline="always")
+def rope_row(x, y, p, cos_table, sin_table, neox):
+    """y = x (one head's row, (D,)) rotated for position p: pairs (i * step, i * step + off) of
+    the first n_rot dims (neox: halves, off = n_rot/2; else interleaved, off = 1); y may be x.
+    Inlined, so it has its caller's fast-math flags (`rope_store` and `rope_store_quant`: the
+    same bits)."""
+    half = cos_table.shape[1]
+    step = 1 if neox else 2
+    off = half if neox else 1
+    for i in range(half):
+        c = cos_table[p, i]
+        s = sin_table[p, i]
+        i0 = i * step
+        x0 = x[i0]
+        x1 = x[i0 + off]
+        y[i0] = x0 * c - x1 * s
+        y[i0 + off] = x0 * s + x1 * c
+
+
+@kernel(inline="always")
+def rope_heads(q, t, p, cos_table, sin_table, neox):
+    """`rope_row` in place on every head of token t of q (T, H, D), for position p."""
+    for h in range(q.shape[1]):
+        rope_row(q[t, h], q[t, h], p, cos_table, sin_table, neox)
+
+
 @kernel(fastmath=True)
 def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
     """RoPE on q and k (in place) for positions start.., then k and v into the cache, in one call.
@@ -200,7 +226,7 @@ def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
     Position p goes to slot p % ring. neox: rotate halves (i, i + n_rot/2) instead of
     interleaved pairs (2i, 2i+1). Dims past n_rot are not rotated.
     """
-    n_tok, n_heads, head_dim = q.shape
+    n_tok, head_dim = q.shape[0], q.shape[2]
     n_kv = k.shape[1]
     half = cos_table.shape[1]
     ring = k_cache.shape[1]
@@ -209,15 +235,7 @@ def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
     for t in range(n_tok):
         p = start + t
         slot = p % ring
-        for h in range(n_heads):
-            for i in range(half):
-                c = cos_table[p, i]
-                s = sin_table[p, i]
-                i0 = i * step
-                x0 = q[t, h, i0]
-                x1 = q[t, h, i0 + off]
-                q[t, h, i0] = x0 * c - x1 * s
-                q[t, h, i0 + off] = x0 * s + x1 * c
+        rope_heads(q, t, p, cos_table, sin_table, neox)
         for h in range(n_kv):
             for d in range(2 * half, head_dim):  # dims past n_rot are not rotated
                 k_cache[h, slot, d] = _encode(k_cache, k[t, h, d])
@@ -231,6 +249,20 @@ def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
                 k_cache[h, slot, i0 + off] = _encode(k_cache, x0 * s + x1 * c)
             for d in range(head_dim):
                 vt_cache[h, d, slot] = _encode(vt_cache, v[t, h, d])
+
+
+@kernel(inline="always")
+def _dots4(a0, a1, a2, a3, u0, u1, u2, u3, uo, v, n):
+    """(a_r + sum_j u_r[uo + j] * v[j] for r = 0..3): four heads' dots with one row v (cache
+    elements, `_load`ed once for the four; float32 rows as they are). Inlined: the caller's
+    fast-math flags."""
+    for j in range(n):
+        x = _load(v[j])
+        a0 += u0[uo + j] * x
+        a1 += u1[uo + j] * x
+        a2 += u2[uo + j] * x
+        a3 += u3[uo + j] * x
+    return a0, a1, a2, a3
 
 
 @kernel(fastmath=True)
@@ -302,17 +334,7 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
             s0_, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
             for j in range(n_keys):
                 slot = s0 + j if j < n1 else j - n1
-                kj = k_cache[kvh, slot]  # (D,)
-                a0 = _F0
-                a1 = _F0
-                a2 = _F0
-                a3 = _F0
-                for d in range(head_dim):
-                    kd = _load(kj[d])
-                    a0 += q0[d] * kd
-                    a1 += q1[d] * kd
-                    a2 += q2[d] * kd
-                    a3 += q3[d] * kd
+                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, q0, q1, q2, q3, 0, k_cache[kvh, slot], head_dim)
                 s0_[j] = a0 * dot_scale
                 s1[j] = a1 * dot_scale
                 s2[j] = a2 * dot_scale
@@ -358,22 +380,8 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
             r = 0
             while r + 4 <= n_rep:
                 s0_, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
-                a0 = _F0
-                a1 = _F0
-                a2 = _F0
-                a3 = _F0
-                for j in range(n1):
-                    x = _load(va[j])
-                    a0 += s0_[j] * x
-                    a1 += s1[j] * x
-                    a2 += s2[j] * x
-                    a3 += s3[j] * x
-                for j in range(n2):
-                    x = _load(vb[j])
-                    a0 += s0_[n1 + j] * x
-                    a1 += s1[n1 + j] * x
-                    a2 += s2[n1 + j] * x
-                    a3 += s3[n1 + j] * x
+                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, s0_, s1, s2, s3, 0, va, n1)
+                a0, a1, a2, a3 = _dots4(a0, a1, a2, a3, s0_, s1, s2, s3, n1, vb, n2)
                 out[t, h0 + r, d] = a0 / totals[r]
                 out[t, h0 + r + 1, d] = a1 / totals[r + 1]
                 out[t, h0 + r + 2, d] = a2 / totals[r + 2]
