@@ -29,28 +29,31 @@ def f16_at(row, off, tab):
     return tab[np.int64(row[off]) | (np.int64(row[off + 1]) << 8)]
 
 
-@intrinsic
-def u32_as_f32(typingctx, bits):
-    """Reinterpret uint32 bits as a float32 (a register bitcast, no memory)."""
-    if not isinstance(bits, types.Integer):
-        return None
+def _bit_intrinsic(name: str, doc: str, accepts, result, emit):
+    """An intrinsic of one argument x, accepted when accepts(Numba type of x), returning the
+    Numba type `result` as emit(builder, llvm value of x): the bit reinterpretations below."""
 
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0], ir.FloatType())
+    def typer(typingctx, x):
+        if not accepts(x):
+            return None
 
-    return types.float32(bits), codegen
+        def codegen(context, builder, sig, args):
+            return emit(builder, args[0])
+
+        return result(x), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def f32_as_u32(typingctx, value):
-    """Reinterpret a float32 as its uint32 bits."""
-    if value != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(value), codegen
+u32_as_f32 = _bit_intrinsic(
+    "u32_as_f32", "Reinterpret uint32 bits as a float32 (a register bitcast, no memory).",
+    lambda t: isinstance(t, types.Integer), types.float32,
+    lambda b, v: b.bitcast(b.trunc(v, ir.IntType(32)) if v.type.width > 32 else v, ir.FloatType()))
+f32_as_u32 = _bit_intrinsic(
+    "f32_as_u32", "Reinterpret a float32 as its uint32 bits.",
+    lambda t: t == types.float32, types.uint32, lambda b, v: b.bitcast(v, ir.IntType(32)))
 
 
 # -- f16 values (the KV cache, fp16 weights): bits <-> float32 in registers --------------
@@ -73,28 +76,12 @@ def f16_value(h):
 HAVE_F16C = "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
 
 
-@intrinsic
-def f16c_load(typingctx, h):
-    """uint16 f16 bits -> float32 as LLVM's fpext from half (F16C: vcvtph2ps, vectorised)."""
-    if h != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(h), codegen
-
-
-@intrinsic
-def f16c_store(typingctx, x):
-    """float32 -> uint16 f16 bits as LLVM's fptrunc to half: round to nearest even (F16C: vcvtps2ph)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(x), codegen
+f16c_load = _bit_intrinsic(
+    "f16c_load", "uint16 f16 bits -> float32 as LLVM's fpext from half (F16C: vcvtph2ps, vectorised).",
+    lambda t: t == types.uint16, types.float32, lambda b, v: b.fpext(b.bitcast(v, ir.HalfType()), ir.FloatType()))
+f16c_store = _bit_intrinsic(
+    "f16c_store", "float32 -> uint16 f16 bits as LLVM's fptrunc to half: round to nearest even (F16C: vcvtps2ph).",
+    lambda t: t == types.float32, types.uint16, lambda b, v: b.bitcast(b.fptrunc(v, ir.HalfType()), ir.IntType(16)))
 
 
 @kernel
