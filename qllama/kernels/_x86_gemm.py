@@ -34,8 +34,36 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from ..gguf.types import GGML_TYPES, IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, type_name
-from ._x86 import ZMM, _I8, _I16, _I32, _I64, _dot4, _fifth_bits, _gep8, _lanes, _loop, _madd_add, _maddubs, _psign, _splat, _vec
+from ..gguf.types import (
+    GGML_TYPES,
+    IQ2_XXS,
+    IQ3_S,
+    IQ4_NL,
+    IQ4_XS,
+    Q4_0,
+    Q4_K,
+    Q5_0,
+    Q6_K,
+    Q8_0,
+    type_name,
+)
+from ._x86 import (
+    _I8,
+    _I16,
+    _I32,
+    _I64,
+    ZMM,
+    _dot4,
+    _fifth_bits,
+    _gep8,
+    _lanes,
+    _loop,
+    _madd_add,
+    _maddubs,
+    _psign,
+    _splat,
+    _vec,
+)
 from ._x86_iq import GRID_ROWS, _iq4_values, _xs_scales, odd_scale, sign_mask
 
 HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector

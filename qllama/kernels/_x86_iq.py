@@ -19,17 +19,37 @@ float32, or 2-D activations and a first token -> `N_TILE` float32s (weights unpa
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-import numpy as np
-
 from ..dequant.iq_grids import KSIGNS_IQ2XS, KVALUES_IQ4NL, grid
-from ._x86 import (_I8, _I16, _I32, _I64, _call, _dot4, _gep8, _hsum, _is_arr, _lanes, _loop, _madd_add, _maddubs, _pack,
-                   _psign, _ptr, _row_ptrs, _row_sig, _splat, _vec)
+from ._x86 import (
+    _I8,
+    _I16,
+    _I32,
+    _I64,
+    _call,
+    _dot4,
+    _gep8,
+    _hsum,
+    _is_arr,
+    _lanes,
+    _loop,
+    _madd_add,
+    _maddubs,
+    _pack,
+    _psign,
+    _ptr,
+    _row_ptrs,
+    _row_sig,
+    _splat,
+    _vec,
+)
 
 _V8F = ir.VectorType(ir.FloatType(), 8)
 _G3S32 = np.ascontiguousarray(grid(21)).view(np.uint32).reshape(-1)  # iq3_s: (512,) 4 values an entry

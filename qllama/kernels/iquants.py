@@ -20,8 +20,17 @@ from numba import prange
 from ..dequant.iq_grids import KVALUES_IQ4NL
 from ._fp16 import f16_at
 from ._x86_gemm import IQ_PACKED_BYTES, TILE_ROWS
-from ._x86_iq import (row_dot4_iq2_xxs, row_dot4_iq3_s, row_dot4_iq4_nl, row_dot4_iq4_xs, row_dot_iq2_xxs, row_dot_iq3_s,
-                      row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl)
+from ._x86_iq import (
+    row_dot4_iq2_xxs,
+    row_dot4_iq3_s,
+    row_dot4_iq4_nl,
+    row_dot4_iq4_xs,
+    row_dot_iq2_xxs,
+    row_dot_iq3_s,
+    row_dot_iq4_nl,
+    row_dot_iq4_xs,
+    tail_iq4_nl,
+)
 from ._x86_mxfp4 import row_dot4_mxfp4, row_dot_mxfp4, tail_mxfp4
 from .int8 import _over_threads, gemm
 from .jit import Variants, kernel
