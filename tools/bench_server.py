@@ -18,6 +18,11 @@ With qllama, each repetition also runs `qllama bench` tg (the same decode withou
 one token at a time) right after the server, so the server's own cost shows in the same run:
 one stream's per-stream t/s over bench tg.
 
+With llama.cpp, each repetition also measures llama.cpp's own batched decode
+(`tools/bench_lcpp_batch.py --engines llama.cpp`: k sequences per llama_decode, in a
+subprocess, at the same levels and threads): the ratio qllama's server has to reach at every
+stream count (issue 32). The table shows it beside qllama's rows.
+
 The load average is printed with every level: on a busy machine, wall-clock rates are unreliable.
 
 The ratio to one stream is what continuous batching buys: decode is bandwidth-bound, so one
@@ -187,6 +192,29 @@ def bench_tg(model: str, threads: int, n: int, n_ctx: int) -> float:
     return float(json.loads(out.stdout)["results"][0]["mean_tps"])
 
 
+def lcpp_batch(model: str, threads: int, levels: list[int], n: int) -> dict[int, float]:
+    """llama.cpp's batched-decode throughput ratio k / c(k) per level (tools/bench_lcpp_batch.py)."""
+    tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_lcpp_batch.py")
+    ks = sorted(set([1] + levels))
+    cmd = [sys.executable, tool, model, "-t", str(threads), "--ks", ",".join(map(str, ks)), "--engines", "llama.cpp",
+           "--reps", "1", "--steps", str(min(n, 16)), "--depth", "32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench_lcpp_batch failed: {out.stderr.strip()[-300:]}")
+    ratios = {}
+    for line in out.stdout.splitlines():  # | llama.cpp | k | step ms | c(k) | throughput | ...
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5 and cells[0] == "llama.cpp" and cells[1].isdigit():
+            ratios[int(cells[1])] = float(cells[4])
+    return ratios
+
+
+def lcpp_ratio(batched: list[dict[int, float]], streams: int) -> str:
+    """The median over repetitions of llama.cpp's batched ratio at this many sequences, or ""."""
+    got = [r[streams] for r in batched if streams in r]
+    return f"{statistics.median(got):.2f}" if got else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -199,6 +227,7 @@ def main() -> None:
     ap.add_argument("--no-llama-cpp", action="store_true", help="only qllama")
     ap.add_argument("--no-late", action="store_true", help="skip the late-joiner TTFT")
     ap.add_argument("--no-bench-tg", action="store_true", help="skip the `qllama bench` tg run of each repetition")
+    ap.add_argument("--no-lcpp-batch", action="store_true", help="skip llama.cpp's batched decode (bench_lcpp_batch.py)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
@@ -209,19 +238,29 @@ def main() -> None:
             if kind == "qllama":
                 srv = qllama_server(a.model, a.threads, max(levels) + 1, a.ctx_size)
             else:
-                srv = llama_cpp_server(a.model, a.threads, a.ctx_size)
-            try:
-                run_level(srv.url, 1, 4, a.prompt_words, late=False)  # warm-up (kernels, caches)
-                for streams in levels:
-                    row = run_level(srv.url, streams, a.max_tokens, a.prompt_words, late=not a.no_late,
-                                    pid=srv.proc.pid)
-                    row.update(server=kind, rep=rep)
-                    rows.append(row)
-                    print(f"{kind:9s} rep {rep} streams {streams}: {row['agg_tps']:.2f} t/s aggregate, "
-                          f"TTFT median {row['ttft_med']:.2f} s, {row['cpu_ms']:.1f} CPU ms/token, "
-                          f"load {row['load']:.1f}", file=sys.stderr, flush=True)
-            finally:
-                srv.stop()
+                try:
+                    srv = llama_cpp_server(a.model, a.threads, a.ctx_size)
+                except RuntimeError as e:  # e.g. llama-cpp-python without its [server] extra
+                    print(f"llama.cpp server not measured: {e}", file=sys.stderr, flush=True)
+                    srv = None
+            if srv is not None:
+                try:
+                    run_level(srv.url, 1, 4, a.prompt_words, late=False)  # warm-up (kernels, caches)
+                    for streams in levels:
+                        row = run_level(srv.url, streams, a.max_tokens, a.prompt_words, late=not a.no_late,
+                                        pid=srv.proc.pid)
+                        row.update(server=kind, rep=rep)
+                        rows.append(row)
+                        print(f"{kind:9s} rep {rep} streams {streams}: {row['agg_tps']:.2f} t/s aggregate, "
+                              f"TTFT median {row['ttft_med']:.2f} s, {row['cpu_ms']:.1f} CPU ms/token, "
+                              f"load {row['load']:.1f}", file=sys.stderr, flush=True)
+                finally:
+                    srv.stop()
+            if kind == "llama.cpp" and not a.no_lcpp_batch:
+                ratios = lcpp_batch(a.model, a.threads, levels, a.max_tokens)
+                rows.append({"server": "lcpp-batch", "rep": rep, "ratios": ratios, "load": os.getloadavg()[0]})
+                print(f"llama.cpp batched decode rep {rep}: " + ", ".join(f"{k} seq {r:.2f}x" for k, r in ratios.items())
+                      + f", load {rows[-1]['load']:.1f}", file=sys.stderr, flush=True)
             if kind == "qllama" and not a.no_bench_tg:
                 tg = bench_tg(a.model, a.threads, a.max_tokens, a.ctx_size)
                 rows.append({"server": "bench", "rep": rep, "tg": tg, "load": os.getloadavg()[0]})
@@ -234,20 +273,23 @@ def main() -> None:
     print(f"\nmodel {os.path.basename(a.model)}, {a.threads} threads, {a.max_tokens} tokens per stream, "
           f"{a.prompt_words}-word prompts, medians over {a.repetitions} repetition(s), "
           f"load average {min(loads):.1f}-{max(loads):.1f}\n")
+    batched = [r["ratios"] for r in rows if r["server"] == "lcpp-batch"]
     print("| server | streams | aggregate t/s | x one stream | per-stream t/s | TTFT median s | TTFT max s "
-          "| late joiner TTFT s | server CPU ms/token | tokens per CPU-s x one stream |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| late joiner TTFT s | server CPU ms/token | tokens per CPU-s x one stream | llama.cpp batched decode x one |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kind in kinds:
         base = base_cpu = None
         for streams in levels:
             mine = [r for r in rows if r["server"] == kind and r["streams"] == streams]
+            if not mine:  # (the llama.cpp server did not start)
+                continue
             med = {k: statistics.median(r[k] for r in mine) for k in
                    ("agg_tps", "stream_tps", "ttft_med", "ttft_max", "ttft_late", "cpu_ms")}
             base = base or med["agg_tps"]
             base_cpu = base_cpu or med["cpu_ms"]
             print(f"| {kind} | {streams} | {med['agg_tps']:.2f} | {med['agg_tps'] / base:.2f} | "
                   f"{med['stream_tps']:.2f} | {med['ttft_med']:.2f} | {med['ttft_max']:.2f} | {med['ttft_late']:.2f} | "
-                  f"{med['cpu_ms']:.1f} | {base_cpu / med['cpu_ms']:.2f} |")
+                  f"{med['cpu_ms']:.1f} | {base_cpu / med['cpu_ms']:.2f} | {lcpp_ratio(batched, streams)} |")
     tg = [r["tg"] for r in rows if r["server"] == "bench"]
     one = [r["stream_tps"] for r in rows if r["server"] == "qllama" and r["streams"] == 1]
     if tg and one:
