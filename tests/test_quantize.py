@@ -207,8 +207,8 @@ def test_choose_tensor_type_rules():
 
 
 def test_choose_tensor_type_rules_of_the_low_bit_presets():
-    """llama_tensor_get_type's rules for Q2_K, Q3_K_S/M/L, IQ4_NL and IQ4_XS, by hand."""
-    from qllama.gguf.types import IQ4_NL, IQ4_XS, Q2_K, Q3_K
+    """llama_tensor_get_type's rules for Q2_K, Q3_K_S/M/L, IQ4_NL, IQ4_XS, IQ3_S and IQ3_M, by hand."""
+    from qllama.gguf.types import IQ3_S, IQ4_NL, IQ4_XS, Q2_K, Q3_K
 
     c = choose_tensor_type
     assert c("blk.0.attn_q.weight", (4096, 4096), "Q2_K", 32) == Q2_K
@@ -236,6 +236,15 @@ def test_choose_tensor_type_rules_of_the_low_bit_presets():
     assert [c(f"blk.{i}.ffn_down.weight", (11008, 4096), "IQ4_NL", 32) for i in (3, 4)] == [Q5_K, IQ4_NL]
     assert c("blk.3.ffn_down.weight", (11008, 4096), "IQ4_NL", 32, has_imatrix=True) == IQ4_NL
     assert c("blk.3.ffn_down.weight", (11008, 4096), "Q4_0", 32, has_imatrix=True) == Q4_1
+    assert c("blk.3.attn_q.weight", (4096, 4096), "IQ3_S", 32) == IQ3_S
+    assert c("blk.3.attn_v.weight", (4096, 1024), "IQ3_S", 32) == IQ3_S
+    assert c("blk.3.attn_v.weight", (4096, 1024), "IQ3_S", 32, n_gqa=4) == Q4_K
+    assert c("blk.3.attn_v.weight", (4096, 1024), "IQ3_M", 32) == Q4_K
+    assert [c(f"blk.{i}.ffn_down.weight", (11008, 4096), "IQ3_M", 32) for i in (3, 4)] == [Q4_K, IQ3_S]
+    assert c("blk.9.attn_output.weight", (4096, 4096), "IQ3_M", 32) == Q4_K
+    assert c("blk.9.attn_output.weight", (4096, 4096), "IQ3_S", 32) == IQ3_S
+    assert c("blk.9.attn_output.weight", (4096, 4096), "IQ3_S", 32, n_expert=8) == Q5_K
+    assert c("blk.9.ffn_down.weight", (10976, 4096), "IQ3_S", 32) == IQ4_NL  # iq3_s cannot hold 10976
 
 
 def test_mix_equals_llama_cpp_q4_k_m():

@@ -20,13 +20,13 @@ import pytest
 from qllama import quantize as qz
 from qllama.errors import QllamaError
 from qllama.gguf.reader import GGUFFile
-from qllama.gguf.types import GGML_TYPES, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, type_name
+from qllama.gguf.types import GGML_TYPES, IQ3_S, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, type_name
 from qllama.quantize.blocks import quantize_chunk
 
 from test_iquants import _ggml_cpu
 from test_quantize import F32_MODEL, _llama_quantize, _need, _rows, _write_model
 
-NEW_PRESETS = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_NL", "IQ4_XS"]
+NEW_PRESETS = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
 
 
 def ggml_quantize_chunk(type_id: int, x: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
@@ -58,7 +58,7 @@ def _awkward_rows(seed: int) -> np.ndarray:
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("type_id", [IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K], ids=type_name)
+@pytest.mark.parametrize("type_id", [IQ4_NL, IQ4_XS, IQ3_S, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K], ids=type_name)
 def test_chunk_bytes_equal_ggml(type_id):
     x = _awkward_rows(type_id)
     np.testing.assert_array_equal(quantize_chunk(x, type_id), ggml_quantize_chunk(type_id, x))
@@ -104,7 +104,7 @@ def _importance(seed: int, ne0: int) -> np.ndarray:
     return w
 
 
-WEIGHTED = [IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1]
+WEIGHTED = [IQ4_NL, IQ4_XS, IQ3_S, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1]
 
 
 @pytest.mark.oracle

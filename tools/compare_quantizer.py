@@ -1,12 +1,16 @@
 """Compare qllama's quantizer with llama.cpp's on the same f32 model, tensor by tensor.
 
     python tools/compare_quantizer.py F32.gguf PRESET [--reference REF.gguf] [--ppl TEXT] [--chunks 8]
+                                      [--repeat N] [--imatrix FILE] [--threads T]
 
 The reference is either a file llama.cpp quantized (--reference) or, when llama-cpp-python is
 installed, made here with llama_cpp.llama_model_quantize. For each tensor it prints both types,
 the share of byte-identical blocks and the ratio of round-trip RMSEs (ours / llama.cpp's, both
 decoded with gguf-py's dequantizer); with --ppl it also has llama.cpp load both files and
 compute perplexity on TEXT (chunks of 128 tokens, the second half of each chunk scored).
+--repeat N times both quantizers N more times, alternately (A B A B), and prints the medians;
+--imatrix FILE quantizes ours with llama.cpp's importance matrix (the reference then has to be
+given with --reference: llama-cpp-python cannot pass a matrix); --threads: llama.cpp's nthread.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ from qllama.gguf.reader import GGUFFile  # noqa: E402
 from qllama.quantize import get_preset, quantize_gguf  # noqa: E402
 
 
-def llama_quantize(src: Path, dst: Path, ftype: int) -> None:
+def llama_quantize(src: Path, dst: Path, ftype: int, nthread: int = 2) -> None:
     """Quantize with llama.cpp itself (no imatrix)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
-    params.nthread = 2
+    params.nthread = nthread
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise SystemExit("llama_model_quantize failed")
 
@@ -70,21 +74,38 @@ def main() -> None:
     ap.add_argument("--reference", type=Path, help="llama.cpp's quantization of F32 (default: make one with llama-cpp-python)")
     ap.add_argument("--ppl", type=Path, help="text file: also compare llama.cpp perplexities of both files")
     ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=0, help="time both quantizers N more times, A B A B")
+    ap.add_argument("--imatrix", type=Path, help="llama.cpp's importance matrix for our quantization")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp's nthread")
     args = ap.parse_args()
     preset = get_preset(args.preset)
+    if args.imatrix and args.reference is None:
+        raise SystemExit("--imatrix needs --reference (llama-cpp-python cannot give llama.cpp a matrix)")
 
     with tempfile.TemporaryDirectory() as tmp:
         ours = Path(tmp) / "ours.gguf"
-        t0 = time.perf_counter()
-        quantize_gguf(args.f32, ours, preset.name)
-        t_ours = time.perf_counter() - t0
+
+        def run_ours() -> float:
+            t0 = time.perf_counter()
+            quantize_gguf(args.f32, ours, preset.name, force=True, imatrix=args.imatrix)
+            return time.perf_counter() - t0
+
+        def run_theirs() -> float:
+            t0 = time.perf_counter()
+            llama_quantize(args.f32, Path(tmp) / "llama_cpp.gguf", preset.ftype, args.threads)
+            return time.perf_counter() - t0
+
+        t_ours = run_ours()  # (the first run compiles the kernels on a cold cache)
         ref = args.reference
         if ref is None:
             ref = Path(tmp) / "llama_cpp.gguf"
-            t0 = time.perf_counter()
-            llama_quantize(args.f32, ref, preset.ftype)
-            print(f"llama.cpp quantized in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+            print(f"llama.cpp quantized in {run_theirs():.2f} s", file=sys.stderr)
         print(f"qllama quantized in {t_ours:.2f} s", file=sys.stderr)
+        if args.repeat:
+            times = [(run_ours(), run_theirs()) for _ in range(args.repeat)]
+            mo, mt = (float(np.median([t[k] for t in times])) for k in (0, 1))
+            print(f"A B A B x{args.repeat}: qllama median {mo:.2f} s, llama.cpp ({args.threads} threads) median "
+                  f"{mt:.2f} s, ratio {mo / mt:.2f}", file=sys.stderr)
 
         f, a, b = GGUFFile(args.f32), GGUFFile(ours), GGUFFile(ref)
         print(f"{'tensor':32s} {'ours':>6s} {'llama':>6s} {'same blocks':>11s} {'rmse ours/llama':>15s}")
