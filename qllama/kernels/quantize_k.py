@@ -944,15 +944,12 @@ def quantize_iq3s(has_w, grid, kmap, neigh, x, qw, out, dd):
     """iq3_s super-blocks: x (nb, 256) float32 -> out (nb, 110) uint8 but the fp16 d, dd (nb, 1); grid
     (512, 4) the grid's odd values, kmap (4096,) a 12-bit code's grid index or -(its neighbour list
     offset + 1), neigh the lists (count, indices...); qw (nb, 256) read when has_w."""
-    weight = np.empty(32, np.float32)
-    waux = np.empty(32, np.float32)
-    xval = np.empty(32, np.float32)
-    L = np.empty(32, np.int64)
-    Laux = np.empty(32, np.int64)
-    on_grid = np.empty(8, np.bool_)
-    on_aux = np.empty(8, np.bool_)
-    signs = np.empty(4, np.int64)
-    scales = np.empty(8, np.float32)
+    f = np.empty((4, 32), np.float32)  # scratch: weight, waux, xval, scales (8)
+    n = np.empty((3, 32), np.int64)  # L, Laux, signs (4)
+    flags = np.empty((2, 8), np.bool_)  # on_grid, on_aux
+    weight, waux, xval, scales = f[0], f[1], f[2], f[3, :8]
+    L, Laux, signs = n[0], n[1], n[2, :4]
+    on_grid, on_aux = flags[0], flags[1]
     for ib in range(x.shape[0]):
         _iq3s_block(x[ib], qw[ib], has_w, out[ib], dd, ib, grid, kmap, neigh, weight, waux, xval, L, Laux, on_grid,
                     on_aux, signs, scales)
