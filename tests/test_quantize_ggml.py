@@ -151,3 +151,27 @@ def test_tiny_model_with_imatrix_equals_ggml(tmp_path, preset):
             qw = sums[name][0] / np.float32(c) if c > 0 else np.ones(x.shape[1], np.float32)
         ref = ggml_quantize_chunk(t.type_id, x, qw)
         assert bytes(out.tensor_bytes(name)) == ref.tobytes(), (name, t.type_name)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("preset", IMATRIX_PRESETS)
+def test_tiny_model_with_imatrix_file_equals_llama_cpp(tmp_path, preset):
+    """The whole file, quantized with a matrix, equals llama.cpp's `llama_model_quantize` given the
+    same matrix (the values llama-quantize passes: sums / counts, ones where a count is 0): the
+    per-tensor type choices that depend on a matrix, and every tensor's bytes."""
+    from qllama.quantize.imatrix import write_imatrix
+    from test_iquants import llama_cpp_quantize
+
+    src, ours, theirs = tmp_path / "in.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    weights = _write_model(src, nested=False, tied=True)
+    sums, counts, values = {}, {}, {}
+    for i, (name, x) in enumerate(weights.items()):
+        if x.ndim == 2:
+            sums[name] = (_importance(i, x.shape[1]) * 7)[None, :]  # (1, ne0)
+            counts[name] = np.array([0.0 if name == "blk.2.ffn_up.weight" else 7.0], np.float32)
+            c = counts[name][0]
+            values[name] = sums[name][0] / np.float32(c) if c > 0 else np.ones(x.shape[1], np.float32)
+    write_imatrix(tmp_path / "imatrix.gguf", sums, counts)
+    qz.quantize_gguf(src, ours, preset, imatrix=tmp_path / "imatrix.gguf")
+    llama_cpp_quantize(src, theirs, qz.PRESETS[preset].ftype, imatrix=values)
+    _assert_same_tensors(ours, theirs)
