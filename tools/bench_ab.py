@@ -3,7 +3,9 @@ tree, medians of each test, and the ratio after / before. For "same speed" claim
 that must not move speed (a refactor): make a worktree of the old commit and pass both trees.
 
     git worktree add /tmp/before <commit>
-    python tools/bench_ab.py MODEL --before /tmp/before --after . [-r 4] -- -p 128 -n 64 -t 1,2
+    python tools/bench_ab.py --before /tmp/before [--after .] [-r 4] MODEL -- -p 128 -n 64 -t 1,2
+
+(the options first: argparse takes what follows MODEL and `--` as qllama bench's arguments)
 
 Each run is a fresh process (`python -m qllama bench --json -r 3 ...` with PYTHONPATH set to its
 tree); each tree compiles into its own kernel cache directory (the digest of its sources).
@@ -28,11 +30,13 @@ def main() -> None:
     ap.add_argument("bench_args", nargs="*", help="arguments of qllama bench (after --)")
     a = ap.parse_args()
     trees = {"before": os.path.abspath(a.before), "after": os.path.abspath(a.after)}
+    # a file path is made absolute (each run's working directory is its tree); a model name stays
+    model = os.path.abspath(a.model) if os.path.exists(a.model) else a.model
     res: dict[str, dict[str, list[float]]] = {k: {} for k in trees}
     for r in range(a.rounds):
         for name, tree in trees.items():
             env = {**os.environ, "PYTHONPATH": tree}
-            out = subprocess.run([sys.executable, "-m", "qllama", "bench", a.model, "--json", "-r", "3", *a.bench_args],
+            out = subprocess.run([sys.executable, "-m", "qllama", "bench", model, "--json", "-r", "3", *a.bench_args],
                                  cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
             if out.returncode:
                 sys.exit(f"error: qllama bench failed in {tree}: {out.stderr.strip().splitlines()[-1:]}")
