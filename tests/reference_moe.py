@@ -264,3 +264,24 @@ def greedy_departure(llm, tr, prompt: list[int], n: int) -> tuple[int | None, li
         ours.append(int(np.argmax(row)))
         row = tr.forward([ours[-1]], cache)[0]
     return next((i for i in range(n) if ours[i] != theirs[i]), None), margins
+
+
+def moe_files(root: Path, cases: dict):
+    """name -> path of the file `tools.make_moe` writes for cases[name], written once on first use."""
+    import functools
+
+    from tools.make_moe import write_moe
+
+    @functools.cache
+    def get(name: str) -> str:
+        path = root / f"{name}.gguf"
+        write_moe(path, cases[name])
+        return str(path)
+
+    return get
+
+
+def rel_err(got, ref) -> float:
+    """Largest absolute difference over the largest magnitude of the reference."""
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import qllama
-from reference_moe import GptOssReference, greedy_departure, yarn_rope
+from reference_moe import GptOssReference, greedy_departure, moe_files, rel_err, yarn_rope
 from tools.make_moe import moe_spec, write_moe
 
 EXACT_KV = dict(type_k="f32", type_v="f32")
@@ -33,24 +33,11 @@ N_TOKENS = 48  # beyond the window (16) and the YaRN original context (64) in th
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gptoss")
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            write_moe(root / f"{name}.gguf", CASES[name])
-            made[name] = str(root / f"{name}.gguf")
-        return made[name]
-
-    return get
+    return moe_files(tmp_path_factory.mktemp("gptoss"), CASES)
 
 
 def _ids(model, n: int = N_TOKENS, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, model.n_vocab, size=n).tolist()
-
-
-def rel_err(got, ref) -> float:
-    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
 def test_the_family_reads_the_file(files):

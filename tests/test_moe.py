@@ -25,7 +25,7 @@ import pytest
 import qllama
 from conftest import REPO
 from qllama.errors import QllamaError
-from reference_moe import MoeReference, greedy_departure
+from reference_moe import MoeReference, greedy_departure, moe_files, rel_err
 from tools.make_moe import moe_spec, write_moe
 
 FLOAT_TOL = 1e-4
@@ -59,25 +59,11 @@ QUANT = [n for n in CASES if n.endswith("-q4k")]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            path = root / f"{name}.gguf"
-            write_moe(path, CASES[name])
-            made[name] = str(path)
-        return made[name]
-
-    return get
+    return moe_files(tmp_path_factory.mktemp("moe"), CASES)
 
 
 def _ids(model, n: int = N_TOKENS, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, model.n_vocab, size=n).tolist()
-
-
-def rel_err(got, ref) -> float:
-    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.mark.parametrize("name", list(CASES))
