@@ -10,7 +10,6 @@ llama-cpp-python when installed (marked oracle).
 from __future__ import annotations
 
 import ctypes
-import math
 from pathlib import Path
 
 import gguf
@@ -24,6 +23,7 @@ from qllama.errors import GGUFError, QllamaError, UnsupportedError
 from qllama.gguf.types import BF16, F16, F32, GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from qllama.gguf.reader import GGUFFile, ValueType
 from qllama.quantize import choose_tensor_type, plan_quantization, quantize_array, quantize_gguf, use_more_bits
+from tools.compare_quantizer import perplexity as llama_cpp_perplexity
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 F32_MODEL = SHARED / "models" / "shakespeare-spm-f32.gguf"
@@ -530,24 +530,6 @@ def test_oracle_same_types_and_rmse_as_llama_cpp(tmp_path, preset):
         assert ea <= eb * 1.01, (name, ea, eb)
 
 
-def _llama_cpp_ppl(llama_cpp, path: Path, text: str, n_ctx: int = 128, n_chunks: int = 8) -> float:
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, n_threads=2)
-    toks = llm.tokenize(text.encode(), add_bos=True)
-    nll, count = 0.0, 0
-    for c in range(min(n_chunks, len(toks) // n_ctx)):
-        chunk = toks[c * n_ctx : (c + 1) * n_ctx]
-        chunk[0] = llm.token_bos()
-        llm.reset()
-        llm.eval(chunk)
-        logits = np.asarray(llm.scores[:n_ctx], np.float64)  # (n_ctx, n_vocab)
-        for i in range(n_ctx // 2, n_ctx - 1):
-            row = logits[i]
-            m = row.max()
-            nll += m + math.log(np.exp(row - m).sum()) - row[chunk[i + 1]]
-            count += 1
-    return math.exp(nll / count)
-
-
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_oracle_llama_cpp_loads_our_file_and_perplexity_within_2pct(tmp_path):
@@ -557,6 +539,6 @@ def test_oracle_llama_cpp_loads_our_file_and_perplexity_within_2pct(tmp_path):
     ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
     quantize_gguf(src, ours, "Q4_K_M")
     _llama_quantize(llama_cpp, src, theirs, qz.PRESETS["Q4_K_M"].ftype)
-    ppl_ours = _llama_cpp_ppl(llama_cpp, ours, text)
-    ppl_theirs = _llama_cpp_ppl(llama_cpp, theirs, text)
+    ppl_ours = llama_cpp_perplexity(ours, text)
+    ppl_theirs = llama_cpp_perplexity(theirs, text)
     assert abs(ppl_ours / ppl_theirs - 1) < 0.02, (ppl_ours, ppl_theirs)
