@@ -248,27 +248,47 @@ def _legacy_weighted(x: np.ndarray, type_id: int, imatrix: np.ndarray) -> np.nda
     return np.concatenate(parts, axis=1)
 
 
+def grid_tables(levels: np.ndarray, bits: int, nwant: int, n_levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's iq2xs_init_impl / iq3xs_init_impl map and neighbour lists for a grid of points given by
+    their levels (n_points, k) (0 .. n_levels - 1 each; ggml's values are 2 level + 1): kmap
+    (2 ** (bits k),) maps the code sum(level_i << bits i) of a point to its index, and a code off
+    the grid (levels < n_levels) to -(offset + 1) of its list in neigh: the count, then the grid
+    points within its nwant nearest squared distances, by distance then index (ggml's qsort)."""
+    n_points, k = levels.shape
+    shifts = bits * np.arange(k)  # (k,)
+    kmap = np.full(1 << (bits * k), -1, np.int64)
+    kmap[(levels.astype(np.int64) << shifts).sum(axis=1)] = np.arange(n_points)
+    # every code of levels < n_levels in increasing order (ggml also lists unreachable codes: never read)
+    digits = np.indices((n_levels,) * k).reshape(k, -1)[::-1].T  # (n_levels ** k, k), digit 0 fastest
+    codes = (digits << shifts).sum(axis=1)
+    order = np.argsort(codes)
+    codes, digits = codes[order], digits[order]
+    off = kmap[codes] < 0
+    codes, digits = codes[off], digits[off]
+    neigh: list[np.ndarray] = []
+    at = 0
+    for c0 in range(0, len(codes), 256):  # in slices: (256, n_points) distances at a time
+        d2 = ((digits[c0:c0 + 256, None, :] - levels[None, :, :].astype(np.int64)) ** 2).sum(axis=2)
+        by = np.argsort(d2, axis=1, kind="stable")  # by distance, then index
+        s = np.take_along_axis(d2, by, axis=1)
+        rank = np.cumsum(np.diff(s, axis=1, prepend=s[:, :1]) > 0, axis=1)  # distinct distances before
+        counts = (rank < nwant).sum(axis=1)
+        for r in range(len(by)):
+            kmap[codes[c0 + r]] = -(at + 1)
+            neigh.append(np.concatenate([[counts[r]], by[r, :counts[r]]]))
+            at += counts[r] + 1
+    return kmap, np.concatenate(neigh).astype(np.int64)
+
+
 def _iq3s_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ggml's iq3xs_init_impl(512): the grid (512, 4) of odd values 1..15, the map of each 12-bit
-    code of 4 levels (0..7) to its grid index, or for a code off the grid to -(offset + 1) of its
-    neighbour list: the grid points within its 3 nearest squared distances, by distance then index."""
+    code of 4 levels (0..7) to its grid index or neighbour list (`grid_tables`, 3 distances)."""
     global _IQ3S
     if _IQ3S is None:
         from ..dequant.iq_grids import grid
 
         g = grid(IQ3_S).astype(np.int64)  # (512, 4)
-        kmap = np.full(4096, -1, np.int64)
-        kmap[(((g - 1) // 2) << (3 * np.arange(4))).sum(axis=1)] = np.arange(512)
-        codes = np.arange(4096)
-        pos = 2 * ((codes[:, None] >> (3 * np.arange(4))) & 7) + 1  # (4096, 4)
-        neigh: list[int] = []
-        for i in np.nonzero(kmap < 0)[0]:
-            d2 = ((g - pos[i]) ** 2).sum(axis=1)  # (512,)
-            order = np.lexsort((np.arange(512), d2))
-            near = order[d2[order] <= np.unique(d2)[:3].max()]
-            kmap[i] = -(len(neigh) + 1)
-            neigh += [len(near), *near.tolist()]
-        _IQ3S = (g, kmap, np.array(neigh, np.int64))
+        _IQ3S = (g, *grid_tables((g - 1) // 2, 3, 3, 8))
     return _IQ3S
 
 
