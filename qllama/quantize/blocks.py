@@ -23,8 +23,8 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
-                          Q5_K, Q6_K, Q8_0, type_name)
+from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ1_M, IQ1_S, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K,
+                          Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TQ1_0, TQ2_0, type_name)
 
 _F32 = np.float32
 
@@ -185,7 +185,7 @@ def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
 _MIN_BLOCKS_PER_THREAD = 256
 _pool: ThreadPoolExecutor | None = None
 # where each kernel's fp16 block scales (d, and dmin) go in the block, and how many there are
-_SCALE_FIELDS = {IQ3_S: (0, 1), Q2_K: (80, 2), Q3_K: (108, 1), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, 1), IQ4_NL: (0, 1), IQ4_XS: (0, 1)}
+_SCALE_FIELDS = {IQ3_S: (0, 1), TQ1_0: (52, 1), TQ2_0: (64, 1), IQ1_S: (0, 1), IQ1_M: (0, 0), Q2_K: (80, 2), Q3_K: (108, 1), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, 1), IQ4_NL: (0, 1), IQ4_XS: (0, 1)}
 
 
 def _run_blocks(kernel, type_id: int, b: np.ndarray, *per_block: np.ndarray) -> np.ndarray:
@@ -302,6 +302,40 @@ def _iq3s(b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     return _run_blocks(partial(quantize_iq3s, qw is not None, *_iq3s_tables()), IQ3_S, b, _weights_or_none(b, qw))
 
 
+def _tq(type_id: int, b: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_tq1_0_ref / tq2_0_ref on super-blocks b (nb, 256) (no importance weights)."""
+    from ..kernels import quantize_iq1 as k
+
+    return _run_blocks(k.quantize_tq1_0 if type_id == TQ1_0 else k.quantize_tq2_0, type_id, b)
+
+
+def _iq1_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's iq2xs_init_impl for iq1_s / iq1_m: the 2048-point grid as levels 0..2 (2048, 8), the map
+    of 16-bit codes and the neighbour lists (3 distances) of the off-grid codes of levels 0..2."""
+    global _IQ1
+    if _IQ1 is None:
+        from ..dequant.iq_grids import grid
+
+        levels = grid(IQ1_S).astype(np.int64) + 1  # (2048, 8): the grid's -1, 0, 1 as levels
+        _IQ1 = (levels, *grid_tables(levels, 2, 3, 3))
+    return _IQ1
+
+
+_IQ1: tuple | None = None
+
+
+def _iq1(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """ggml's quantize_iq1_s / quantize_iq1_m on super-blocks b (nb, 256) with importance weights qw
+    (nb, 256); iq1_s cannot do without them (ggml asserts), iq1_m weighs by x^2 then."""
+    from ..kernels import quantize_iq1 as k
+
+    if qw is None and type_id == IQ1_S:
+        raise UnsupportedError("iq1_s needs importance weights (an importance matrix)")
+    if type_id == IQ1_S:
+        return _run_blocks(partial(k.quantize_iq1_s, *_iq1_tables()), IQ1_S, b, qw)
+    return _run_blocks(partial(k.quantize_iq1_m, qw is not None, *_iq1_tables()), IQ1_M, b, _weights_or_none(b, qw))
+
+
 # type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8: the row
 # references (ggml's quantize_row_*_ref: the KV cache and activations use these)
 _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
@@ -309,16 +343,17 @@ _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     Q5_0: _quantize_q5_0, Q5_1: _quantize_q5_1, IQ4_NL: _quantize_iq4_nl, MXFP4: _quantize_mxfp4,
     **{t: partial(_kquant, t) for t in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}, IQ4_XS: partial(_iq4, IQ4_XS),
     IQ3_S: _iq3s,
+    TQ1_0: partial(_tq, TQ1_0), TQ2_0: partial(_tq, TQ2_0), IQ1_S: partial(_iq1, IQ1_S), IQ1_M: partial(_iq1, IQ1_M),
 }
 # where ggml_quantize_chunk (what llama-quantize writes into files) differs from the row reference:
 # iq4_nl searches its scales there
 _CHUNK_QUANTIZERS = {**_BLOCK_QUANTIZERS, IQ4_NL: partial(_iq4, IQ4_NL)}
 # the types whose chunk quantizer takes importance weights (qw=, (nb, block) float32)
-WEIGHTED_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S)
+WEIGHTED_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ1_S, IQ1_M)
 # and the 32-blocks whose weights depend on the whole row: (nmax, with a min)
 _LEGACY_WEIGHTED = {Q4_0: (8, False), Q5_0: (16, False), Q4_1: (15, True), Q5_1: (31, True)}
 # and those that ignore a matrix, as ggml does
-_IGNORE_WEIGHTS = (F32, F16, BF16, Q8_0, MXFP4)
+_IGNORE_WEIGHTS = (F32, F16, BF16, Q8_0, MXFP4, TQ1_0, TQ2_0)
 FLOAT_TYPES = (F32, F16, BF16)
 QUANTIZABLE_TYPES = FLOAT_TYPES + tuple(_BLOCK_QUANTIZERS)
 CHUNK_ELEMENTS = 1 << 22  # rows are processed in chunks of about this many values (bounds temporaries)
