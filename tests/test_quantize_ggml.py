@@ -26,7 +26,7 @@ from qllama.quantize.blocks import quantize_chunk
 from test_iquants import _ggml_cpu
 from test_quantize import F32_MODEL, _llama_quantize, _need, _rows, _write_model
 
-NEW_PRESETS = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
+NEW_PRESETS = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0"]
 
 
 def ggml_quantize_chunk(type_id: int, x: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:

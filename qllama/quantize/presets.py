@@ -9,8 +9,8 @@ import re
 from typing import Iterable, NamedTuple
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
-                          Q5_K, Q6_K, Q8_0)
+from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, MXFP4,
+                          Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TQ1_0, TQ2_0)
 from .blocks import FLOAT_TYPES
 
 
@@ -32,10 +32,11 @@ PRESETS: dict[str, Preset] = {name: Preset(name, ftype, t) for name, ftype, t in
     ("IQ4_NL", 25, IQ4_NL), ("IQ4_XS", 30, IQ4_XS),
     ("Q2_K_S", 21, Q2_K),  # needs an importance matrix
     ("IQ3_S", 26, IQ3_S), ("IQ3_M", 27, IQ3_S),
+    ("TQ1_0", 36, TQ1_0), ("TQ2_0", 37, TQ2_0),
 )}
 NEEDS_IMATRIX = ("Q2_K_S",)
 # llama-quantize's presets qllama cannot write yet (the i-quant grid searches)
-NOT_YET = ("IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
+NOT_YET = ("IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
 
 
 def needs_imatrix_message(name: str) -> str:
@@ -56,7 +57,19 @@ def get_preset(name: str) -> Preset:
 
 
 # When ne0 is not a multiple of a k-quant's 256, llama.cpp falls back to a 32-block type.
-_FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, IQ3_S: IQ4_NL, IQ4_XS: IQ4_NL, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}  # (the pinned llama.cpp)
+_FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, TQ1_0: Q4_0, TQ2_0: Q4_0, IQ3_S: IQ4_NL, IQ1_S: IQ4_NL, IQ1_M: IQ4_NL, IQ4_XS: IQ4_NL, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}  # (the pinned llama.cpp)
+
+# the presets of llama.cpp's very-low-bit i-quant mix (one branch of llama_tensor_get_type)
+_LOW_BIT_IQ = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
+
+
+def tensor_requires_imatrix(name: str, dst_type: int, preset: str) -> bool:
+    """llama.cpp's tensor_requires_imatrix: the grid i-quants (and q2_K in a Q2_K_S file) need
+    importance weights, except in token_embd / output."""
+    if name in ("token_embd.weight", "output.weight"):
+        return False
+    return dst_type in (IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_M, IQ1_S) or (dst_type == Q2_K and preset == "Q2_K_S")
+
 
 # Substrings of weight names llama.cpp never quantizes (besides 1-D tensors and *_norm.weight).
 _NEVER_QUANTIZED = (
@@ -125,10 +138,33 @@ def choose_tensor_type(
     elif name == "output.weight" or (tied_embeddings and name == "token_embd.weight"):
         if ne0 % GGML_TYPES[new].block_size:
             new = Q8_0
+        elif ft in _LOW_BIT_IQ or ft == "IQ3_XXS":
+            new = Q5_K
         elif new != Q8_0:
             new = Q6_K
     elif name == "token_embd.weight":
-        pass  # the preset's default type
+        if ft in ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"):
+            new = Q2_K
+        elif ft in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
+            new = IQ3_S
+        elif ft in ("TQ1_0", "TQ2_0"):
+            new = Q4_K
+    elif ft in _LOW_BIT_IQ:
+        iq2_sm = ft in ("IQ2_S", "IQ2_M")
+        if any(s in name for s in ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")):
+            new = Q4_K if n_gqa >= 4 or n_expert >= 4 else (IQ3_S if iq2_sm else Q2_K)
+        elif n_expert == 8 and "attn_k.weight" in name:
+            new = Q4_K
+        elif "ffn_down" in name:
+            if i < n_layers // 8:
+                new = IQ3_S if iq2_sm else Q2_K
+        elif "attn_output.weight" in name:
+            if n_expert == 8:
+                new = Q5_K
+            elif ft in ("IQ1_S", "IQ1_M"):
+                new = IQ2_XXS
+            elif iq2_sm:
+                new = IQ3_S
     elif any(s in name for s in ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")):
         n = n_attn_v if n_attn_v is not None else n_layers
         if ft == "Q2_K":
