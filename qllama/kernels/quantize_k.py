@@ -249,8 +249,8 @@ def _make_qp_quants(n, nmax, x, L, qw):
         l = min(nmax, nearest_int(iscale * x[i]))
         L[i] = l & 0xFF
         w = qw[i]
-        sumlx += w * x[i] * _F32(L[i])
-        suml2 += w * _F32(L[i]) * _F32(L[i])
+        sumlx += w * x[i] * _F32(l)  # l, not L[i]: the C sums the int (iq2_xxs gives it a negative x)
+        suml2 += w * _F32(l) * _F32(l)
     for itry in range(5):
         n_changed = 0
         for i in range(n):
@@ -808,20 +808,21 @@ def quantize_legacy_weighted(nmax, with_min, x, qw, L, dm):
 
 @kernel(inline="always")
 def _iq3_best_neighbour(neigh, at, grid, xval, waux, off, scale, L):
-    """ggml's iq3_find_best_neighbour: of the grid points listed at neigh[at] (count, then indices),
-    the one nearest scale * point to xval[off:off+4] (weights waux); its levels to L[off:off+4]."""
+    """ggml's iq3_find_best_neighbour (iq2_find_best_neighbour for a grid of 8): of the grid points
+    listed at neigh[at] (count, then indices), the one nearest scale * point to xval[off:off+m]
+    (weights waux; m = grid.shape[1]); its levels to L[off:off+m]."""
     best_d2 = np.float32(3.4028234663852886e38)
     gi = -1
     for j in range(1, neigh[at] + 1):
         g = neigh[at + j]
         d2 = _F32(0)
-        for i in range(4):
+        for i in range(grid.shape[1]):
             diff = scale * _F32(grid[g, i]) - xval[off + i]
             d2 += waux[off + i] * diff * diff
         if d2 < best_d2:
             best_d2 = d2
             gi = g
-    for i in range(4):
+    for i in range(grid.shape[1]):
         L[off + i] = (grid[gi, i] - 1) // 2
     return gi
 
@@ -839,10 +840,10 @@ def _iq3_levels(xval, off, inv, L):
 
 @kernel(inline="always")
 def _iq3_fit(weight, xval, L):
-    """(sum w x q, sum w q^2) over a block of 32, q = 2 L + 1."""
+    """(sum w x q, sum w q^2) over a block (L's length), q = 2 L + 1."""
     sumqx = _F32(0)
     sumq2 = _F32(0)
-    for i in range(32):
+    for i in range(L.shape[0]):
         q = _F32(2 * L[i] + 1)
         sumqx += weight[i] * xval[i] * q
         sumq2 += weight[i] * q * q
