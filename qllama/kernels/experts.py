@@ -18,8 +18,15 @@ then out[t] = ys[t, 0] + ys[t, 1] + ... in slot order.
 Every step is the kernel (row kernels, gemms, act_quant row functions, glu) the unfused path
 calls, by its address (`jit.call_address`: compiled once, not again in here), and the float
 steps are the same operations in the same order, so the bits are those of the unfused path and
-a prompt's rows equal a decoded token's. Matrices run over the threads as int8.py's do (one
-chunk of rows per thread; none at one thread), gate and up in one parallel region.
+a prompt's rows equal a decoded token's.
+
+Threads: the call gathers every (token, slot) row by expert into one scratch (row p of xq, g, u,
+y ...), then runs three phases, each one parallel region over all the chosen experts (none at
+one thread): gate|up (each expert's units split evenly over the threads, as int8.py splits a
+matrix), biases + act + quantize (rows over the threads; on the calling thread below
+ACT_PARALLEL_ROWS rows), and down, where each thread owns a range of output columns for every
+expert and so also applies the weights and the slot sums of its columns. A decoded token pays
+2 fork/joins per layer instead of 2 k, a 64-token prompt 3 instead of ~250.
 
 Shapes: hq/hd/hs (T, n_embd) the activation in gate/up's form; raw_g/raw_u (n_expert, n_ff,
 row bytes), raw_d (n_expert, n_embd, row bytes) uint8; biases (n_expert, width) float32 or
@@ -37,6 +44,7 @@ from .jit import call_address, kernel
 _NOPY = dict(boundscheck=False)
 SWIGLU_OAI_ALPHA = np.float32(1.702)
 SWIGLU_OAI_LIMIT = np.float32(7.0)
+ACT_PARALLEL_ROWS = 32  # rows (tokens x k) from which biases, act and quantize take a parallel region too
 
 
 @kernel(**_NOPY)
@@ -51,47 +59,109 @@ def swiglu_oai(gate, up, out, act):
             out[t, i] = x / (one + np.exp(SWIGLU_OAI_ALPHA * -x)) * (y + one)
 
 
+@kernel(**_NOPY)
+def _pick(rows_address, gemm_address, tile_rows, gemm_from, n_tok):
+    """(address, rows per unit) of an expert's matrix for n_tok tokens: its gemm (units of
+    tile_rows rows) when there is one and n_tok >= gemm_from, else its row kernel (rows)."""
+    if gemm_address != 0 and n_tok >= gemm_from:
+        return gemm_address, tile_rows
+    return rows_address, np.int64(1)
+
+
+@kernel(**_NOPY)
+def _gate_up_chunk(c, n_chunks, ids, bounds, raw_g, raw_u, xq, xd, xs, tab, g, u, rows_address, gemm_address,
+                   tile_rows, gemm_from):
+    """Chunk c of n_chunks of every chosen expert's gate|up units, taken end to end per expert:
+    g[p0:p1] = xq[p0:p1] raw_g[e]^T and the same for u, for expert e = ids[j]'s rows p0:p1."""
+    for j in range(ids.shape[0]):
+        e, p0, p1 = ids[j], bounds[j], bounds[j + 1]
+        address, unit = _pick(rows_address, gemm_address, tile_rows, gemm_from, p1 - p0)
+        units = raw_g.shape[1] // unit
+        per = (2 * units + n_chunks - 1) // n_chunks
+        lo, hi = c * per, min(2 * units, (c + 1) * per)
+        if lo < min(hi, units):
+            call_address(address, raw_g[e], xq[p0:p1], xd[p0:p1], xs[p0:p1], tab, g[p0:p1], np.int64(lo),
+                         np.int64(min(hi, units)))
+        if hi > max(lo, units):
+            call_address(address, raw_u[e], xq[p0:p1], xd[p0:p1], xs[p0:p1], tab, u[p0:p1],
+                         np.int64(max(lo, units) - units), np.int64(hi - units))
+
+
+@kernel(**_NOPY)
+def _act_chunk(c, n_chunks, row_e, bias_g, bias_u, g, u, act_address, act, quant_address, gq, gd, gs):
+    """Rows of chunk c of g, u (P, n_ff): the biases of their experts (row_e (P,)) added, g =
+    act(g, u), g quantized into (gq, gd, gs), row by row as the kernels do for any batch."""
+    n = g.shape[0]
+    per = (n + n_chunks - 1) // n_chunks
+    p0, p1 = c * per, min(n, (c + 1) * per)
+    if p0 >= p1:
+        return
+    for b, y in ((bias_g, g), (bias_u, u)):
+        if b.shape[0] != 0:
+            for p in range(p0, p1):
+                for i in range(y.shape[1]):
+                    y[p, i] = y[p, i] + b[row_e[p], i]
+    call_address(act_address, g[p0:p1], u[p0:p1], g[p0:p1], act)
+    for p in range(p0, p1):
+        call_address(quant_address, g, np.int64(p), gq, gd, gs)
+
+
+@kernel(**_NOPY)
+def _down_chunk(c, n_chunks, ids, bounds, at, w, raw_d, bias_d, gq, gd, gs, tab, y, out, rows_address, gemm_address,
+                tile_rows, gemm_from):
+    """Columns [r0, r1) of chunk c (whole tiles) for every chosen expert: y[p0:p1] = down_e gq
+    (+ bias) times each row's weight; then out[t, r0:r1] = the token's k weighted rows summed in
+    slot order (at (T, k): the row of y holding token t's slot s)."""
+    n_embd = raw_d.shape[1]
+    per = ((n_embd + tile_rows - 1) // tile_rows + n_chunks - 1) // n_chunks * tile_rows
+    r0, r1 = c * per, min(n_embd, (c + 1) * per)
+    if r0 >= r1:
+        return
+    n_tok, k = w.shape
+    for j in range(ids.shape[0]):
+        e, p0, p1 = ids[j], bounds[j], bounds[j + 1]
+        address, unit = _pick(rows_address, gemm_address, tile_rows, gemm_from, p1 - p0)
+        call_address(address, raw_d[e], gq[p0:p1], gd[p0:p1], gs[p0:p1], tab, y[p0:p1], np.int64(r0 // unit),
+                     np.int64(r1 // unit))
+        if bias_d.shape[0] != 0:
+            for p in range(p0, p1):
+                for i in range(r0, r1):
+                    y[p, i] = y[p, i] + bias_d[e, i]
+    for t in range(n_tok):
+        for s in range(k):
+            p = at[t, s]
+            ws = w[t, s]
+            for i in range(r0, r1):
+                y[p, i] = y[p, i] * ws
+        for i in range(r0, r1):
+            out[t, i] = y[at[t, 0], i]
+        for s in range(1, k):  # slot order, as llama.cpp's adds
+            p = at[t, s]
+            for i in range(r0, r1):
+                out[t, i] = out[t, i] + y[p, i]
+
+
+@kernel(**_NOPY)
+def _phase(phase, c, n_chunks, a):
+    """Chunk c of n_chunks of phase 0 (gate|up), 1 (biases, act, quantize) or 2 (down, weights,
+    sums); a: experts_ffn's arrays and addresses (one tuple: the three phases share them)."""
+    (ids, bounds, at, w, row_e, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, xq, xd, xs, tab, g, u, gq, gd, gs, y,
+     out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from, act_address, act, quant_address) = a
+    if phase == 0:
+        _gate_up_chunk(c, n_chunks, ids, bounds, raw_g, raw_u, xq, xd, xs, tab, g, u, rows_gu, gemm_gu, tile_rows,
+                       gemm_from)
+    elif phase == 1:
+        _act_chunk(c, n_chunks, row_e, bias_g, bias_u, g, u, act_address, act, quant_address, gq, gd, gs)
+    else:
+        _down_chunk(c, n_chunks, ids, bounds, at, w, raw_d, bias_d, gq, gd, gs, tab, y, out, rows_d, gemm_d,
+                    tile_rows, gemm_from)
+
+
 @kernel(parallel=True, **_NOPY)
-def _units(address, raw_a, out_a, raw_b, out_b, both, xq, xd, xs, tab, n_units, n_threads):
-    """Units (rows or row groups) 0..n_units-1 of matrix a, then (both) of matrix b, taken end to
-    end in one chunk per thread, each chunk by the serial kernel at address."""
-    total = 2 * n_units if both else n_units
-    n_chunks = max(1, min(total, n_threads))
-    per = (total + n_chunks - 1) // n_chunks
+def _over_threads(phase, n_chunks, a):
+    """One parallel region: the n_chunks chunks of a phase, one per thread."""
     for c in prange(n_chunks):
-        lo, hi = c * per, min(total, (c + 1) * per)
-        if lo < n_units:
-            call_address(address, raw_a, xq, xd, xs, tab, out_a, np.int64(lo), np.int64(min(hi, n_units)))
-        if hi > n_units:
-            call_address(address, raw_b, xq, xd, xs, tab, out_b, np.int64(max(lo, n_units) - n_units),
-                         np.int64(hi - n_units))
-
-
-@kernel(**_NOPY)
-def _matmul(rows_address, gemm_address, tile_rows, gemm_from, raw_a, out_a, raw_b, out_b, both, xq, xd, xs, tab,
-            n_threads):
-    """out_a (n, rows) = xa raw_a^T and (both) the same for b, in one parallel
-    region (none at one thread): the gemm (groups of tile_rows rows) when there is one and n >=
-    gemm_from, else the row kernel."""
-    address, units = rows_address, raw_a.shape[0]
-    if gemm_address != 0 and xq.shape[0] >= gemm_from:
-        address, units = gemm_address, units // tile_rows
-    if n_threads > 1:
-        _units(address, raw_a, out_a, raw_b, out_b, both, xq, xd, xs, tab, units, n_threads)
-        return
-    call_address(address, raw_a, xq, xd, xs, tab, out_a, np.int64(0), np.int64(units))
-    if both:
-        call_address(address, raw_b, xq, xd, xs, tab, out_b, np.int64(0), np.int64(units))
-
-
-@kernel(**_NOPY)
-def _add_bias(y, b, e):
-    """y (n, width) += b[e] (a bias row of (n_expert, width); none when b is empty)."""
-    if b.shape[0] == 0:
-        return
-    for i in range(y.shape[0]):
-        for c in range(y.shape[1]):
-            y[i, c] = y[i, c] + b[e, c]
+        _phase(phase, c, n_chunks, a)
 
 
 @kernel(**_NOPY)
@@ -105,45 +175,33 @@ def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bi
     function of down's form; dd_like, ds_like: (1, n_ff / per_d), (1, n_ff / per_sum) arrays of
     that form (their shapes and dtypes make the scratch's)."""
     n_tok, k = w.shape
-    n_embd, n_ff = raw_d.shape[1], raw_g.shape[1]
-    ys = np.empty((n_tok, k, n_embd), np.float32)  # (T, k, n_embd) each slot's weighted output
+    n_pos, n_ff, n_embd = pos.shape[0], raw_g.shape[1], raw_d.shape[1]
+    # row p of every scratch below is flat position pos[p]: each expert's tokens are rows bounds[j]:bounds[j + 1]
+    xq = np.empty((n_pos, hq.shape[1]), hq.dtype)  # (P, n_embd) the activation rows gathered
+    xd = np.empty((n_pos, hd.shape[1]), hd.dtype)
+    xs = np.empty((n_pos, hs.shape[1]), hs.dtype)
+    row_e = np.empty(n_pos, np.int64)  # (P,) the row's expert
+    at = np.empty((n_tok, k), np.int64)  # (T, k) the row of token t's slot s
     for j in range(ids.shape[0]):
-        e = ids[j]
-        p0, p1 = bounds[j], bounds[j + 1]
-        n = p1 - p0
-        xq = np.empty((n, hq.shape[1]), hq.dtype)  # (n, n_embd) the rows of its tokens
-        xd = np.empty((n, hd.shape[1]), hd.dtype)
-        xs = np.empty((n, hs.shape[1]), hs.dtype)
-        for i in range(n):
-            t = pos[p0 + i] // k
-            xq[i] = hq[t]
-            xd[i] = hd[t]
-            xs[i] = hs[t]
-        g = np.empty((n, n_ff), np.float32)
-        u = np.empty((n, n_ff), np.float32)
-        _matmul(rows_gu, gemm_gu, tile_rows, gemm_from, raw_g[e], g, raw_u[e], u, True, xq, xd, xs, tab, n_threads)
-        _add_bias(g, bias_g, e)
-        _add_bias(u, bias_u, e)
-        call_address(act_address, g, u, g, act)
-        gq = np.empty((n, n_ff), np.int8)  # g in down's activation form
-        gd = np.empty((n, dd_like.shape[1]), dd_like.dtype)
-        gs = np.empty((n, ds_like.shape[1]), ds_like.dtype)
-        for i in range(n):
-            call_address(quant_address, g, np.int64(i), gq, gd, gs)
-        y = np.empty((n, n_embd), np.float32)
-        _matmul(rows_d, gemm_d, tile_rows, gemm_from, raw_d[e], y, raw_d[e], y, False, gq, gd, gs, tab, n_threads)
-        _add_bias(y, bias_d, e)
-        for i in range(n):
-            t, s = pos[p0 + i] // k, pos[p0 + i] % k
-            ws = w[t, s]
-            for c in range(n_embd):
-                ys[t, s, c] = y[i, c] * ws
-    for t in range(n_tok):  # slot order, as llama.cpp's adds
-        for c in range(n_embd):
-            out[t, c] = ys[t, 0, c]
-        for s in range(1, k):
-            for c in range(n_embd):
-                out[t, c] = out[t, c] + ys[t, s, c]
+        for p in range(bounds[j], bounds[j + 1]):
+            t = pos[p] // k
+            xq[p], xd[p], xs[p] = hq[t], hd[t], hs[t]
+            row_e[p] = ids[j]
+            at[t, pos[p] % k] = p
+    g = np.empty((n_pos, n_ff), np.float32)  # (P, n_ff) gate, then act(gate, up)
+    u = np.empty((n_pos, n_ff), np.float32)
+    gq = np.empty((n_pos, n_ff), np.int8)  # g in down's activation form
+    gd = np.empty((n_pos, dd_like.shape[1]), dd_like.dtype)
+    gs = np.empty((n_pos, ds_like.shape[1]), ds_like.dtype)
+    y = np.empty((n_pos, n_embd), np.float32)  # (P, n_embd) each row's down, then times its weight
+    a = (ids, bounds, at, w, row_e, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, xq, xd, xs, tab, g, u, gq, gd, gs,
+         y, out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from, act_address, act, quant_address)
+    for phase in range(3):
+        n_chunks = n_threads if phase != 1 or n_pos >= ACT_PARALLEL_ROWS else 1
+        if n_chunks > 1:
+            _over_threads(np.int64(phase), np.int64(n_chunks), a)
+        else:
+            _phase(np.int64(phase), np.int64(0), np.int64(1), a)
 
 
 def row_kernels(type_id: int):
