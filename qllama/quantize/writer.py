@@ -15,9 +15,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import GGUFError, OutputExistsError, QllamaError, UnsupportedError
-from ..gguf.types import BF16, GGML_TYPES, Q2_K, type_name
+from ..gguf.types import BF16, GGML_TYPES, type_name
 from .blocks import CHUNK_ELEMENTS, FLOAT_TYPES, bf16_to_f32, quantize_chunk
-from .presets import NEEDS_IMATRIX, choose_tensor_type, get_preset, needs_imatrix_message
+from .presets import NEEDS_IMATRIX, choose_tensor_type, get_preset, needs_imatrix_message, tensor_requires_imatrix
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def _quantize_tensor(g, t, pl: TensorPlan, imatrix, preset: str) -> np.ndarray:
     n_mat = pl.shape[2] if len(pl.shape) > 2 else 1
     rows_per_mat = n_rows // n_mat
     qw = imatrix.for_tensor(pl.name, ne0, n_mat) if imatrix is not None else None  # (n_mat, ne0) or None
-    if qw is None and pl.dst_type == Q2_K and preset in NEEDS_IMATRIX and pl.name != "token_embd.weight":
+    if qw is None and tensor_requires_imatrix(pl.name, pl.dst_type, get_preset(preset).name):
         raise QllamaError(f"the importance matrix has no entry for {pl.name}, which {preset} needs")
     data = np.empty((n_rows, GGML_TYPES[pl.dst_type].row_bytes(ne0)), np.uint8)
     step = max(1, CHUNK_ELEMENTS // max(ne0, 1))
