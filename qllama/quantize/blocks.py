@@ -23,8 +23,8 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ1_M, IQ1_S, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K,
-                          Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TQ1_0, TQ2_0, type_name)
+from ..gguf.types import (BF16, F16, F32, GGML_TYPES, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS,
+                          MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TQ1_0, TQ2_0, type_name)
 
 _F32 = np.float32
 
@@ -185,7 +185,7 @@ def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
 _MIN_BLOCKS_PER_THREAD = 256
 _pool: ThreadPoolExecutor | None = None
 # where each kernel's fp16 block scales (d, and dmin) go in the block, and how many there are
-_SCALE_FIELDS = {IQ3_S: (0, 1), TQ1_0: (52, 1), TQ2_0: (64, 1), IQ1_S: (0, 1), IQ1_M: (0, 0), Q2_K: (80, 2), Q3_K: (108, 1), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, 1), IQ4_NL: (0, 1), IQ4_XS: (0, 1)}
+_SCALE_FIELDS = {IQ3_S: (0, 1), IQ3_XXS: (0, 1), IQ2_XXS: (0, 1), IQ2_XS: (0, 1), IQ2_S: (0, 1), TQ1_0: (52, 1), TQ2_0: (64, 1), IQ1_S: (0, 1), IQ1_M: (0, 0), Q2_K: (80, 2), Q3_K: (108, 1), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, 1), IQ4_NL: (0, 1), IQ4_XS: (0, 1)}
 
 
 def _run_blocks(kernel, type_id: int, b: np.ndarray, *per_block: np.ndarray) -> np.ndarray:
@@ -336,6 +336,28 @@ def _iq1(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarra
     return _run_blocks(partial(k.quantize_iq1_m, qw is not None, *_iq1_tables()), IQ1_M, b, _weights_or_none(b, qw))
 
 
+# iq3_xxs, iq2_xxs, iq2_xs, iq2_s: (bits per level, neighbour distances, levels) of ggml's init_impl
+_GRID_SEARCH = {IQ3_XXS: (3, 2, 8), IQ2_XXS: (2, 2, 3), IQ2_XS: (2, 2, 3), IQ2_S: (2, 1, 3)}
+_GRID_TABLES: dict[int, tuple] = {}
+
+
+def _grid_search(type_id: int, b: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """ggml's quantize_iq3_xxs / iq2_xxs / iq2_xs / iq2_s on super-blocks b (nb, 256) with importance
+    weights qw (nb, 256) or None (iq2_xxs / iq2_xs cannot do without: ggml asserts)."""
+    from ..dequant.iq_grids import grid
+    from ..kernels.quantize_iq2 import quantize_grid
+
+    if qw is None and type_id in (IQ2_XXS, IQ2_XS):
+        raise UnsupportedError(f"{type_name(type_id)} needs importance weights (an importance matrix)")
+    if type_id not in _GRID_TABLES:
+        values = grid(type_id)  # (n, 4 or 8) the dequantization values; their rank is the level
+        levels = np.searchsorted(np.unique(values), values).astype(np.int64)
+        bits, nwant, n_levels = _GRID_SEARCH[type_id]
+        _GRID_TABLES[type_id] = (2 * levels + 1, *grid_tables(levels, bits, nwant, n_levels))
+    kernel = partial(quantize_grid, type_id, qw is not None, *_GRID_TABLES[type_id])
+    return _run_blocks(kernel, type_id, b, _weights_or_none(b, qw))
+
+
 # type id -> function (n_blocks, block_size) float32 -> (n_blocks, type_size) uint8: the row
 # references (ggml's quantize_row_*_ref: the KV cache and activations use these)
 _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
@@ -344,12 +366,13 @@ _BLOCK_QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     **{t: partial(_kquant, t) for t in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}, IQ4_XS: partial(_iq4, IQ4_XS),
     IQ3_S: _iq3s,
     TQ1_0: partial(_tq, TQ1_0), TQ2_0: partial(_tq, TQ2_0), IQ1_S: partial(_iq1, IQ1_S), IQ1_M: partial(_iq1, IQ1_M),
+    **{t: partial(_grid_search, t) for t in _GRID_SEARCH},
 }
 # where ggml_quantize_chunk (what llama-quantize writes into files) differs from the row reference:
 # iq4_nl searches its scales there
 _CHUNK_QUANTIZERS = {**_BLOCK_QUANTIZERS, IQ4_NL: partial(_iq4, IQ4_NL)}
 # the types whose chunk quantizer takes importance weights (qw=, (nb, block) float32)
-WEIGHTED_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ1_S, IQ1_M)
+WEIGHTED_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ1_S, IQ1_M, *_GRID_SEARCH)
 # and the 32-blocks whose weights depend on the whole row: (nmax, with a min)
 _LEGACY_WEIGHTED = {Q4_0: (8, False), Q5_0: (16, False), Q4_1: (15, True), Q5_1: (31, True)}
 # and those that ignore a matrix, as ggml does

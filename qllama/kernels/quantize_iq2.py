@@ -1,0 +1,227 @@
+"""Grid-search quantizers of iq3_xxs, iq2_xxs, iq2_xs and iq2_s: ggml's quantize_row_*_impl.
+
+Each block of 16 or 32 values is split into signs (8 per byte; iq3_xxs / iq2_xxs / iq2_xs keep an
+even number of minus signs by flipping the least important value) and magnitudes, which are fitted
+as scale * (2 L + 1) with every group of 4 (iq3) or 8 (iq2) levels L a point of the type's grid:
+a sweep of trial scales, each group rounded to its code and, off the grid, moved to the nearest of
+the code's listed neighbours (`quantize.blocks.grid_tables`, ggml's iq2xs_init_impl /
+iq3xs_init_impl), then a final requantization at the best scale. The sub-block scales become 4-bit
+multiples of the super-block's fp16 d. Float32 step by step as the C code, so the bytes equal
+ggml's (`quantize_k`'s typing rule).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..gguf.types import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_XXS
+from .jit import kernel
+from .quantize_k import _importance, _iq3_best_neighbour, _iq3_fit, _make_qp_quants, _sum_squares, nearest_int
+
+_F32 = np.float32
+
+# =============================================================================================
+# The kernels. Per block: weights, signs, the trial scales, the requantization, the packing.
+# =============================================================================================
+
+@kernel(inline="always")
+def _signs(xb, off, weight, xval, k, even):
+    """Group k of 8 values xb[off + 8k:]: magnitudes to xval[8k:], the sign bits returned. even:
+    an odd count of minus signs flips the value of least weight * x^2 (ggml keeps 7 bits)."""
+    s = 0
+    nflip = 0
+    for i in range(8):
+        v = xb[off + 8 * k + i]
+        if v >= _F32(0):
+            xval[8 * k + i] = v
+        else:
+            xval[8 * k + i] = -v
+            s |= 1 << i
+            nflip += 1
+    if even and nflip % 2:
+        imin = 0
+        mn = weight[8 * k] * xb[off + 8 * k] * xb[off + 8 * k]
+        for i in range(1, 8):
+            ax = weight[8 * k + i] * xb[off + 8 * k + i] * xb[off + 8 * k + i]
+            if ax < mn:
+                mn = ax
+                imin = i
+        xval[8 * k + imin] = -xval[8 * k + imin]
+        s ^= 1 << imin
+    return s & 127 if even else s
+
+
+@kernel(inline="always")
+def _levels(xval, off, m, bits, kmax, inv, L):
+    """The m levels nearest inv * xval[off:] (0..kmax) into L[off:], and their code."""
+    u = 0
+    for i in range(m):
+        l = max(0, min(kmax, nearest_int(_F32(0.5) * (inv * xval[off + i] - _F32(1)))))
+        L[off + i] = l
+        u |= l << (bits * i)
+    return u
+
+
+@kernel(inline="always")
+def _code(L, off, m, bits):
+    u = 0
+    for i in range(m):
+        u |= L[off + i] << (bits * i)
+    return u
+
+
+@kernel
+def _fit_grid(weight, waux, xval, grid, kmap, neigh, bits, kmax, mx, base, step, nstep, scale, on_grid0, all_groups,
+              L, Laux, on_grid, on_aux):
+    """Block magnitudes xval (16 or 32) as scale * (2 L + 1), groups of m = grid.shape[1] levels on
+    the grid: the trial scales (base + is * step) / mx, is = -nstep..nstep, each group's code or its
+    best listed neighbour, the weighted fit (kept when better); then, if a group of the kept trial
+    was off the grid, those groups (every group when all_groups) again at the fitted scale, and the
+    fit. on_grid0 -1 (iq2_xxs): requantize every group whenever the scale is positive. Returns the
+    scale (scale: the one before the trials); the levels in L."""
+    m = grid.shape[1]
+    ng = xval.shape[0] // m
+    best = _F32(0)
+    for k in range(ng):
+        on_grid[k] = on_grid0 > 0
+    for s in range(-nstep, nstep + 1):
+        inv = (_F32(base) + _F32(s) * step) / mx
+        this_scale = _F32(1) / inv
+        for k in range(ng):
+            u = _levels(xval, m * k, m, bits, kmax, inv, Laux)
+            on_aux[k] = kmap[u] >= 0
+            if kmap[u] < 0:
+                _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, m * k, this_scale, Laux)
+        sumqx, sumq2 = _iq3_fit(weight, xval, Laux)
+        if sumq2 > _F32(0) and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            L[:] = Laux
+            on_grid[:] = on_aux
+    if (on_grid0 >= 0 and on_grid.all()) or not scale > _F32(0):
+        return scale
+    inv = _F32(1) / scale
+    for k in range(ng):
+        if on_grid[k] and not all_groups:
+            continue
+        u = _levels(xval, m * k, m, bits, kmax, inv, L)
+        if kmap[u] < 0:
+            _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, m * k, scale, L)
+    sumqx, sumq2 = _iq3_fit(weight, xval, L)
+    if sumq2 > _F32(0):
+        scale = sumqx / sumq2
+    return scale
+
+
+@kernel(inline="always")
+def _sub_scales(scales, nsub, d):
+    """Sub-block scale b as a 4-bit l: scale ~ d (2 l + 1)... nearest_int(0.5 (scale / d - 1))."""
+    inv = _F32(1) / d
+    for b in range(nsub):
+        scales[b] = max(0, min(15, nearest_int(_F32(0.5) * (inv * scales[b] - _F32(1)))))
+
+
+@kernel(inline="always")
+def _put(o, at, v, nbytes):
+    """v as nbytes little-endian bytes at o[at:]."""
+    for i in range(nbytes):
+        o[at + i] = (v >> (8 * i)) & 255
+
+
+@kernel
+def _grid_block(type_id, xbl, qw, has_w, o, dd, ib, grid, kmap, neigh, f, n, flags):
+    """One super-block xbl (256,) of type_id -> o (type_size,) but d, left as float32 in dd[ib]."""
+    o[:] = 0
+    dd[ib, 0] = _F32(0)
+    iq3 = type_id == IQ3_XXS
+    bs = 16 if type_id == IQ2_XS or type_id == IQ2_S else 32  # values per sub-block (one scale)
+    nsub = 256 // bs
+    m = grid.shape[1]
+    bits, kmax = (3, 7) if iq3 else (2, 2)
+    weight, waux, xval, scales = f[0, :bs], f[1, :bs], f[2, :bs], f[3, :nsub]
+    L, Laux, signs, words = n[0, :bs], n[1, :bs], n[2, :bs // 8], n[3, :nsub]
+    on_grid, on_aux = flags[0, :bs // m], flags[1, :bs // m]
+    sumx2 = _sum_squares(xbl, 256)
+    sigma2 = sumx2 / _F32(256) if type_id == IQ2_XXS or type_id == IQ2_XS else _F32(2) * sumx2 / _F32(256)
+    eps = _F32(1e-15) if type_id == IQ2_XXS or type_id == IQ2_XS else _F32(1e-8)
+    max_scale = _F32(0)
+    for b in range(nsub):
+        off = bs * b
+        words[b] = 0
+        scales[b] = _F32(0)
+        L[:] = 0  # (kept when no trial scale fits: a block too small to square)
+        if has_w:
+            _importance(xbl, off, bs, qw, sigma2, weight)
+        elif type_id == IQ2_S:
+            for i in range(bs):
+                weight[i] = _F32(0.25) * sigma2 + xbl[off + i] * xbl[off + i]
+        else:
+            for i in range(bs):
+                weight[i] = xbl[off + i] * xbl[off + i]
+        for i in range(bs):
+            waux[i] = np.sqrt(weight[i])
+        for k in range(bs // 8):
+            signs[k] = _signs(xbl, off, weight, xval, k, type_id != IQ2_S)
+        mx = xval[0]
+        for i in range(1, bs):
+            mx = xval[i] if xval[i] > mx else mx
+        if mx < eps:
+            continue
+        if type_id == IQ2_XXS:  # a first fit of the magnitudes on 0..3, then trials around it
+            scale = _make_qp_quants(bs, 4, xval, L, weight)
+            eff_max = scale * _F32(3)
+            if eff_max <= _F32(0):
+                continue
+            scale = _fit_grid(weight, waux, xval, grid, kmap, neigh, bits, kmax, eff_max, 5, _F32(0.1), 6, scale, -1,
+                              True, L, Laux, on_grid, on_aux)
+        elif iq3:
+            scale = _fit_grid(weight, waux, xval, grid, kmap, neigh, bits, kmax, mx, 15, _F32(0.2), 15, mx / _F32(15),
+                              1, False, L, Laux, on_grid, on_aux)
+        else:
+            scale = _fit_grid(weight, waux, xval, grid, kmap, neigh, bits, kmax, mx, 5, _F32(0.1), 9, mx / _F32(5),
+                              1, False, L, Laux, on_grid, on_aux)
+        if scale < _F32(0):  # (ggml: should never happen) a positive scale, the signs flipped
+            scale = -scale
+            for k in range(bs // 8):
+                signs[k] = ~signs[k] & (0xFF if type_id == IQ2_S else 127)
+        for k in range(bs // m):
+            gi = kmap[_code(L, m * k, m, bits)]
+            if type_id == IQ2_XXS or iq3:
+                o[2 + 8 * b + k] = gi  # one byte per group (iq2_xxs: then a 4-byte word of signs and scale)
+            elif type_id == IQ2_XS:
+                _put(o, 2 + 4 * b + 2 * k, gi | (signs[k] << 9), 2)  # a uint16 per group
+            else:  # iq2_s: low bytes, then signs, then the 2 high bits of each group's index
+                i8 = 2 * b + k
+                o[2 + i8] = gi & 255
+                o[34 + i8] = signs[k]
+                o[66 + i8 // 4] |= (gi >> 8) << (2 * (i8 % 4))
+        if type_id == IQ2_XXS or iq3:
+            words[b] = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
+        scales[b] = scale
+        max_scale = scale if scale > max_scale else max_scale
+    if max_scale == _F32(0):
+        o[:] = 0
+        return
+    d = max_scale / _F32(31)
+    dd[ib, 0] = d * _F32(1.0125) if iq3 else d * _F32(0.9875) if type_id == IQ2_S else d
+    _sub_scales(scales, nsub, d)
+    for b in range(nsub):
+        l = np.int64(scales[b])
+        if type_id == IQ2_XXS:
+            _put(o, 6 + 8 * b, words[b] | (l << 28), 4)
+        elif iq3:
+            _put(o, 66 + 4 * b, words[b] | (l << 28), 4)
+        else:  # iq2_xs / iq2_s: 4 bits per sub-block after qs (and qh)
+            o[(66 if type_id == IQ2_XS else 74) + b // 2] |= l << (4 * (b % 2))
+
+
+@kernel(nogil=True)
+def quantize_grid(type_id, has_w, grid, kmap, neigh, x, qw, out, dd):
+    """iq3_xxs / iq2_xxs / iq2_xs / iq2_s super-blocks: x (nb, 256) float32 -> out (nb, type_size)
+    uint8 but the fp16 d, dd (nb, 1); grid, kmap, neigh: `grid_tables(type_id)`; qw (nb, 256) the
+    importance weights, read when has_w (iq2_xxs / iq2_xs need them)."""
+    f = np.empty((4, 32), np.float32)  # scratch: weight, waux, xval, sub-block scales
+    n = np.empty((4, 32), np.int64)  # L, Laux, signs, sign words
+    flags = np.empty((2, 8), np.bool_)  # on_grid, on_aux
+    for ib in range(x.shape[0]):
+        _grid_block(type_id, x[ib], qw[ib], has_w, out[ib], dd, ib, grid, kmap, neigh, f, n, flags)
