@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ..gguf.types import (
     GGML_TYPES,
@@ -84,12 +84,14 @@ _D0, _QUANTS0 = 0, 32
 # type id -> scratch bytes per block of TILE_ROWS rows (the 8-row layouts above, HALVES times)
 PACKED_BYTES = {Q4_K: 2624 * HALVES, Q6_K: 2592 * HALVES, Q4_0: 288 * HALVES, Q5_0: 288 * HALVES, Q8_0: 288 * HALVES}
 # scratch bytes per iq4_xs super-block of 8 rows: d (8 f32), 8 scale vectors (lane r = ls_rj - 32
-# as an i16 in both halves), then 64 vectors of transposed kvalues (sub-blocks j, byte quads k)
-_DX4, _SCALESX4, _QUANTSX4 = 0, 32, 288
+# as an i16 in both halves), 8 x 8 sign masks (512-bit ISA: sub-block j, quad k: an i32, bit 4r + i
+# set where byte i of row r's quad is negative; the two halves' side by side, one kmovq), then
+# 64 vectors of transposed kvalues (sub-blocks j, byte quads k; on a 512-bit ISA their absolute values)
+_DX4, _SCALESX4, _MASKSX4, _QUANTSX4 = 0, 32, 288, 544
 # the i-quants' gemms (`kernels/iquants.py` drives them); iq4_nl's unit is a pair of blocks, each
 # laid out as q4_0's (d, 8 quad vectors of signed kvalues); iq3_s and iq2_xxs as iq4_xs (their
 # 32-element chunks' scales 2s + 1, the grid values with their signs)
-IQ_PACKED_BYTES = {IQ4_XS: 2336 * HALVES, IQ4_NL: 576 * HALVES, IQ3_S: 2336 * HALVES, IQ2_XXS: 2336 * HALVES}
+IQ_PACKED_BYTES = {IQ4_XS: 2592 * HALVES, IQ4_NL: 576 * HALVES, IQ3_S: 2592 * HALVES, IQ2_XXS: 2592 * HALVES}
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -146,7 +148,8 @@ def _load(builder, ty, p, off):
 def _pack_codegen(context, builder, signature, args, block_bytes, packed_bytes, pack_half):
     """A pack intrinsic (raw, r0, nb, pack): for each block b, `pack_half(blks, put)` for each 8
     rows r0+8h.. (blks: i8* to block b of each; put(v, off): store the 32-byte vector v at offset
-    off of the 8-row layout, which lands at HALVES * off + 32h of the block's scratch)."""
+    off of the 8-row layout, which lands at HALVES * off + 32h of the block's scratch; put(v, off,
+    step=4): a 4-byte v at HALVES * off + 4h, next to the other half's)."""
     raw = context.make_array(signature.args[0])(context, builder, args[0])
     r0, nb = args[1], args[2]
     pack = context.make_array(signature.args[3])(context, builder, args[3])
@@ -159,18 +162,19 @@ def _pack_codegen(context, builder, signature, args, block_bytes, packed_bytes, 
         dst = builder.gep(pbase, [builder.mul(b, _c64(packed_bytes))])
         for h in range(HALVES):
             blks = [builder.gep(p, [builder.mul(b, _c64(block_bytes))]) for p in rowps[8 * h:8 * h + 8]]
-            pack_half(blks, lambda v, off, h=h: _store(builder, v, dst, _in_half(builder, off, h)))
+            pack_half(blks, lambda v, off, step=32, h=h: _store(builder, v, dst, _in_half(builder, off, h, step)))
         return []
 
     _loop(builder, _c64(0), nb, body, [])
     return context.get_dummy_value()
 
 
-def _in_half(builder, off, h=0):
-    """Where offset off of an 8-row layout lies in the scratch (half h: rows 8h..8h+7)."""
+def _in_half(builder, off, h=0, step=32):
+    """Where offset off of an 8-row layout lies in the scratch (half h: rows 8h..8h+7; the halves
+    of a 32-byte item step = 32 bytes apart, of a 4-byte one 4)."""
     if isinstance(off, int):
-        return HALVES * off + 32 * h
-    return builder.add(builder.mul(off, _c64(HALVES)), _c64(32 * h)) if HALVES > 1 else off
+        return HALVES * off + step * h
+    return builder.add(builder.mul(off, _c64(HALVES)), _c64(step * h)) if HALVES > 1 else off
 
 
 def _rows_f16(builder, blks, off):
@@ -389,16 +393,19 @@ class _Tile:
         """The item of the 8-row layout at offset off (a 32-byte vector type ty), for all TILE_ROWS rows."""
         return _load(self.b, _vec(ty.element, ty.count * HALVES), src, _in_half(self.b, off))
 
-    def dot_quads(self, isums, w_at, x_off, scale_of=None, signed=False):
+    def dot_quads(self, isums, w_at, x_off, scale_of=None, signed=False, neg_at=None):
         """isums[k] += scale_of(k) * (4 quants of each row . the token's 4 activations at x_off + 4k),
         k = 0..7, with w_at(k) the rows' quad k (unsigned bytes; signed ones, with signed=True, as
-        |w| . sign(x, w)); with no scale_of, the plain sums of 4 products (`vpdpbusd` on VNNI)."""
+        |w| . sign(x, w); or |w| with neg_at(k) the <4 TILE_ROWS x i1> mask of the negative w, x
+        negated there); with no scale_of, the plain sums of 4 products (`vpdpbusd` on VNNI)."""
         b = self.b
         out = []
         for k in range(8):
             xv = b.bitcast(_splat_scalar(b, _load(b, _I32, self.xq, b.add(x_off, _c64(4 * k)))), _vec(_I8, 4 * TILE_ROWS))
             w = w_at(k)
-            if signed and HALVES == 1:
+            if neg_at is not None:  # (one masked vpsubb: the sign test and |w| were paid once, in the pack)
+                xv = b.select(neg_at(k), b.sub(ir.Constant(xv.type, [0] * xv.type.count), xv), xv)
+            elif signed and HALVES == 1:
                 w, xv = _psign(b, w, w), _psign(b, xv, w)
             elif signed:  # (AVX-512 has no vpsignb) |w|, and x negated where w < 0 (where w = 0 the product is 0 anyway)
                 zero = ir.Constant(w.type, [0] * w.type.count)
@@ -533,6 +540,19 @@ tile_q8_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q8
 # -- i-quants: iq4_xs and iq4_nl (rows equal to `_x86_iq`'s row kernels bit for bit) --
 
 
+def _put_signed_quads(builder, rows, put, j):
+    """Sub-block j's signed values of 8 rows (rows: 8 x <8 x i32>, 32 int8 each) transposed into its
+    8 quad vectors; on a 512-bit ISA as |w| and the sign masks the tile negates x by (`_iq4_xs_block`:
+    the sign test and vpabsb paid once here, not per token)."""
+    for k, v in enumerate(_transpose8(builder, rows)):
+        if HALVES > 1:
+            v = builder.bitcast(v, _V32B)
+            neg = builder.icmp_signed("<", v, ir.Constant(_V32B, [0] * 32))
+            put(builder.bitcast(neg, _I32), builder.add(builder.mul(j, _c64(32)), _c64(_MASKSX4 + 4 * k)), step=4)
+            v = _abs(builder, v)
+        put(v, builder.add(builder.mul(j, _c64(256)), _c64(_QUANTSX4 + 32 * k)))
+
+
 def _pack_half_iq4_xs(builder, blks, put):
     put(_rows_f16(builder, blks, 0), _DX4)
     scales = [builder.sext(_xs_scales(builder, p), _V8I) for p in blks]  # row r: its 8 scales - 32
@@ -543,8 +563,7 @@ def _pack_half_iq4_xs(builder, blks, put):
     def sub_block(j, _):
         rows = [builder.bitcast(_iq4_values(builder, _gep8(builder, p, builder.add(builder.mul(j, _c64(16)), _c64(8)))), _V8I)
                 for p in blks]
-        for k, v in enumerate(_transpose8(builder, rows)):
-            put(v, builder.add(builder.mul(j, _c64(256)), _c64(_QUANTSX4 + 32 * k)))
+        _put_signed_quads(builder, rows, put, j)
         return []
 
     _loop(builder, _c64(0), _c64(8), sub_block, [])
@@ -566,8 +585,7 @@ def _pack_half_grid(builder, blks, put, type_id):
             rows.append(builder.bitcast(builder.sub(builder.xor(q, m), m), _V8I))
             scales = builder.insert_element(scales, odd_scale(builder, s), ir.Constant(_I32, r))
         put(builder.or_(scales, builder.shl(scales, ir.Constant(_V8I, [16] * 8))), _SCALESX4 + 32 * c)
-        for k, v in enumerate(_transpose8(builder, rows)):
-            put(v, _QUANTSX4 + 256 * c + 32 * k)
+        _put_signed_quads(builder, rows, put, _c64(c))
 
 
 def _iq4_xs_block(tile, b, accs):
@@ -582,8 +600,14 @@ def _iq4_xs_block(tile, b, accs):
     def sub_block(j, isums):
         scale = tile.load(_V16H, src, builder.add(builder.mul(j, _c64(32)), _c64(_SCALESX4)))
         wj = builder.add(builder.mul(j, _c64(256)), _c64(_QUANTSX4))
+        mj = _in_half(builder, builder.add(builder.mul(j, _c64(32)), _c64(_MASKSX4)))
+
+        def neg(k):  # quad k's sign masks, rows 0-15: one kmovq
+            return builder.bitcast(_load(builder, _I64, src, builder.add(mj, _c64(8 * k))), _vec(ir.IntType(1), 64))
+
         return tile.dot_quads(isums, lambda k: tile.load(_V32B, src, builder.add(wj, _c64(32 * k))),
-                              builder.add(xq_off, builder.mul(j, _c64(32))), lambda k: scale, signed=True)
+                              builder.add(xq_off, builder.mul(j, _c64(32))), lambda k: scale, signed=True,
+                              neg_at=neg if HALVES > 1 else None)
 
     isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
     db = _exact("fmul", builder, tile.load(_V8F, src, _DX4), tile.dx(b))
@@ -623,28 +647,30 @@ GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0
                 IQ4_XS: (pack_iq4_xs, tile_iq4_xs), IQ3_S: (pack_iq3_s, tile_iq3_s), IQ2_XXS: (pack_iq2_xxs, tile_iq2_xxs)}
 
 
-def _of_type(which, typingctx, type_id, args):
-    """(signature, codegen) of `GEMM_KERNELS[type_id][which](*args)` emitted in place, for a call
-    with the type id first; None unless type_id is a literal (a closure constant of the caller) of
-    a type that has a gemm."""
-    if not (isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in GEMM_KERNELS):
+def pack_rows(type_id, raw, r0, nb, pack):
+    """`pack_<type>` of the type type_id (a compile-time constant in a kernel)."""
+
+
+def tile_rows(type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
+    """`tile_<type>` of the type type_id (a compile-time constant in a kernel)."""
+
+
+def _of_type(type_id, which):
+    """GEMM_KERNELS[type_id][which] when type_id is a literal of a type that has them, else None."""
+    if isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in GEMM_KERNELS:
+        return GEMM_KERNELS[type_id.literal_value][which]
+    return None
+
+
+@overload(pack_rows, prefer_literal=True, inline="always")
+def _pack_rows(type_id, raw, r0, nb, pack):
+    fn = _of_type(type_id, 0)
+    return None if fn is None else lambda type_id, raw, r0, nb, pack: fn(raw, r0, nb, pack)
+
+
+@overload(tile_rows, prefer_literal=True, inline="always")
+def _tile_rows(type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
+    fn = _of_type(type_id, 1)
+    if fn is None:
         return None
-    found = GEMM_KERNELS[type_id.literal_value][which]._defn(typingctx, *args)
-    if found is None:
-        return None
-    sig, codegen = found
-    return types.none(type_id, *sig.args), lambda c, b, _, a: codegen(c, b, sig, a[1:])
-
-
-# Intrinsics rather than overloads: an overload's implementation compiles as a function of its own
-# before it is inlined, which cost ~1 s of every cold compile of the gemm driver.
-@intrinsic(prefer_literal=True)
-def pack_rows(typingctx, type_id, raw, r0, nb, pack):
-    """`pack_<type>(raw, r0, nb, pack)` of the type type_id (a compile-time constant in a kernel)."""
-    return _of_type(0, typingctx, type_id, (raw, r0, nb, pack))
-
-
-@intrinsic(prefer_literal=True)
-def tile_rows(typingctx, type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
-    """`tile_<type>(pack, nb, ..., acc)` of the type type_id (a compile-time constant in a kernel)."""
-    return _of_type(1, typingctx, type_id, (pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc))
+    return lambda type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc: fn(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
