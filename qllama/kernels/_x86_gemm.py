@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from ..gguf.types import (
     GGML_TYPES,
@@ -647,30 +647,28 @@ GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0
                 IQ4_XS: (pack_iq4_xs, tile_iq4_xs), IQ3_S: (pack_iq3_s, tile_iq3_s), IQ2_XXS: (pack_iq2_xxs, tile_iq2_xxs)}
 
 
-def pack_rows(type_id, raw, r0, nb, pack):
-    """`pack_<type>` of the type type_id (a compile-time constant in a kernel)."""
-
-
-def tile_rows(type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
-    """`tile_<type>` of the type type_id (a compile-time constant in a kernel)."""
-
-
-def _of_type(type_id, which):
-    """GEMM_KERNELS[type_id][which] when type_id is a literal of a type that has them, else None."""
-    if isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in GEMM_KERNELS:
-        return GEMM_KERNELS[type_id.literal_value][which]
-    return None
-
-
-@overload(pack_rows, prefer_literal=True, inline="always")
-def _pack_rows(type_id, raw, r0, nb, pack):
-    fn = _of_type(type_id, 0)
-    return None if fn is None else lambda type_id, raw, r0, nb, pack: fn(raw, r0, nb, pack)
-
-
-@overload(tile_rows, prefer_literal=True, inline="always")
-def _tile_rows(type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
-    fn = _of_type(type_id, 1)
-    if fn is None:
+def _of_type(which, typingctx, type_id, args):
+    """(signature, codegen) of `GEMM_KERNELS[type_id][which](*args)` emitted in place, for a call
+    with the type id first; None unless type_id is a literal (a closure constant of the caller) of
+    a type that has a gemm."""
+    if not (isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in GEMM_KERNELS):
         return None
-    return lambda type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc: fn(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
+    found = GEMM_KERNELS[type_id.literal_value][which]._defn(typingctx, *args)
+    if found is None:
+        return None
+    sig, codegen = found
+    return types.none(type_id, *sig.args), lambda c, b, _, a: codegen(c, b, sig, a[1:])
+
+
+# Intrinsics rather than overloads: an overload's implementation compiles as a function of its own
+# before it is inlined, which cost ~1 s of every cold compile of the gemm driver.
+@intrinsic(prefer_literal=True)
+def pack_rows(typingctx, type_id, raw, r0, nb, pack):
+    """`pack_<type>(raw, r0, nb, pack)` of the type type_id (a compile-time constant in a kernel)."""
+    return _of_type(0, typingctx, type_id, (raw, r0, nb, pack))
+
+
+@intrinsic(prefer_literal=True)
+def tile_rows(typingctx, type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
+    """`tile_<type>(pack, nb, ..., acc)` of the type type_id (a compile-time constant in a kernel)."""
+    return _of_type(1, typingctx, type_id, (pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc))
