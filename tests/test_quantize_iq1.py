@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_quantize_ggml import _awkward_rows, _importance, ggml_quantize_chunk
 
 from qllama.errors import UnsupportedError
 from qllama.gguf.types import IQ1_M, IQ1_S, TQ1_0, TQ2_0, type_name
 from qllama.qtensor import QTensor
 from qllama.quantize.blocks import quantize_chunk
-
-from test_quantize_ggml import _awkward_rows, _importance, ggml_quantize_chunk
 
 
 @pytest.mark.oracle
