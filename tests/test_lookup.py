@@ -104,6 +104,9 @@ def test_drafter_min_match_and_draft_length():
     d = NgramDrafter(h, ngram_max=4, min_match=5)
     assert d.find() == (6, 5)
     assert d.draft(8) == [2, 3, 4, 0, 6, 7, 8, 9] and d.draft(8, limit_by_match=True) == [2, 3, 4, 0, 6]
+    # at_least: a short match still drafts a whole token group (a batch of 2-3 costs as much as 4)
+    assert d.draft(8, limit_by_match=True, at_least=7) == [2, 3, 4, 0, 6, 7, 8]
+    assert d.draft(3, limit_by_match=True, at_least=7) == [2, 3, 4]
     assert NgramDrafter(h, ngram_max=4, min_match=6).draft(8) == []  # too short a match: no draft
     assert NgramDrafter(h[2:], ngram_max=4, min_match=5).draft(8) == []  # now only 4 tokens match
     # shorter n-grams are not indexed below min_match: a 2-token match is no match at all
@@ -112,7 +115,8 @@ def test_drafter_min_match_and_draft_length():
 
 
 def test_draft_length_adapts_to_refusals():
-    """Halved (not below 2) after a draft is refused, doubled (up to n_draft) after one is taken whole."""
+    """Halved (not below a token group's 3 drafts) after a draft is refused, doubled (up to n_draft)
+    after one is taken whole."""
     from types import SimpleNamespace
 
     from qllama.generation.lookup import LookupSteps
@@ -121,10 +125,10 @@ def test_draft_length_adapts_to_refusals():
     steps = LookupSteps(SimpleNamespace(model=None), Sampler(SamplingParams(temperature=1.0)), np.zeros(4, np.float32),
                         [1, 2, 3], 8, set(), 100, Timings())
     spans = []
-    for drafted, accepted in ((8, 8), (8, 5), (4, 0), (2, 1), (2, 2), (0, 0), (4, 4), (8, 8)):
+    for drafted, accepted in ((8, 8), (8, 5), (4, 0), (3, 1), (3, 3), (0, 0), (6, 6), (8, 8)):
         steps._adapt(drafted, accepted)
         spans.append(steps._span)
-    assert spans == [8, 4, 2, 2, 4, 4, 8, 8]
+    assert spans == [8, 4, 3, 3, 6, 6, 8, 8]
 
 
 def test_batches_are_whole_token_groups_and_no_match_takes_the_decode_step(models, monkeypatch):

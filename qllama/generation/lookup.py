@@ -28,9 +28,9 @@ What is emitted does not change:
 It pays only where a batched forward of T tokens costs well under T one-token forwards, so
 `LookupSteps` drafts only from a match of at least `MIN_MATCH` tokens (otherwise it takes a plain
 one-token step: the session's decode, fused kernels, adaptive thread count); drafts no more
-tokens than the match is long, and no more than the current limit, which halves after a refused
-draft and doubles (up to N) after one taken whole; and cuts a batch longer than `TOKEN_GROUP` to a
-multiple of it (the mat-mul kernels' token group). The measurements behind this policy are in
+tokens than the match is long (but at least a token group's 3), and no more than the current
+limit, which halves (down to 3) after a refused draft and doubles (up to N) after one taken whole;
+and cuts a batch longer than `TOKEN_GROUP` to a multiple of it (the mat-mul kernels' token group). The measurements behind this policy are in
 docs/measurements.md.
 """
 
@@ -53,7 +53,9 @@ CANDIDATES = 8  # occurrences of an n-gram compared (the latest ones)
 # The int8 mat-mul kernels take tokens 4 at a time (one weight unpacking for 4 tokens, then 1 by
 # 1 for the rest): a batch of 4g + 1 to 4g + 3 tokens costs more per token than one of 4g
 # (measured CPU time, SmolLM2 Q4_1, 1 thread: 9 tokens 4.9 one-token steps, 8 tokens 4.1, 7
-# tokens 4.6). Verify batches longer than this are cut to a multiple of it.
+# tokens 4.6), and one of 2 or 3 about as much as one of 4 (2.0-2.5, 2.4-3.4, 2.4-3.7 steps;
+# `tools/bench_lookup.py --costs`). Verify batches longer than this are cut to a multiple of it,
+# and a draft has at least TOKEN_GROUP - 1 tokens (the extra ones cost next to nothing).
 TOKEN_GROUP = 4
 
 
@@ -110,10 +112,10 @@ class NgramDrafter:
             return (best, best_len) if best_len >= self.min_match else (-1, 0)
         return -1, 0
 
-    def draft(self, n_draft: int, limit_by_match: bool = False) -> list[int]:
+    def draft(self, n_draft: int, limit_by_match: bool = False, at_least: int = 1) -> list[int]:
         """Up to n_draft tokens that would continue the history (empty: no match long enough).
         limit_by_match: no more tokens than the match is long (a short match is weak evidence
-        for a long copy)."""
+        for a long copy), but at least `at_least` (up to n_draft)."""
         self.match = 0
         if n_draft <= 0:
             return []
@@ -122,7 +124,7 @@ class NgramDrafter:
             return []
         self.match = m
         if limit_by_match:
-            n_draft = min(n_draft, m)
+            n_draft = min(n_draft, max(m, at_least))
         h = self.history
         # copy what followed; past the end of the history the copy continues from its own
         # drafts (a repeating pattern of period len(h) - f)
@@ -234,13 +236,14 @@ class LookupSteps:
 
     def _adapt(self, n_drafts: int, accepted: int) -> None:
         """The next draft length limit: doubled (up to n_draft) after a draft taken whole, halved
-        (down to 2) after a refused one: every refused draft costs about half a one-token step."""
+        (down to one token group's drafts) after a refused one: every refused draft costs about
+        half a one-token step, but a batch of 2 or 3 tokens costs as much as one of 4."""
         if n_drafts == 0:
             return
         if accepted == n_drafts:
             self._span = min(self.n_draft, 2 * self._span)
         else:
-            self._span = min(self.n_draft, max(2, self._span // 2))
+            self._span = min(self.n_draft, max(TOKEN_GROUP - 1, self._span // 2))
 
     def _forward(self, batch: list[int]) -> np.ndarray:
         """Logits of every token of batch (T, n_vocab), appended to the session's cache and tokens.
@@ -266,7 +269,7 @@ class LookupSteps:
                    cache.max_batch - 1,
                    self._span)
         # no draft (no match of min_match tokens): a plain one-token step, the cheapest forward
-        drafts = self.drafter.draft(room, limit_by_match=True) if room > 0 else []
+        drafts = self.drafter.draft(room, limit_by_match=True, at_least=TOKEN_GROUP - 1) if room > 0 else []
         if len(drafts) >= TOKEN_GROUP:  # a batch of 1 + len(drafts) tokens, cut to whole groups
             del drafts[(1 + len(drafts)) // TOKEN_GROUP * TOKEN_GROUP - 1 :]
         base = cache.n_past
