@@ -140,11 +140,18 @@ def _each_token(row_address, x, xq, xd, xs):
         call_address(row_address, x, np.int64(t), xq, xd, xs)
 
 
+# Up to this many tokens are quantized on the calling thread, one call per token: a parallel
+# region's launch costs more than their rows (SmolLM2's 576 values: ~3 us a row; the region ~10-25
+# us even at one thread, measured per verify batch of prompt lookup and per server step)
+SERIAL_TOKENS = 4
+
+
 def _quantize(row, x, xq, xd, xs) -> None:
-    """x float32 (n_tok, n) -> (xq, xd, xs) by `row` for each token: on this thread for one token,
-    else in one parallel region."""
-    if x.shape[0] == 1:  # (one token: no thread wake-up)
-        row(x, 0, xq, xd, xs)
+    """x float32 (n_tok, n) -> (xq, xd, xs) by `row` for each token: on this thread for up to
+    SERIAL_TOKENS tokens, else in one parallel region."""
+    if x.shape[0] <= SERIAL_TOKENS:  # (no thread wake-up)
+        for t in range(x.shape[0]):
+            row(x, t, xq, xd, xs)
         return
     args = (x, 0, xq, xd, xs)
     address = address_of(row, args, lambda: row(*args))  # (token 0 is quantized here meanwhile)
