@@ -3,8 +3,9 @@
 SmolLM2-135M-Instruct (through its chat template) runs every task of the chosen set in one run.
 For each task, runs alternate plain / lookup (A B A B ...) in one process so that a busy machine
 slows both alike; reported per task: median decode tokens/s of each (wall and per CPU second of
-this process), the speedup, the acceptance rate and tokens per forward, and whether the outputs
-were identical; and the load average.
+this process), the speedup, the acceptance rate and tokens per forward, the share of the output
+that copies (a token a match of 4+ tokens predicts: the most lookup can take), and whether the
+outputs were identical; and the load average.
 
     python tools/bench_lookup.py [--set held|tune|all] [--tasks fix,edit,quote,json] [--model PATH]
                                  [--lookup 8] [--reps 3] [-n 256] [-t THREADS] [--temp T] [--show]
@@ -289,6 +290,21 @@ class Result(NamedTuple):
     per_forward: float
     identical: bool | str
     text: str
+    copied: float  # share of the output tokens a match of MIN_MATCH+ tokens predicts: what lookup can take
+
+
+def copied_share(prompt: list[int], out: list[int]) -> float:
+    """The share of out[1:] (the first token comes from the prompt's logits) whose token is the one
+    that followed the history's best match of at least lookup.MIN_MATCH tokens: how much of the
+    output copies its prompt or itself (a paraphrase copies little)."""
+    from qllama.generation.lookup import MIN_MATCH, NgramDrafter
+
+    d = NgramDrafter(prompt + out[:1], min_match=MIN_MATCH)
+    hits = 0
+    for t in out[1:]:
+        hits += d.draft(1) == [t]
+        d.append(t)
+    return hits / max(1, len(out) - 1)
 
 
 def bench_task(model: qllama.Model, task: Task, a: argparse.Namespace, loads: list[float]) -> Result:
@@ -308,7 +324,8 @@ def bench_task(model: qllama.Model, task: Task, a: argparse.Namespace, loads: li
     return Result(task, t.gen_tokens, statistics.median(tps[0]), statistics.median(tps[a.lookup]),
                   statistics.median(cpu_tps[0]), statistics.median(cpu_tps[a.lookup]), t.draft_accepted,
                   t.draft_tokens, t.gen_tokens / max(1, t.gen_forwards),
-                  outs[0] == outs[a.lookup] if a.temp <= 0 else "n/a", model.detokenize(outs[a.lookup]))
+                  outs[0] == outs[a.lookup] if a.temp <= 0 else "n/a", model.detokenize(outs[a.lookup]),
+                  copied_share(list(ids), outs[0]))
 
 
 def verify_costs(model: qllama.Model, sizes=tuple(range(1, 17)), reps: int = 9) -> dict[int, float]:
@@ -379,18 +396,19 @@ def main() -> None:
         results.append(r)
         print(f"  {task.name:9} {r.tokens:4d} tokens  plain {r.plain_tps:6.1f} t/s  lookup {r.lookup_tps:6.1f} t/s "
               f"({r.lookup_tps / r.plain_tps:.2f}x; per CPU s {r.lookup_cpu_tps / r.plain_cpu_tps:.2f}x)  "
-              f"accepted {r.accepted}/{r.drafted}  {r.per_forward:.2f} tokens/forward  identical {r.identical}",
+              f"accepted {r.accepted}/{r.drafted}  {r.per_forward:.2f} tokens/forward  copied {100 * r.copied:.0f}%  "
+              f"identical {r.identical}",
               flush=True)
         if a.show:
             print("    | " + r.text.replace("\n", "\n    | "))
     print(f"load average during the runs: median {statistics.median(loads):.2f}, max {max(loads):.2f} (1 min), "
           f"{os.cpu_count()} CPUs")
-    print("| task | tokens | plain t/s | lookup t/s | speedup | per CPU s | acceptance | tokens/forward | identical |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| task | tokens | plain t/s | lookup t/s | speedup | per CPU s | acceptance | tokens/forward | copied | identical |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in results:
         rate = f"{100 * r.accepted / r.drafted:.0f}%" if r.drafted else "-"
         print(f"| {r.task.name} | {r.tokens} | {r.plain_tps:.1f} | {r.lookup_tps:.1f} | {r.lookup_tps / r.plain_tps:.2f}x "
-              f"| {r.lookup_cpu_tps / r.plain_cpu_tps:.2f}x | {rate} | {r.per_forward:.2f} | {r.identical} |")
+              f"| {r.lookup_cpu_tps / r.plain_cpu_tps:.2f}x | {rate} | {r.per_forward:.2f} | {100 * r.copied:.0f}% | {r.identical} |")
 
 
 if __name__ == "__main__":
