@@ -264,7 +264,7 @@ def _make_qp_quants(n, nmax, x, L, qw):
                     slx += w * x[i] * _F32(new_l)
                     sl2 += w * _F32(new_l) * _F32(new_l)
                     if slx * slx * suml2 > sumlx * sumlx * sl2:
-                        L[i] = new_l
+                        L[i] = new_l & 0xFF  # (a uint8_t in C)
                         sumlx = slx
                         suml2 = sl2
                         n_changed += 1
