@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..gguf.types import (
@@ -393,11 +394,12 @@ class _Tile:
         """The item of the 8-row layout at offset off (a 32-byte vector type ty), for all TILE_ROWS rows."""
         return _load(self.b, _vec(ty.element, ty.count * HALVES), src, _in_half(self.b, off))
 
-    def dot_quads(self, isums, w_at, x_off, scale_of=None, signed=False, neg_at=None):
+    def dot_quads(self, isums, w_at, x_off, scale_of=None, signed=False, neg_at=None, x_unsigned=False):
         """isums[k] += scale_of(k) * (4 quants of each row . the token's 4 activations at x_off + 4k),
         k = 0..7, with w_at(k) the rows' quad k (unsigned bytes; signed ones, with signed=True, as
         |w| . sign(x, w); or |w| with neg_at(k) the <4 TILE_ROWS x i1> mask of the negative w, x
-        negated there); with no scale_of, the plain sums of 4 products (`vpdpbusd` on VNNI)."""
+        negated there; or signed ones against unsigned activations, x_unsigned=True); with no
+        scale_of, the plain sums of 4 products (`vpdpbusd` on VNNI)."""
         b = self.b
         out = []
         for k in range(8):
@@ -411,7 +413,8 @@ class _Tile:
                 zero = ir.Constant(w.type, [0] * w.type.count)
                 xv = b.select(b.icmp_signed("<", w, zero), b.sub(zero, xv), xv)
                 w = _abs(b, w)
-            out.append(_dot4(b, w, xv, isums[k]) if scale_of is None else _madd_add(b, isums[k], _maddubs(b, w, xv), scale_of(k)))
+            pairs = _maddubs(b, xv, w) if x_unsigned else _maddubs(b, w, xv)
+            out.append(_dot4(b, w, xv, isums[k]) if scale_of is None else _madd_add(b, isums[k], pairs, scale_of(k)))
         return out
 
     def dx(self, blk):
@@ -575,8 +578,12 @@ def _pack_half_iq4_nl(builder, blks, put):
 
 
 def _pack_half_grid(builder, blks, put, type_id):
+    """iq3_s / iq2_xxs as iq4_xs's layout, the quads always signed, and in the masks' place the
+    correction `_iq4_xs_block(grid=True)` subtracts: quad k, lane r = 128 * sum over chunks c of
+    (2s + 1)_rc * (the sum of row r's 4 values of quad k in chunk c)."""
     chunk = GRID_ROWS[type_id][1]
     put(_rows_f16(builder, blks, 0), _DX4)
+    corr = [ir.Constant(_V8I, [0] * 8)] * 8
     for c in range(8):  # 32-element chunk c of each row: grid values signed, its scale
         rows, scales = [], ir.Constant(_V8I, None)
         for r, p in enumerate(blks):
@@ -585,17 +592,32 @@ def _pack_half_grid(builder, blks, put, type_id):
             rows.append(builder.bitcast(builder.sub(builder.xor(q, m), m), _V8I))
             scales = builder.insert_element(scales, odd_scale(builder, s), ir.Constant(_I32, r))
         put(builder.or_(scales, builder.shl(scales, ir.Constant(_V8I, [16] * 8))), _SCALESX4 + 32 * c)
-        _put_signed_quads(builder, rows, put, _c64(c))
+        for k, v in enumerate(_transpose8(builder, rows)):
+            put(v, _QUANTSX4 + 256 * c + 32 * k)
+            wsum = _dot4(builder, _splat(_I8, 32, 1), builder.bitcast(v, _V32B))  # lane r: row r's 4 values
+            corr[k] = builder.add(corr[k], builder.mul(wsum, scales))
+    for k in range(8):
+        put(builder.shl(corr[k], ir.Constant(_V8I, [7] * 8)), _MASKSX4 + 32 * k)
 
 
-def _iq4_xs_block(tile, b, accs):
+def _iq4_xs_block(tile, b, accs, grid=False):
     """iq4_xs (and iq3_s, iq2_xxs, packed alike): per super-block acc_l = fma(d*dx, isum_l, acc_l),
     isum_l = sum over the 8 sub-blocks of their scale * (4 products |q| . sign(x, q)), exact in
-    int32, as `_x86_iq._row_iq4_xs` (`_row_grid`)."""
+    int32, as `_x86_iq._row_iq4_xs` (`_row_grid`). The grid types (|q| <= 43) as
+    `pmaddubsw(x + 128, q)` instead (pair sums at most 2 * 255 * 43: no saturation; x + 128 made
+    once per super-block and token), less the pack's correction: the same exact isum_l with no
+    sign step per product."""
     builder = tile.b
     vi = _vec(_I32, TILE_ROWS)
     src = tile.src(b, IQ_PACKED_BYTES[IQ4_XS])  # (= iq3_s's, iq2_xxs's)
     xq_off = builder.mul(b, _c64(256))
+    if grid:  # the super-block's x + 128 (x ^ 0x80) in a stack buffer the products broadcast from
+        n = 4 * TILE_ROWS
+        xu = cgutils.alloca_once(builder, ir.ArrayType(_vec(_I8, n), 256 // n))
+        for i in range(256 // n):
+            v = _load(builder, _vec(_I8, n), tile.xq, builder.add(xq_off, _c64(n * i)))
+            builder.store(builder.xor(v, _splat(_I8, n, -128)), builder.gep(xu, [ir.Constant(_I32, 0), ir.Constant(_I32, i)]))
+        tile, xq_off = _Tile(builder, tile.pbase, builder.bitcast(xu, ir.PointerType(_I8)), tile.xd, tile.xs), _c64(0)
 
     def sub_block(j, isums):
         scale = tile.load(_V16H, src, builder.add(builder.mul(j, _c64(32)), _c64(_SCALESX4)))
@@ -606,10 +628,12 @@ def _iq4_xs_block(tile, b, accs):
             return builder.bitcast(_load(builder, _I64, src, builder.add(mj, _c64(8 * k))), _vec(ir.IntType(1), 64))
 
         return tile.dot_quads(isums, lambda k: tile.load(_V32B, src, builder.add(wj, _c64(32 * k))),
-                              builder.add(xq_off, builder.mul(j, _c64(32))), lambda k: scale, signed=True,
-                              neg_at=neg if HALVES > 1 else None)
+                              builder.add(xq_off, builder.mul(j, _c64(32))), lambda k: scale, signed=not grid,
+                              neg_at=neg if HALVES > 1 and not grid else None, x_unsigned=grid)
 
     isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
+    if grid:
+        isums = [builder.sub(isum, tile.load(_V8I, src, _MASKSX4 + 32 * k)) for k, isum in enumerate(isums)]
     db = _exact("fmul", builder, tile.load(_V8F, src, _DX4), tile.dx(b))
     return [_fma(builder, db, builder.sitofp(isum, _vec(ir.FloatType(), TILE_ROWS)), acc) for isum, acc in zip(isums, accs)]
 
@@ -638,8 +662,9 @@ tile_iq4_xs = _tile_intrinsic(_iq4_xs_block, "iq4_xs", "q8_K")
 tile_iq4_nl = _tile_intrinsic(_iq4_nl_pair, "iq4_nl", "q8_0", n_acc=16)
 pack_iq3_s = _pack_intrinsic(IQ3_S, lambda b, blks, put: _pack_half_grid(b, blks, put, IQ3_S))
 pack_iq2_xxs = _pack_intrinsic(IQ2_XXS, lambda b, blks, put: _pack_half_grid(b, blks, put, IQ2_XXS))
-tile_iq3_s = _tile_intrinsic(_iq4_xs_block, "iq3_s", "q8_K")
-tile_iq2_xxs = _tile_intrinsic(_iq4_xs_block, "iq2_xxs", "q8_K", factor=GRID_ROWS[IQ2_XXS][2])
+tile_iq3_s = _tile_intrinsic(lambda t, blk, accs: _iq4_xs_block(t, blk, accs, grid=True), "iq3_s", "q8_K")
+tile_iq2_xxs = _tile_intrinsic(lambda t, blk, accs: _iq4_xs_block(t, blk, accs, grid=True), "iq2_xxs", "q8_K",
+                               factor=GRID_ROWS[IQ2_XXS][2])
 
 # type id -> (pack, tile) of the batch kernels, chosen by `pack_rows` / `tile_rows` at compile time
 GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0: (pack_q4_0, tile_q4_0),
