@@ -188,6 +188,34 @@ def _grid_fit(levels, index, n_groups, xbl, off, weight, m_type, shift, x_p, x_m
     return sumqx, sumq2
 
 
+@kernel(inline="always")
+def _on_grid(m_type, idx, n, i1, i2, scale, shift, levels, kmap, neigh, xbl, off, weight, x_p, x_m, L, index):
+    """The best split (i1, i2 of the sorted values idx, at scale, with its shift) as grid points: levels
+    to L (flipped, with the shift, for a negative scale), each group of 8 to its grid index in index
+    or, off the grid, its best listed neighbour, then the scale refit on those points. Returns
+    (scale, shift)."""
+    _assign_groups(idx, n, i1, i2, L)
+    if scale < _F32(0):
+        for j in range(n):
+            L[j] = 2 - L[j]
+        scale = -scale
+        shift = 3 - shift if m_type else -shift
+    on_grid = True
+    for k in range(n // 8):
+        xx = x_p if _plus(m_type, shift, k) else x_m
+        gi = kmap[_code(L, 8 * k)]
+        if gi < 0:
+            on_grid = False
+            gi = _best_neighbour(neigh, -gi - 1, levels, xbl, off + 8 * k, weight, 8 * k, scale, xx, L, 8 * k)
+        index[k] = gi
+    if not on_grid:
+        sumqx, sumq2 = _grid_fit(levels, index, n // 8, xbl, off, weight, m_type, shift, x_p, x_m, _F32(1), _F32(0),
+                                 _F32(0))
+        if sumqx > _F32(0) and sumq2 > _F32(0):
+            scale = sumqx / sumq2
+    return scale, shift
+
+
 @kernel
 def _iq1s_block(xbl, qw, o, dd, ib, levels, kmap, neigh, x_p, x_m, weight, sumx, sumw, idx, L, index, scales,
                 shifts):
@@ -232,24 +260,8 @@ def _iq1s_block(xbl, qw, o, dd, ib, levels, kmap, neigh, x_p, x_m, weight, sumx,
                         best_shift = sh
         if besti1 < 0:
             continue
-        _assign_groups(idx, 32, besti1, besti2, L)
-        if scale < _F32(0):
-            for j in range(32):
-                L[j] = 2 - L[j]
-            scale = -scale
-            best_shift = -best_shift
-        xx = x_p if best_shift == 1 else x_m
-        on_grid = True
-        for k in range(4):
-            gi = kmap[_code(L, 8 * k)]
-            if gi < 0:
-                on_grid = False
-                gi = _best_neighbour(neigh, -gi - 1, levels, xbl, off + 8 * k, weight, 8 * k, scale, xx, L, 8 * k)
-            index[k] = gi
-        if not on_grid:
-            sumqx, sumq2 = _grid_fit(levels, index, 4, xbl, off, weight, False, best_shift, x_p, x_m, _F32(1), _F32(0), _F32(0))
-            if sumqx > _F32(0) and sumq2 > _F32(0):
-                scale = sumqx / sumq2
+        scale, best_shift = _on_grid(False, idx, 32, besti1, besti2, scale, best_shift, levels, kmap, neigh, xbl, off,
+                                     weight, x_p, x_m, L, index)
         h = 0
         for k in range(4):
             o[2 + 4 * b + k] = index[k] & 255
@@ -350,24 +362,8 @@ def _iq1m_block(xbl, qw, has_w, o, levels, kmap, neigh, x_p, x_m, weight, px, pw
                         best_k = k
         if besti1 < 0:
             continue
-        _assign_groups(idx, 16, besti1, besti2, L)
-        if scale < _F32(0):
-            for j in range(16):
-                L[j] = 2 - L[j]
-            scale = -scale
-            best_k = 3 - best_k
-        on_grid = True
-        for k in range(2):
-            xx = x_p if _plus(True, best_k, k) else x_m
-            gi = kmap[_code(L, 8 * k)]
-            if gi < 0:
-                on_grid = False
-                gi = _best_neighbour(neigh, -gi - 1, levels, xbl, off + 8 * k, weight, 8 * k, scale, xx, L, 8 * k)
-            index[k] = gi
-        if not on_grid:
-            sumqx, sumq2 = _grid_fit(levels, index, 2, xbl, off, weight, True, best_k, x_p, x_m, _F32(1), _F32(0), _F32(0))
-            if sumqx > _F32(0) and sumq2 > _F32(0):
-                scale = sumqx / sumq2
+        scale, best_k = _on_grid(True, idx, 16, besti1, besti2, scale, best_k, levels, kmap, neigh, xbl, off, weight,
+                                 x_p, x_m, L, index)
         o[2 * b] = index[0] & 255
         o[2 * b + 1] = index[1] & 255
         o[32 + b] = (index[0] >> 8) | ((index[1] >> 8) << 4)
