@@ -22,6 +22,7 @@ from qllama.errors import QllamaError
 from qllama.gguf.reader import GGUFFile
 from qllama.gguf.types import GGML_TYPES, IQ3_S, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, type_name
 from qllama.quantize.blocks import quantize_chunk
+from qllama.quantize.presets import NEEDS_IMATRIX
 
 from test_iquants import _ggml_cpu
 from test_quantize import F32_MODEL, _llama_quantize, _need, _rows, _write_model
@@ -115,7 +116,9 @@ def test_chunk_with_imatrix_bytes_equal_ggml(type_id):
     np.testing.assert_array_equal(quantize_chunk(x, type_id, qw), ggml_quantize_chunk(type_id, x, qw))
 
 
-IMATRIX_PRESETS = NEW_PRESETS + ["Q2_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+# the presets that need a matrix (ggml asserts its grid types get weights)
+GRID_PRESETS = ["IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M"]
+IMATRIX_PRESETS = NEW_PRESETS + GRID_PRESETS + ["Q2_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 
 
 @pytest.mark.oracle
@@ -129,14 +132,14 @@ def test_tiny_model_with_imatrix_equals_ggml(tmp_path, preset):
     weights = _write_model(src, nested=False, tied=True)
     sums, counts = {}, {}
     for i, (name, x) in enumerate(weights.items()):
-        if x.ndim == 2 and (name != "blk.1.attn_q.weight" or preset == "Q2_K_S"):  # (no entry: no weights)
+        if x.ndim == 2 and (name != "blk.1.attn_q.weight" or preset in NEEDS_IMATRIX):  # (no entry: no weights)
             sums[name] = (_importance(i, x.shape[1]) * 7)[None, :]  # (1, ne0)
             counts[name] = np.array([0.0 if name == "blk.2.ffn_up.weight" else 7.0], np.float32)
     write_imatrix(tmp_path / "imatrix.gguf", sums, counts)
-    if preset == "Q2_K_S":  # llama.cpp refuses a q2_K tensor without weights in this preset
+    if preset in NEEDS_IMATRIX:  # llama.cpp refuses a tensor of a grid type (q2_K in Q2_K_S) without weights
         write_imatrix(tmp_path / "partial.gguf", {"blk.0.attn_q.weight": sums["blk.0.attn_q.weight"]},
                       {"blk.0.attn_q.weight": counts["blk.0.attn_q.weight"]})
-        with pytest.raises(QllamaError, match="no entry for blk.0.attn_k.weight, which Q2_K_S needs"):
+        with pytest.raises(QllamaError, match=f"no entry for blk.0.attn_k.weight, which {preset} needs"):
             qz.quantize_gguf(src, ours, preset, imatrix=tmp_path / "partial.gguf")
     qz.quantize_gguf(src, ours, preset, imatrix=tmp_path / "imatrix.gguf")
     out = GGUFFile(ours)

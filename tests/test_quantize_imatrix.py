@@ -116,7 +116,8 @@ def test_cli_error_lines(tmp_path, capsys):
     _llama_cpp_imatrix(wrong, {"blk.0.attn_q.weight": ([[1.0] * 7], [1.0])})  # 7 columns for 256
     for args, msg in [
         (["Q2_K_S"], "Q2_K_S needs an importance matrix: give one with --imatrix FILE (make one with llama.cpp: llama-imatrix"),
-        (["IQ2_XXS"], "qllama cannot write IQ2_XXS files yet"),
+        (["IQ2_XXS"], "IQ2_XXS needs an importance matrix: give one with --imatrix FILE"),
+        (["IQ3_XS"], "IQ3_XS needs an importance matrix: give one with --imatrix FILE"),
         (["Q4_K_M", "--imatrix", str(tmp_path / "bad.dat")], "not an importance matrix"),
         (["Q4_K_M", "--imatrix", str(tmp_path / "none.gguf")], "cannot read the importance matrix"),
         (["Q4_K_M", "--imatrix", str(wrong)], "it was made for another model"),

@@ -33,10 +33,13 @@ PRESETS: dict[str, Preset] = {name: Preset(name, ftype, t) for name, ftype, t in
     ("Q2_K_S", 21, Q2_K),  # needs an importance matrix
     ("IQ3_S", 26, IQ3_S), ("IQ3_M", 27, IQ3_S),
     ("TQ1_0", 36, TQ1_0), ("TQ2_0", 37, TQ2_0),
+    # these need an importance matrix (their grid types do, in llama.cpp)
+    ("IQ3_XXS", 23, IQ3_XXS), ("IQ3_XS", 22, IQ3_S), ("IQ2_XXS", 19, IQ2_XXS), ("IQ2_XS", 20, IQ2_XS),
+    ("IQ2_S", 28, IQ2_XS), ("IQ2_M", 29, IQ2_S),
 )}
-NEEDS_IMATRIX = ("Q2_K_S",)
+NEEDS_IMATRIX = ("Q2_K_S", "IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")
 # llama-quantize's presets qllama cannot write yet (the i-quant grid searches)
-NOT_YET = ("IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
+NOT_YET = ("IQ1_S", "IQ1_M")
 
 
 def needs_imatrix_message(name: str) -> str:
@@ -57,7 +60,7 @@ def get_preset(name: str) -> Preset:
 
 
 # When ne0 is not a multiple of a k-quant's 256, llama.cpp falls back to a 32-block type.
-_FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, TQ1_0: Q4_0, TQ2_0: Q4_0, IQ3_S: IQ4_NL, IQ1_S: IQ4_NL, IQ1_M: IQ4_NL, IQ4_XS: IQ4_NL, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}  # (the pinned llama.cpp)
+_FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, TQ1_0: Q4_0, TQ2_0: Q4_0, IQ3_S: IQ4_NL, IQ3_XXS: IQ4_NL, IQ2_XXS: IQ4_NL, IQ2_XS: IQ4_NL, IQ2_S: IQ4_NL, IQ1_S: IQ4_NL, IQ1_M: IQ4_NL, IQ4_XS: IQ4_NL, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}  # (the pinned llama.cpp)
 
 # the presets of llama.cpp's very-low-bit i-quant mix (one branch of llama_tensor_get_type)
 _LOW_BIT_IQ = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
@@ -171,7 +174,9 @@ def choose_tensor_type(
             new = Q4_K if n_gqa >= 4 else Q3_K
         elif ft == "Q2_K_S" and n_gqa >= 4:
             new = Q4_K
-        elif (ft == "IQ3_S" and n_gqa >= 4) or ft == "IQ3_M":
+        elif ft == "IQ3_XXS":
+            new = Q4_K if n_gqa >= 4 else IQ3_XXS if has_imatrix else IQ3_S
+        elif (ft in ("IQ3_S", "IQ3_XS") and n_gqa >= 4) or ft == "IQ3_M":
             new = Q4_K
         elif ft == "Q3_K_M":
             new = Q5_K if i < 2 else Q4_K
@@ -187,14 +192,18 @@ def choose_tensor_type(
             new = Q5_K
         if n_expert == 8:
             new = Q8_0
-    elif "attn_k.weight" in name:
-        if n_expert == 8:
+    elif "attn_k.weight" in name or "attn_q.weight" in name:
+        if n_expert == 8 and "attn_k.weight" in name:
             new = Q8_0
+        elif ft in ("IQ3_XS", "IQ3_XXS"):  # q and k a step below the preset's type
+            new = IQ3_XXS if ft == "IQ3_XS" else IQ2_S
     elif "ffn_down" in name:
         if ft == "Q2_K":
             new = Q3_K
         elif ft == "Q2_K_S":
             new = Q4_K if i < n_layers // 8 else new
+        elif ft == "IQ3_XXS" and not has_imatrix:
+            new = Q4_K if i < n_layers // 8 else Q3_K
         elif ft == "Q3_K_M":
             new = Q5_K if i < n_layers // 16 else Q4_K
         elif ft == "IQ3_M" and (i < n_layers // 8 or (n_expert == 8 and use_more_bits(i, n_layers))):
@@ -211,10 +220,14 @@ def choose_tensor_type(
             new = Q4_1 if ft == "Q4_0" else Q5_1  # llama.cpp's guard for the first ffn_down layers
     elif "attn_output.weight" in name:
         if n_expert == 8:
-            if ft in ("Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", "IQ4_XS"):
+            if ft in ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M",
+                      "IQ4_XS"):
                 new = Q5_K
         else:
-            new = {"Q2_K": Q3_K, "Q3_K_M": Q4_K, "Q3_K_L": Q5_K, "IQ3_M": Q4_K}.get(ft, new)
+            new = {"Q2_K": Q3_K, "IQ3_XXS": IQ3_S, "Q3_K_M": Q4_K, "Q3_K_L": Q5_K, "IQ3_M": Q4_K}.get(ft, new)
+    elif ("ffn_gate" in name or "ffn_up" in name) and ft == "IQ3_XS":
+        if n_layers // 8 <= i < 7 * n_layers // 8:
+            new = IQ3_XXS
     # shapes a type cannot hold
     if ne0 % GGML_TYPES[new].block_size:
         new = _FALLBACK.get(new, F16)
