@@ -194,6 +194,27 @@ def test_completion(hi):
     assert r.choices[0].text == "....." and r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
 
 
+def test_metrics_count_the_steps_wall_time_in_and_around_the_forward_passes(hi):
+    """/metrics' qllama:forward_seconds_total and qllama:step_seconds_total grow with a request's
+    steps, the steps' time at least that of their forward passes (what bench_server reads)."""
+    def counters():
+        text = httpx.get(hi.url + "/metrics", timeout=TIMEOUT).text
+        values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("qllama:"))
+        return float(values["qllama:forward_seconds_total"]), float(values["qllama:step_seconds_total"])
+
+    fw0, st0 = counters()
+    steps0 = hi.scheduler.steps
+    r = hi.client().completions.create(model="x", prompt="hello>", temperature=0)
+    assert r.usage.completion_tokens == 6
+    assert hi.scheduler.steps - steps0 >= 6  # (the prompt's step, then one per sampled token but the last)
+
+    def grown():  # (the last step's time is added just after its event went out)
+        fw1, st1 = counters()
+        return 0 < fw1 - fw0 <= st1 - st0
+
+    hi.wait(grown, "the step counters")
+
+
 def test_completion_stream_raw_sse_ends_with_done(hi):
     with httpx.stream("POST", hi.url + "/v1/completions", timeout=TIMEOUT,
                       json={"prompt": "hello>", "temperature": 0, "stream": True,

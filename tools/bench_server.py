@@ -11,6 +11,10 @@ file and threads), at 1, 2, 4, 8 concurrent streams: every stream asks /v1/compl
 - TTFT of a late joiner: one more request sent while the others are decoding, in a second,
   shorter pass of the level (LATE_TOKENS per stream), so that its prompt and tokens do not
   slow the streams whose aggregate and per-stream rates are measured;
+- server's own share of step time (qllama): 1 - (wall in forward passes) / (wall in whole steps),
+  from its /metrics counters: what sampling, detokenizing and handing events to the HTTP thread
+  add to each step (the HTTP side's work between steps, while the model waits for the GIL,
+  shows inside the forward passes instead: compare one stream's per-stream rate with bench tg);
 - server CPU ms/token: CPU time (user + system, all threads) the server process used during the
   level (prompts included), per completion token. Unlike wall time it barely moves when other processes share the
   machine, so "tokens per CPU-second x one stream" is the batching gain a quiet machine would see
@@ -172,11 +176,23 @@ def run_streams(url: str, streams: int, n: int, prompt_words: int, late: bool) -
     return outs, late_out, t0
 
 
+def step_seconds(url: str) -> tuple[float, float]:
+    """(wall seconds in forward passes, in whole steps) so far, from qllama's /metrics; NaNs elsewhere."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return float("nan"), float("nan")
+    values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("qllama:"))
+    return (float(values.get("qllama:forward_seconds_total", "nan")), float(values.get("qllama:step_seconds_total", "nan")))
+
+
 def run_level(url: str, streams: int, n: int, prompt_words: int, late: bool, pid: int | None = None) -> dict:
     """One level: the measured pass (rates, TTFT, CPU), then with `late` the late-joiner pass."""
     cpu0 = cpu_seconds(pid) if pid else float("nan")
+    fw0, st0 = step_seconds(url)
     outs, _, t0 = run_streams(url, streams, n, prompt_words, late=False)
     cpu = (cpu_seconds(pid) if pid else float("nan")) - cpu0
+    fw1, st1 = step_seconds(url)
     late_out = run_streams(url, streams, LATE_TOKENS, prompt_words, late=True)[1] if late else {}
     t_end = max(o.get("t_last", t0) for o in outs)
     tokens = sum(o.get("tokens", 0) for o in outs)
@@ -188,6 +204,7 @@ def run_level(url: str, streams: int, n: int, prompt_words: int, late: bool, pid
         "tokens": tokens,
         "agg_tps": sum(o.get("tokens", 0) for o in outs) / (t_end - t0) if t_end > t0 else 0.0,
         "cpu_ms": 1000.0 * cpu / tokens if tokens else float("nan"),
+        "own": 1.0 - (fw1 - fw0) / (st1 - st0) if st1 > st0 else float("nan"),  # NaN: no qllama counters
         "load": os.getloadavg()[0],
         "stream_tps": statistics.median(per) if per else 0.0,
         "ttft_med": statistics.median(ttft) if ttft else float("nan"),
@@ -227,6 +244,10 @@ def lcpp_ratio(batched: list[dict[int, float]], streams: int) -> str:
     """The median over repetitions of llama.cpp's batched ratio at this many sequences, or ""."""
     got = [r[streams] for r in batched if streams in r]
     return f"{statistics.median(got):.2f}" if got else ""
+
+
+def _percent(share: float) -> str:
+    return "" if share != share else f"{100.0 * share:.1f}%"  # (NaN: the server has no such counters)
 
 
 def main() -> None:
@@ -289,8 +310,9 @@ def main() -> None:
           f"load average {min(loads):.1f}-{max(loads):.1f}\n")
     batched = [r["ratios"] for r in rows if r["server"] == "lcpp-batch"]
     print("| server | streams | aggregate t/s | x one stream | per-stream t/s | TTFT median s | TTFT max s "
-          "| late joiner TTFT s | server CPU ms/token | tokens per CPU-s x one stream | llama.cpp batched decode x one |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| late joiner TTFT s | server CPU ms/token | tokens per CPU-s x one stream | server's own share of step time "
+          "| llama.cpp batched decode x one |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kind in kinds:
         base = base_cpu = None
         for streams in levels:
@@ -298,12 +320,12 @@ def main() -> None:
             if not mine:  # (the llama.cpp server did not start)
                 continue
             med = {k: statistics.median(r[k] for r in mine) for k in
-                   ("agg_tps", "stream_tps", "ttft_med", "ttft_max", "ttft_late", "cpu_ms")}
+                   ("agg_tps", "stream_tps", "ttft_med", "ttft_max", "ttft_late", "cpu_ms", "own")}
             base = base or med["agg_tps"]
             base_cpu = base_cpu or med["cpu_ms"]
             print(f"| {kind} | {streams} | {med['agg_tps']:.2f} | {med['agg_tps'] / base:.2f} | "
                   f"{med['stream_tps']:.2f} | {med['ttft_med']:.2f} | {med['ttft_max']:.2f} | {med['ttft_late']:.2f} | "
-                  f"{med['cpu_ms']:.1f} | {base_cpu / med['cpu_ms']:.2f} | {lcpp_ratio(batched, streams)} |")
+                  f"{med['cpu_ms']:.1f} | {base_cpu / med['cpu_ms']:.2f} | {_percent(med['own'])} | {lcpp_ratio(batched, streams)} |")
     tg = [r["tg"] for r in rows if r["server"] == "bench"]
     one = [r["stream_tps"] for r in rows if r["server"] == "qllama" and r["streams"] == 1]
     if tg and one:

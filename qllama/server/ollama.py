@@ -366,9 +366,14 @@ def extra_routes(state, *, start_job: Callable[..., Awaitable[Any]], read_json, 
             ("requests_processing", "gauge", "Number of requests processing.", s.n_busy),
             ("requests_deferred", "gauge", "Number of requests deferred.", s.n_waiting),
         ]
+        rows = [("llamacpp:" + name, *rest) for name, *rest in rows] + [  # qllama's own
+            ("qllama:forward_seconds_total", "counter", "Wall time in the forward passes of the steps.", t["forward_seconds"]),
+            ("qllama:step_seconds_total", "counter", "Wall time in whole steps (forward, sampling, detokenizing, events).",
+             t["step_seconds"]),
+        ]
         lines = []
         for name, kind, help_, value in rows:
-            lines += [f"# HELP llamacpp:{name} {help_}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {value}"]
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     g = guarded

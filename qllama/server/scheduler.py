@@ -173,9 +173,11 @@ class Scheduler:
         self.steps = 0  # forward passes done
         self.max_busy = 0  # most slots that shared one step
         # totals over finished jobs (the /metrics endpoint): prompt tokens evaluated (cache excluded)
-        # and their seconds, tokens sampled and theirs, jobs finished, busy slots summed over steps
+        # and their seconds, tokens sampled and theirs, jobs finished, busy slots summed over steps;
+        # and over steps: wall seconds in the forward passes and in whole steps (the difference is
+        # the server's own cost per step: admitting, sampling, detokenizing, handing events over)
         self.totals = {"prompt_tokens": 0, "prompt_seconds": 0.0, "predicted_tokens": 0, "predicted_seconds": 0.0,
-                       "requests": 0, "busy_slot_steps": 0}
+                       "requests": 0, "busy_slot_steps": 0, "forward_seconds": 0.0, "step_seconds": 0.0}
 
     # -- the asyncio side ------------------------------------------------------------------------
 
@@ -276,6 +278,13 @@ class Scheduler:
     def step(self) -> bool:
         """One forward pass: a token of every decoding slot and up to `chunk` prompt tokens;
         False when there was nothing to do."""
+        t0 = time.perf_counter()
+        did = self._step()
+        if did:
+            self.totals["step_seconds"] += time.perf_counter() - t0
+        return did
+
+    def _step(self) -> bool:
         self._admit()
         busy = []
         for slot in self.slots:
@@ -302,6 +311,7 @@ class Scheduler:
             segments.append((ids, slot.cache))
         busy = step
         self.max_busy = max(self.max_busy, len(busy))
+        t0 = time.perf_counter()
         try:
             if self.threads is None:
                 logits = self.forward(segments)
@@ -315,6 +325,7 @@ class Scheduler:
                 rewind(slot.cache, 0)
             return True
         self.steps += 1
+        self.totals["forward_seconds"] += time.perf_counter() - t0
         self.totals["busy_slot_steps"] += len(busy)
         for slot, (ids, _), row in zip(busy, segments, logits):
             run = slot.run
