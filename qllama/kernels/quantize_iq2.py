@@ -16,102 +16,13 @@ import numpy as np
 
 from ..gguf.types import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_XXS
 from .jit import kernel
-from .quantize_k import _importance, _iq3_best_neighbour, _iq3_fit, _make_qp_quants, _sum_squares, nearest_int
+from .quantize_k import _code, _fit_grid, _importance, _make_qp_quants, _signs, _sum_squares, nearest_int
 
 _F32 = np.float32
 
 # =============================================================================================
 # The kernels. Per block: weights, signs, the trial scales, the requantization, the packing.
 # =============================================================================================
-
-@kernel(inline="always")
-def _signs(xb, off, weight, xval, k, even):
-    """Group k of 8 values xb[off + 8k:]: magnitudes to xval[8k:], the sign bits returned. even:
-    an odd count of minus signs flips the value of least weight * x^2 (ggml keeps 7 bits)."""
-    s = 0
-    nflip = 0
-    for i in range(8):
-        v = xb[off + 8 * k + i]
-        if v >= _F32(0):
-            xval[8 * k + i] = v
-        else:
-            xval[8 * k + i] = -v
-            s |= 1 << i
-            nflip += 1
-    if even and nflip % 2:
-        imin = 0
-        mn = weight[8 * k] * xb[off + 8 * k] * xb[off + 8 * k]
-        for i in range(1, 8):
-            ax = weight[8 * k + i] * xb[off + 8 * k + i] * xb[off + 8 * k + i]
-            if ax < mn:
-                mn = ax
-                imin = i
-        xval[8 * k + imin] = -xval[8 * k + imin]
-        s ^= 1 << imin
-    return s & 127 if even else s
-
-
-@kernel(inline="always")
-def _levels(xval, off, m, bits, kmax, inv, L):
-    """The m levels nearest inv * xval[off:] (0..kmax) into L[off:], and their code."""
-    u = 0
-    for i in range(m):
-        l = max(0, min(kmax, nearest_int(_F32(0.5) * (inv * xval[off + i] - _F32(1)))))
-        L[off + i] = l
-        u |= l << (bits * i)
-    return u
-
-
-@kernel(inline="always")
-def _code(L, off, m, bits):
-    u = 0
-    for i in range(m):
-        u |= L[off + i] << (bits * i)
-    return u
-
-
-@kernel
-def _fit_grid(weight, waux, xval, grid, kmap, neigh, bits, kmax, mx, base, step, nstep, scale, on_grid0, all_groups,
-              L, Laux, on_grid, on_aux):
-    """Block magnitudes xval (16 or 32) as scale * (2 L + 1), groups of m = grid.shape[1] levels on
-    the grid: the trial scales (base + is * step) / mx, is = -nstep..nstep, each group's code or its
-    best listed neighbour, the weighted fit (kept when better); then, if a group of the kept trial
-    was off the grid, those groups (every group when all_groups) again at the fitted scale, and the
-    fit. on_grid0 -1 (iq2_xxs): requantize every group whenever the scale is positive. Returns the
-    scale (scale: the one before the trials); the levels in L."""
-    m = grid.shape[1]
-    ng = xval.shape[0] // m
-    best = _F32(0)
-    for k in range(ng):
-        on_grid[k] = on_grid0 > 0
-    for s in range(-nstep, nstep + 1):
-        inv = (_F32(base) + _F32(s) * step) / mx
-        this_scale = _F32(1) / inv
-        for k in range(ng):
-            u = _levels(xval, m * k, m, bits, kmax, inv, Laux)
-            on_aux[k] = kmap[u] >= 0
-            if kmap[u] < 0:
-                _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, m * k, this_scale, Laux)
-        sumqx, sumq2 = _iq3_fit(weight, xval, Laux)
-        if sumq2 > _F32(0) and sumqx * sumqx > best * sumq2:
-            scale = sumqx / sumq2
-            best = scale * sumqx
-            L[:] = Laux
-            on_grid[:] = on_aux
-    if (on_grid0 >= 0 and on_grid.all()) or not scale > _F32(0):
-        return scale
-    inv = _F32(1) / scale
-    for k in range(ng):
-        if on_grid[k] and not all_groups:
-            continue
-        u = _levels(xval, m * k, m, bits, kmax, inv, L)
-        if kmap[u] < 0:
-            _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, m * k, scale, L)
-    sumqx, sumq2 = _iq3_fit(weight, xval, L)
-    if sumq2 > _F32(0):
-        scale = sumqx / sumq2
-    return scale
-
 
 @kernel(inline="always")
 def _sub_scales(scales, nsub, d):

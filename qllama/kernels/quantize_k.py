@@ -807,6 +807,33 @@ def quantize_legacy_weighted(nmax, with_min, x, qw, L, dm):
 
 
 @kernel(inline="always")
+def _signs(xb, off, weight, xval, k, even):
+    """Group k of 8 values xb[off + 8k:]: magnitudes to xval[8k:], the sign bits returned. even:
+    an odd count of minus signs flips the value of least weight * x^2 (ggml keeps 7 bits)."""
+    s = 0
+    nflip = 0
+    for i in range(8):
+        v = xb[off + 8 * k + i]
+        if v >= _F32(0):
+            xval[8 * k + i] = v
+        else:
+            xval[8 * k + i] = -v
+            s |= 1 << i
+            nflip += 1
+    if even and nflip % 2:
+        imin = 0
+        mn = weight[8 * k] * xb[off + 8 * k] * xb[off + 8 * k]
+        for i in range(1, 8):
+            ax = weight[8 * k + i] * xb[off + 8 * k + i] * xb[off + 8 * k + i]
+            if ax < mn:
+                mn = ax
+                imin = i
+        xval[8 * k + imin] = -xval[8 * k + imin]
+        s ^= 1 << imin
+    return s & 127 if even else s
+
+
+@kernel(inline="always")
 def _iq3_best_neighbour(neigh, at, grid, xval, waux, off, scale, L):
     """ggml's iq3_find_best_neighbour (iq2_find_best_neighbour for a grid of 8): of the grid points
     listed at neigh[at] (count, then indices), the one nearest scale * point to xval[off:off+m]
@@ -828,17 +855,6 @@ def _iq3_best_neighbour(neigh, at, grid, xval, waux, off, scale, L):
 
 
 @kernel(inline="always")
-def _iq3_levels(xval, off, inv, L):
-    """The 4 levels nearest inv * xval[off:off+4] (0..7) into L[off:], and their 12-bit grid code."""
-    u = 0
-    for i in range(4):
-        l = max(0, min(7, nearest_int(_F32(0.5) * (inv * xval[off + i] - _F32(1)))))
-        L[off + i] = l
-        u |= l << (3 * i)
-    return u
-
-
-@kernel(inline="always")
 def _iq3_fit(weight, xval, L):
     """(sum w x q, sum w q^2) over a block (L's length), q = 2 L + 1."""
     sumqx = _F32(0)
@@ -848,6 +864,68 @@ def _iq3_fit(weight, xval, L):
         sumqx += weight[i] * xval[i] * q
         sumq2 += weight[i] * q * q
     return sumqx, sumq2
+
+
+@kernel(inline="always")
+def _levels(xval, off, m, bits, kmax, inv, L):
+    """The m levels nearest inv * xval[off:] (0..kmax) into L[off:], and their code."""
+    u = 0
+    for i in range(m):
+        l = max(0, min(kmax, nearest_int(_F32(0.5) * (inv * xval[off + i] - _F32(1)))))
+        L[off + i] = l
+        u |= l << (bits * i)
+    return u
+
+
+@kernel(inline="always")
+def _code(L, off, m, bits):
+    u = 0
+    for i in range(m):
+        u |= L[off + i] << (bits * i)
+    return u
+
+
+@kernel
+def _fit_grid(weight, waux, xval, grid, kmap, neigh, bits, kmax, mx, base, step, nstep, scale, on_grid0, all_groups,
+              L, Laux, on_grid, on_aux):
+    """Block magnitudes xval (16 or 32) as scale * (2 L + 1), groups of m = grid.shape[1] levels on
+    the grid: the trial scales (base + is * step) / mx, is = -nstep..nstep, each group's code or its
+    best listed neighbour, the weighted fit (kept when better); then, if a group of the kept trial
+    was off the grid, those groups (every group when all_groups) again at the fitted scale, and the
+    fit. on_grid0 -1 (iq2_xxs): requantize every group whenever the scale is positive. Returns the
+    scale (scale: the one before the trials); the levels in L."""
+    m = grid.shape[1]
+    ng = xval.shape[0] // m
+    best = _F32(0)
+    for k in range(ng):
+        on_grid[k] = on_grid0 > 0
+    for s in range(-nstep, nstep + 1):
+        inv = (_F32(base) + _F32(s) * step) / mx
+        this_scale = _F32(1) / inv
+        for k in range(ng):
+            u = _levels(xval, m * k, m, bits, kmax, inv, Laux)
+            on_aux[k] = kmap[u] >= 0
+            if kmap[u] < 0:
+                _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, m * k, this_scale, Laux)
+        sumqx, sumq2 = _iq3_fit(weight, xval, Laux)
+        if sumq2 > _F32(0) and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            L[:] = Laux
+            on_grid[:] = on_aux
+    if (on_grid0 >= 0 and on_grid.all()) or not scale > _F32(0):
+        return scale
+    inv = _F32(1) / scale
+    for k in range(ng):
+        if on_grid[k] and not all_groups:
+            continue
+        u = _levels(xval, m * k, m, bits, kmax, inv, L)
+        if kmap[u] < 0:
+            _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, m * k, scale, L)
+    sumqx, sumq2 = _iq3_fit(weight, xval, L)
+    if sumq2 > _F32(0):
+        scale = sumqx / sumq2
+    return scale
 
 
 @kernel
@@ -873,15 +951,7 @@ def _iq3s_block(xbl, qw, has_w, o, dd, ib, grid, kmap, neigh, weight, waux, xval
         for i in range(32):
             waux[i] = np.sqrt(weight[i])
         for k in range(4):
-            s = 0
-            for i in range(8):
-                v = xbl[off + 8 * k + i]
-                if v >= _F32(0):
-                    xval[8 * k + i] = v
-                else:
-                    xval[8 * k + i] = -v
-                    s |= 1 << i
-            signs[k] = s
+            signs[k] = _signs(xbl, off, weight, xval, k, False)
         mx = xval[0]
         for i in range(1, 32):
             mx = xval[i] if xval[i] > mx else mx
@@ -889,39 +959,15 @@ def _iq3s_block(xbl, qw, has_w, o, dd, ib, grid, kmap, neigh, weight, waux, xval
         if mx == _F32(0):
             scales[b] = _F32(0)
             continue
-        best = _F32(0)
-        scale = mx / _F32(15)
-        on_grid[:] = False
-        for step in range(-9, 10):
-            inv = (_F32(15) + _F32(step) * _F32(0.2)) / mx
-            this_scale = _F32(1) / inv
-            for k in range(8):
-                u = _iq3_levels(xval, 4 * k, inv, Laux)
-                on_aux[k] = kmap[u] >= 0
-                if kmap[u] < 0:
-                    _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 4 * k, this_scale, Laux)
-            sumqx, sumq2 = _iq3_fit(weight, xval, Laux)
-            if sumq2 > _F32(0) and sumqx * sumqx > best * sumq2:
-                scale = sumqx / sumq2
-                best = scale * sumqx
-                L[:] = Laux
-                on_grid[:] = on_aux
-        if not on_grid.all() and scale > _F32(0):
-            inv = _F32(1) / scale
-            for k in range(8):
-                u = _iq3_levels(xval, 4 * k, inv, L)
-                if kmap[u] < 0:
-                    _iq3_best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 4 * k, scale, L)
-            sumqx, sumq2 = _iq3_fit(weight, xval, L)
-            if sumq2 > _F32(0):
-                scale = sumqx / sumq2
+        # 19 trial scales; every group again at the best when one was off the grid
+        scale = _fit_grid(weight, waux, xval, grid, kmap, neigh, 3, 7, mx, 15, _F32(0.2), 9, mx / _F32(15), 0, True, L,
+                          Laux, on_grid, on_aux)
         if scale < _F32(0):  # (ggml: should never happen) a positive scale, the signs flipped
             scale = -scale
             for k in range(4):
                 signs[k] = ~signs[k] & 0xFF
         for k in range(8):
-            u = L[4 * k] | (L[4 * k + 1] << 3) | (L[4 * k + 2] << 6) | (L[4 * k + 3] << 9)
-            gi = kmap[u]
+            gi = kmap[_code(L, 4 * k, 4, 3)]
             o[2 + 8 * nq + k] = gi & 255
             o[66 + b] |= (gi >> 8) << k
         for k in range(4):
