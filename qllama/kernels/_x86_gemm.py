@@ -65,7 +65,7 @@ from ._x86 import (
     _splat,
     _vec,
 )
-from ._x86_iq import GRID_ROWS, _iq4_values, _xs_scales, odd_scale, sign_mask
+from ._x86_iq import GRID_ROWS, _iq4_values, _xs_scales, odd_scale
 
 HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector
 TILE_ROWS = 8 * HALVES  # rows per pass (lane r of a vector: row r)
@@ -587,8 +587,7 @@ def _pack_half_grid(builder, blks, put, type_id):
     for c in range(8):  # 32-element chunk c of each row: grid values signed, its scale
         rows, scales = [], ir.Constant(_V8I, None)
         for r, p in enumerate(blks):
-            q, signs, s = chunk(builder, p, c)
-            m = sign_mask(builder, signs)
+            q, m, s = chunk(builder, p, c)  # (m: -1 where negative)
             rows.append(builder.bitcast(builder.sub(builder.xor(q, m), m), _V8I))
             scales = builder.insert_element(scales, odd_scale(builder, s), ir.Constant(_I32, r))
         put(builder.or_(scales, builder.shl(scales, ir.Constant(_V8I, [16] * 8))), _SCALESX4 + 32 * c)

@@ -54,6 +54,10 @@ from ._x86 import (
 _V8F = ir.VectorType(ir.FloatType(), 8)
 _G3S32 = np.ascontiguousarray(grid(21)).view(np.uint32).reshape(-1)  # iq3_s: (512,) 4 values an entry
 _G2XXS64 = np.ascontiguousarray(grid(16)).view(np.uint64).reshape(-1)  # iq2_xxs: (256,) 8 values an entry
+# ksigns_iq2xs as sign masks: (128,) int64, byte e = -1 where bit e of ksigns[i] is set (one load a group of 8,
+# as ggml's keven_signs_q2xs, instead of a byte looked up, spread and tested)
+_KSIGN_MASKS64 = (np.unpackbits(np.asarray(KSIGNS_IQ2XS, np.uint8)[:, None], axis=1, bitorder="little") * 255).astype(
+    np.uint8).view(np.int64).reshape(-1)
 
 
 def _fma8(builder, a, b, c):
@@ -320,7 +324,8 @@ def _u8(builder, blk, off):
 
 
 def _chunk_iq3_s(builder, blk, c):
-    """Chunk c (32 elements) of an iq3_s block: (<32 x i8> grid values, <4 x i8> sign bytes, its scale 2s+1)."""
+    """Chunk c (32 elements) of an iq3_s block: (<32 x i8> grid values, <32 x i8> -1 where negative, its
+    scale's 4 bits)."""
     g = _table(builder, "qllama_iq3s_grid", _G3S32, _I32)
     qh = _u8(builder, blk, 66 + c)
     v = ir.Constant(_vec(_I32, 8), None)
@@ -330,22 +335,22 @@ def _chunk_iq3_s(builder, blk, c):
         v = builder.insert_element(v, _at(builder, g, idx), ir.Constant(_I32, k))
     signs = builder.load(builder.bitcast(_gep8(builder, blk, 74 + 4 * c), ir.PointerType(_vec(_I8, 4))), align=1)
     s = builder.and_(builder.lshr(_u8(builder, blk, 106 + c // 2), ir.Constant(_I32, 4 * (c & 1))), ir.Constant(_I32, 15))
-    return builder.bitcast(v, _vec(_I8, 32)), signs, s
+    return builder.bitcast(v, _vec(_I8, 32)), sign_mask(builder, signs), s
 
 
 def _chunk_iq2_xxs(builder, blk, c):
     """Chunk c of an iq2_xxs block: 4 grid rows of 8 (indices: the bytes of the first uint32), their
-    sign bytes ksigns[7 bits of the second uint32 each], its scale from the top 4 bits."""
-    g, ks = _table(builder, "qllama_iq2xxs_grid", _G2XXS64, _I64), _table(builder, "qllama_ksigns", KSIGNS_IQ2XS, _I8)
+    sign masks (of ksigns[7 bits of the second uint32 each]), its scale from the top 4 bits."""
+    g, ks = _table(builder, "qllama_iq2xxs_grid", _G2XXS64, _I64), _table(builder, "qllama_ksign_masks", _KSIGN_MASKS64, _I64)
     a0 = builder.load(builder.bitcast(_gep8(builder, blk, 2 + 8 * c), ir.PointerType(_I32)), align=1)
     a1 = builder.load(builder.bitcast(_gep8(builder, blk, 6 + 8 * c), ir.PointerType(_I32)), align=1)
-    v, signs = ir.Constant(_vec(_I64, 4), None), ir.Constant(_vec(_I8, 4), None)
+    v, masks = ir.Constant(_vec(_I64, 4), None), ir.Constant(_vec(_I64, 4), None)
     for k in range(4):
         idx = builder.and_(builder.lshr(a0, ir.Constant(_I32, 8 * k)), ir.Constant(_I32, 255))
         v = builder.insert_element(v, _at(builder, g, idx), ir.Constant(_I32, k))
         sidx = builder.and_(builder.lshr(a1, ir.Constant(_I32, 7 * k)), ir.Constant(_I32, 127))
-        signs = builder.insert_element(signs, _at(builder, ks, sidx), ir.Constant(_I32, k))
-    return builder.bitcast(v, _vec(_I8, 32)), signs, builder.lshr(a1, ir.Constant(_I32, 28))
+        masks = builder.insert_element(masks, _at(builder, ks, sidx), ir.Constant(_I32, k))
+    return builder.bitcast(v, _vec(_I8, 32)), builder.bitcast(masks, _vec(_I8, 32)), builder.lshr(a1, ir.Constant(_I32, 28))
 
 
 # type -> (block bytes, chunk decoder, the row's final factor): ggml's AVX2 vec_dot_iq3_s_q8_K /
@@ -378,8 +383,7 @@ def _row_grid(context, builder, signature, args, type_id):
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), v32) for xq, _, _ in toks]
         isums = [ir.Constant(_vec(_I32, 8), [0] * 8)] * len(toks)
         for c in range(8):
-            q, signs, s = chunk(builder, blk, c)
-            m = sign_mask(builder, signs)
+            q, m, s = chunk(builder, blk, c)
             s16 = builder.trunc(odd_scale(builder, s), _I16)
             scale = _lanes(builder, builder.insert_element(ir.Constant(_vec(_I16, 1), None), s16, ir.Constant(_I32, 0)), [0] * 16)
             for t, xp in enumerate(xps):
