@@ -117,7 +117,7 @@ def test_chunk_with_imatrix_bytes_equal_ggml(type_id):
 
 
 # the presets that need a matrix (ggml asserts its grid types get weights)
-GRID_PRESETS = ["IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M"]
+GRID_PRESETS = ["IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M"]
 IMATRIX_PRESETS = NEW_PRESETS + GRID_PRESETS + ["Q2_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 
 

@@ -118,6 +118,7 @@ def test_cli_error_lines(tmp_path, capsys):
         (["Q2_K_S"], "Q2_K_S needs an importance matrix: give one with --imatrix FILE (make one with llama.cpp: llama-imatrix"),
         (["IQ2_XXS"], "IQ2_XXS needs an importance matrix: give one with --imatrix FILE"),
         (["IQ3_XS"], "IQ3_XS needs an importance matrix: give one with --imatrix FILE"),
+        (["IQ1_M"], "IQ1_M needs an importance matrix: give one with --imatrix FILE"),
         (["Q4_K_M", "--imatrix", str(tmp_path / "bad.dat")], "not an importance matrix"),
         (["Q4_K_M", "--imatrix", str(tmp_path / "none.gguf")], "cannot read the importance matrix"),
         (["Q4_K_M", "--imatrix", str(wrong)], "it was made for another model"),

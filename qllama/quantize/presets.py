@@ -35,11 +35,11 @@ PRESETS: dict[str, Preset] = {name: Preset(name, ftype, t) for name, ftype, t in
     ("TQ1_0", 36, TQ1_0), ("TQ2_0", 37, TQ2_0),
     # these need an importance matrix (their grid types do, in llama.cpp)
     ("IQ3_XXS", 23, IQ3_XXS), ("IQ3_XS", 22, IQ3_S), ("IQ2_XXS", 19, IQ2_XXS), ("IQ2_XS", 20, IQ2_XS),
-    ("IQ2_S", 28, IQ2_XS), ("IQ2_M", 29, IQ2_S),
+    ("IQ2_S", 28, IQ2_XS), ("IQ2_M", 29, IQ2_S), ("IQ1_S", 24, IQ1_S), ("IQ1_M", 31, IQ1_M),
 )}
-NEEDS_IMATRIX = ("Q2_K_S", "IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")
-# llama-quantize's presets qllama cannot write yet (the i-quant grid searches)
-NOT_YET = ("IQ1_S", "IQ1_M")
+NEEDS_IMATRIX = ("Q2_K_S", "IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
+# llama-quantize's presets qllama cannot write yet (none left of its i-quant and k-quant mixes)
+NOT_YET: tuple[str, ...] = ()
 
 
 def needs_imatrix_message(name: str) -> str:
