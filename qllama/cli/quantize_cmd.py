@@ -23,8 +23,10 @@ def command(src, dst, preset, force, dry_run, allow_requantize, imatrix_path):
     """Quantize the model IN to OUT with llama.cpp's TYPE mix.
 
     TYPE: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, IQ4_XS, IQ4_NL, IQ3_M, IQ3_S, Q3_K_M, Q2_K (also Q4_K_S,
-    Q5_K_S, Q3_K_S, Q3_K_L, Q2_K_S, Q4_1, Q5_0, Q5_1, MXFP4_MOE, F16, BF16, F32).
-    Q2_K_S needs --imatrix. A quantized IN needs --allow-requantize, as in llama-quantize.
+    Q5_K_S, Q3_K_S, Q3_K_L, Q2_K_S, Q4_1, Q5_0, Q5_1, IQ3_XXS, IQ3_XS, IQ2_M, IQ2_S, IQ2_XS, IQ2_XXS,
+    IQ1_M, IQ1_S, TQ2_0, TQ1_0, MXFP4_MOE, F16, BF16, F32).
+    Q2_K_S and the IQ3_XXS .. IQ1_S presets need --imatrix. A quantized IN needs --allow-requantize,
+    as in llama-quantize.
     """
     from ..errors import QllamaError
     from ..gguf.types import type_name
