@@ -104,9 +104,6 @@ def test_drafter_min_match_and_draft_length():
     d = NgramDrafter(h, ngram_max=4, min_match=5)
     assert d.find() == (6, 5)
     assert d.draft(8) == [2, 3, 4, 0, 6, 7, 8, 9] and d.draft(8, limit_by_match=True) == [2, 3, 4, 0, 6]
-    # at_least: a short match still drafts a whole token group (a batch of 2-3 costs as much as 4)
-    assert d.draft(8, limit_by_match=True, at_least=7) == [2, 3, 4, 0, 6, 7, 8]
-    assert d.draft(3, limit_by_match=True, at_least=7) == [2, 3, 4]
     assert NgramDrafter(h, ngram_max=4, min_match=6).draft(8) == []  # too short a match: no draft
     assert NgramDrafter(h[2:], ngram_max=4, min_match=5).draft(8) == []  # now only 4 tokens match
     # shorter n-grams are not indexed below min_match: a 2-token match is no match at all

@@ -28,8 +28,8 @@ What is emitted does not change:
 It pays only where a batched forward of T tokens costs well under T one-token forwards, so
 `LookupSteps` drafts only from a match of at least `MIN_MATCH` tokens (otherwise it takes a plain
 one-token step: the session's decode, fused kernels, adaptive thread count); drafts no more
-tokens than the match is long (but at least a token group's 3), and no more than the current
-limit, which halves (down to 3) after a refused draft and doubles (up to N) after one taken whole;
+tokens than the match is long, and no more than the current limit, which halves (down to a token
+group's 3 drafts) after a refused draft and doubles (up to N) after one taken whole;
 and cuts a batch longer than `TOKEN_GROUP` to a multiple of it (the mat-mul kernels' token group). The measurements behind this policy are in
 docs/measurements.md.
 """
@@ -55,7 +55,7 @@ CANDIDATES = 8  # occurrences of an n-gram compared (the latest ones)
 # (measured CPU time, SmolLM2 Q4_1, 1 thread: 9 tokens 4.9 one-token steps, 8 tokens 4.1, 7
 # tokens 4.6), and one of 2 or 3 about as much as one of 4 (2.0-2.5, 2.4-3.4, 2.4-3.7 steps;
 # `tools/bench_lookup.py --costs`). Verify batches longer than this are cut to a multiple of it,
-# and a draft has at least TOKEN_GROUP - 1 tokens (the extra ones cost next to nothing).
+# and the draft limit never falls below TOKEN_GROUP - 1 (a match has MIN_MATCH >= 3 tokens).
 TOKEN_GROUP = 4
 
 
@@ -112,10 +112,10 @@ class NgramDrafter:
             return (best, best_len) if best_len >= self.min_match else (-1, 0)
         return -1, 0
 
-    def draft(self, n_draft: int, limit_by_match: bool = False, at_least: int = 1) -> list[int]:
+    def draft(self, n_draft: int, limit_by_match: bool = False) -> list[int]:
         """Up to n_draft tokens that would continue the history (empty: no match long enough).
         limit_by_match: no more tokens than the match is long (a short match is weak evidence
-        for a long copy), but at least `at_least` (up to n_draft)."""
+        for a long copy)."""
         self.match = 0
         if n_draft <= 0:
             return []
@@ -124,7 +124,7 @@ class NgramDrafter:
             return []
         self.match = m
         if limit_by_match:
-            n_draft = min(n_draft, max(m, at_least))
+            n_draft = min(n_draft, m)
         h = self.history
         # copy what followed; past the end of the history the copy continues from its own
         # drafts (a repeating pattern of period len(h) - f)
@@ -269,7 +269,7 @@ class LookupSteps:
                    cache.max_batch - 1,
                    self._span)
         # no draft (no match of min_match tokens): a plain one-token step, the cheapest forward
-        drafts = self.drafter.draft(room, limit_by_match=True, at_least=TOKEN_GROUP - 1) if room > 0 else []
+        drafts = self.drafter.draft(room, limit_by_match=True) if room > 0 else []
         if len(drafts) >= TOKEN_GROUP:  # a batch of 1 + len(drafts) tokens, cut to whole groups
             del drafts[(1 + len(drafts)) // TOKEN_GROUP * TOKEN_GROUP - 1 :]
         base = cache.n_past
