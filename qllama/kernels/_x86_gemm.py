@@ -590,11 +590,12 @@ def _pack_half_grid(builder, blks, put, type_id):
             q, m, s = chunk(builder, p, c)  # (m: -1 where negative)
             rows.append(builder.bitcast(builder.sub(builder.xor(q, m), m), _V8I))
             scales = builder.insert_element(scales, odd_scale(builder, s), ir.Constant(_I32, r))
-        put(builder.or_(scales, builder.shl(scales, ir.Constant(_V8I, [16] * 8))), _SCALESX4 + 32 * c)
+        pair = builder.or_(scales, builder.shl(scales, ir.Constant(_V8I, [16] * 8)))
+        put(pair, _SCALESX4 + 32 * c)
         for k, v in enumerate(_transpose8(builder, rows)):
-            put(v, _QUANTSX4 + 256 * c + 32 * k)
-            wsum = _dot4(builder, _splat(_I8, 32, 1), builder.bitcast(v, _V32B))  # lane r: row r's 4 values
-            corr[k] = builder.add(corr[k], builder.mul(wsum, scales))
+            put(v, _QUANTSX4 + 256 * c + 32 * k)  # lane r += (2s+1) * row r's 4 values' sum (pmaddubsw by ones, pmaddwd)
+            corr[k] = _madd_add(builder, corr[k], _maddubs(builder, _splat(_I8, 32, 1), builder.bitcast(v, _V32B)),
+                                builder.bitcast(pair, _V16H))
     for k in range(8):
         put(builder.shl(corr[k], ir.Constant(_V8I, [7] * 8)), _MASKSX4 + 32 * k)
 
