@@ -25,6 +25,8 @@ from .quantize_k import _importance, _sum_squares, nearest_int
 _F32 = np.float32
 _FLT_MAX = np.float32(3.4028234663852886e38)
 _DELTA = np.float32(0.125)  # IQ1S_DELTA == IQ1M_DELTA
+# the values of levels 0, 1, 2 shifted by +delta (x_p) and -delta (x_m), (2, 3)
+_SHIFTED = np.array([[-1 + _DELTA, _DELTA, 1 + _DELTA], [-1 - _DELTA, -_DELTA, 1 - _DELTA]], np.float32)
 
 
 @kernel(inline="always")
@@ -189,6 +191,30 @@ def _grid_fit(levels, index, n_groups, xbl, off, weight, m_type, shift, x_p, x_m
 
 
 @kernel(inline="always")
+def _keep_better(sumqx, sumq2, cur, i1, i2, shift):
+    """cur = (best, scale, i1, i2, shift), or this split's when its fit is better (ggml's test: the
+    first of equal fits stays)."""
+    if sumq2 > _F32(0) and sumqx * sumqx > cur[0] * sumq2:
+        scale = sumqx / sumq2
+        return scale * sumqx, scale, i1, i2, shift
+    return cur
+
+
+@kernel(inline="always")
+def _odd_level(v):
+    """A block scale's 3-bit level l (its value is 2 l + 1 units of d): nearest (v - 1) / 2, clamped."""
+    return max(0, min(7, nearest_int(_F32(0.5) * (v - _F32(1)))))
+
+
+@kernel(inline="always")
+def _keep_block(scales, shifts, b, scale, shift, max_scale):
+    """Block b's scale and shift kept; returns the larger of max_scale and scale (C's MAX)."""
+    scales[b] = scale
+    shifts[b] = shift
+    return max_scale if max_scale > scale else scale
+
+
+@kernel(inline="always")
 def _on_grid(m_type, idx, n, i1, i2, scale, shift, levels, kmap, neigh, xbl, off, weight, x_p, x_m, L, index):
     """The best split (i1, i2 of the sorted values idx, at scale, with its shift) as grid points: levels
     to L (flipped, with the shift, for a negative scale), each group of 8 to its grid index in index
@@ -252,12 +278,8 @@ def _iq1s_block(xbl, qw, o, dd, ib, levels, kmap, neigh, x_p, x_m, weight, sumx,
                     sumqx = (sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1] + (sumx[32] - sumx[i2]) * xx[2]
                     sumq2 = ((sumw[i1] - sumw[0]) * xx[0] * xx[0] + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
                              + (sumw[32] - sumw[i2]) * xx[2] * xx[2])
-                    if sumq2 > _F32(0) and sumqx * sumqx > best * sumq2:
-                        scale = sumqx / sumq2
-                        best = scale * sumqx
-                        besti1 = i1
-                        besti2 = i2
-                        best_shift = sh
+                    best, scale, besti1, besti2, best_shift = _keep_better(
+                        sumqx, sumq2, (best, scale, besti1, besti2, best_shift), i1, i2, sh)
         if besti1 < 0:
             continue
         scale, best_shift = _on_grid(False, idx, 32, besti1, besti2, scale, best_shift, levels, kmap, neigh, xbl, off,
@@ -268,16 +290,14 @@ def _iq1s_block(xbl, qw, o, dd, ib, levels, kmap, neigh, x_p, x_m, weight, sumx,
             h |= (index[k] >> 8) << (3 * k)
         o[34 + 2 * b] = h & 255
         o[35 + 2 * b] = h >> 8
-        scales[b] = scale
-        shifts[b] = best_shift
-        max_scale = max_scale if max_scale > scale else scale
+        max_scale = _keep_block(scales, shifts, b, scale, best_shift, max_scale)
     if max_scale == _F32(0):
         return
     d = max_scale / _F32(15)
     dd[ib, 0] = d * _F32(1.125)
     inv = _F32(1) / d
     for b in range(8):
-        l = max(0, min(7, nearest_int(_F32(0.5) * (inv * scales[b] - _F32(1)))))
+        l = _odd_level(inv * scales[b])
         if shifts[b] == -1:
             l |= 8
         o[35 + 2 * b] |= l << 4
@@ -292,8 +312,7 @@ def quantize_iq1_s(levels, kmap, neigh, x, qw, out, dd):
     n = np.empty((3, 32), np.int64)  # idx, L, index (4)
     s = np.empty(8, np.float32)  # block scales
     shifts = np.empty(8, np.int64)
-    x_p = np.array([-1 + _DELTA, _DELTA, 1 + _DELTA], np.float32)
-    x_m = np.array([-1 - _DELTA, -_DELTA, 1 - _DELTA], np.float32)
+    x_p, x_m = _SHIFTED[0], _SHIFTED[1]
     for ib in range(x.shape[0]):
         _iq1s_block(x[ib], qw[ib], out[ib], dd, ib, levels, kmap, neigh, x_p, x_m, f[0], f[1], f[2], n[0], n[1],
                     n[2, :4], s, shifts)
@@ -354,12 +373,8 @@ def _iq1m_block(xbl, qw, has_w, o, levels, kmap, neigh, x_p, x_m, weight, px, pw
                 for k in range(4):
                     sumqx = (qxp0 if k < 2 else qxm0) + (qxp1 if k % 2 == 0 else qxm1)
                     sumq2 = (q2p0 if k < 2 else q2m0) + (q2p1 if k % 2 == 0 else q2m1)
-                    if sumq2 > _F32(0) and sumqx * sumqx > best * sumq2:
-                        scale = sumqx / sumq2
-                        best = scale * sumqx
-                        besti1 = i1
-                        besti2 = i2
-                        best_k = k
+                    best, scale, besti1, besti2, best_k = _keep_better(
+                        sumqx, sumq2, (best, scale, besti1, besti2, best_k), i1, i2, k)
         if besti1 < 0:
             continue
         scale, best_k = _on_grid(True, idx, 16, besti1, besti2, scale, best_k, levels, kmap, neigh, xbl, off, weight,
@@ -367,9 +382,7 @@ def _iq1m_block(xbl, qw, has_w, o, levels, kmap, neigh, x_p, x_m, weight, px, pw
         o[2 * b] = index[0] & 255
         o[2 * b + 1] = index[1] & 255
         o[32 + b] = (index[0] >> 8) | ((index[1] >> 8) << 4)
-        scales[b] = scale
-        shifts[b] = best_k
-        max_scale = max_scale if max_scale > scale else scale
+        max_scale = _keep_block(scales, shifts, b, scale, best_k, max_scale)
     if max_scale == _F32(0):
         return
     d = max_scale / _F32(15)
@@ -378,7 +391,7 @@ def _iq1m_block(xbl, qw, has_w, o, levels, kmap, neigh, x_p, x_m, weight, px, pw
     sumq2 = _F32(0)
     sc = 0  # the 4 uint16 of scales, 3 bits per block: as one 64-bit word
     for b in range(16):
-        l = max(0, min(7, nearest_int(_F32(0.5) * (inv * scales[b] - _F32(1)))))
+        l = _odd_level(inv * scales[b])
         sc |= l << (16 * (b // 4) + 3 * (b % 4))
         o[32 + b] |= (0x80 if shifts[b] == 1 or shifts[b] == 3 else 0) | (0x08 if shifts[b] >= 2 else 0)
         off = 16 * b
@@ -405,8 +418,7 @@ def quantize_iq1_m(has_w, levels, kmap, neigh, x, qw, out, dd):
     n = np.empty((3, 16), np.int64)  # idx, L, index (2)
     s = np.empty(16, np.float32)  # block scales
     shifts = np.empty(16, np.int64)
-    x_p = np.array([-1 + _DELTA, _DELTA, 1 + _DELTA], np.float32)
-    x_m = np.array([-1 - _DELTA, -_DELTA, 1 - _DELTA], np.float32)
+    x_p, x_m = _SHIFTED[0], _SHIFTED[1]
     for ib in range(x.shape[0]):
         _iq1m_block(x[ib], qw[ib], has_w, out[ib], levels, kmap, neigh, x_p, x_m, weight, px, pw, n[0], n[1],
                     n[2, :2], s, shifts)
