@@ -261,10 +261,11 @@ N_EMBD, N_FF, N_LAYER, N_VOCAB = 256, 288, 4, 40  # n_ff % 256 != 0: exercises t
 
 
 def _write_model(path: Path, wtype: int = F32, alignment: int | None = None, tied: bool = False,
-                 nested: bool = True) -> dict[str, np.ndarray]:
+                 nested: bool = True, n_layer: int = N_LAYER, n_head_kv: int | None = None) -> dict[str, np.ndarray]:
     """A tiny Llama-shaped GGUF with every kind of metadata value; returns the f32 weights.
 
-    nested: include nested arrays (valid GGUF, but llama.cpp's reader rejects them).
+    nested: include nested arrays (valid GGUF, but llama.cpp's reader rejects them); n_head_kv: of
+    the 4 heads, how many K/V heads (default: 4, no key written).
     """
     rng = np.random.default_rng(7)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -273,10 +274,12 @@ def _write_model(path: Path, wtype: int = F32, alignment: int | None = None, tie
     V = gguf.GGUFValueType
     w.add_key_value("general.name", "tiny", V.STRING)
     w.add_key_value("llama.context_length", 128, V.UINT32)
-    w.add_key_value("llama.block_count", N_LAYER, V.UINT32)
+    w.add_key_value("llama.block_count", n_layer, V.UINT32)
     w.add_key_value("llama.embedding_length", N_EMBD, V.UINT32)
     w.add_key_value("llama.feed_forward_length", N_FF, V.UINT32)
     w.add_key_value("llama.attention.head_count", 4, V.UINT32)
+    if n_head_kv is not None:
+        w.add_key_value("llama.attention.head_count_kv", n_head_kv, V.UINT32)
     w.add_key_value("llama.attention.layer_norm_rms_epsilon", 1e-5, V.FLOAT32)
     w.add_key_value("general.file_type", 0, V.UINT32)
     w.add_key_value("test.u8", 200, V.UINT8)
@@ -318,10 +321,11 @@ def _write_model(path: Path, wtype: int = F32, alignment: int | None = None, tie
     add("output_norm.weight", (N_EMBD,))
     if not tied:
         add("output.weight", (N_VOCAB, N_EMBD))
-    for i in range(N_LAYER):
+    n_kv = N_EMBD * (n_head_kv or 4) // 4  # K/V rows
+    for i in range(n_layer):
         add(f"blk.{i}.attn_norm.weight", (N_EMBD,))
         for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            add(f"blk.{i}.{n}.weight", (N_EMBD, N_EMBD))
+            add(f"blk.{i}.{n}.weight", (n_kv if n in ("attn_k", "attn_v") else N_EMBD, N_EMBD))
         add(f"blk.{i}.ffn_gate.weight", (N_FF, N_EMBD))
         add(f"blk.{i}.ffn_up.weight", (N_FF, N_EMBD))
         add(f"blk.{i}.ffn_down.weight", (N_EMBD, N_FF))

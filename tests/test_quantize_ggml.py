@@ -162,11 +162,16 @@ def test_tiny_model_with_imatrix_file_equals_llama_cpp(tmp_path, preset):
     """The whole file, quantized with a matrix, equals llama.cpp's `llama_model_quantize` given the
     same matrix (the values llama-quantize passes: sums / counts, ones where a count is 0): the
     per-tensor type choices that depend on a matrix, and every tensor's bytes."""
+    assert_file_with_imatrix_equals_llama_cpp(tmp_path, preset, tied=True)
+
+
+def assert_file_with_imatrix_equals_llama_cpp(tmp_path, preset: str, **model) -> None:
+    """`test_tiny_model_with_imatrix_file_equals_llama_cpp` on _write_model(**model)'s file."""
     from qllama.quantize.imatrix import write_imatrix
     from test_iquants import llama_cpp_quantize
 
     src, ours, theirs = tmp_path / "in.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
-    weights = _write_model(src, nested=False, tied=True)
+    weights = _write_model(src, nested=False, **model)
     sums, counts, values = {}, {}, {}
     for i, (name, x) in enumerate(weights.items()):
         if x.ndim == 2:

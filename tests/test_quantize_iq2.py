@@ -12,7 +12,7 @@ from qllama.errors import QllamaError
 from qllama.gguf.types import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_XXS, type_name
 from qllama.quantize.blocks import quantize_array, quantize_chunk
 
-from test_quantize_ggml import _awkward_rows, _importance, ggml_quantize_chunk
+from test_quantize_ggml import GRID_PRESETS, _awkward_rows, _importance, assert_file_with_imatrix_equals_llama_cpp, ggml_quantize_chunk
 
 GRID_TYPES = [IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S]
 
@@ -49,3 +49,13 @@ def test_all_zero_rows_are_zero_blocks():
     x = np.zeros((2, 512), np.float32)
     for t in GRID_TYPES:
         assert not quantize_chunk(x, t, np.ones(512, np.float32)).any(), type_name(t)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("preset", GRID_PRESETS)
+def test_deep_gqa_model_with_imatrix_file_equals_llama_cpp(tmp_path, preset):
+    """16 layers and 4 query heads per K/V head: the layer-dependent rules (the first eighth's
+    ffn_down, IQ3_XS's middle ffn_gate / ffn_up) and the gqa >= 4 attn_v rule, with llama.cpp's
+    own choices and bytes given the same matrix."""
+    pytest.importorskip("llama_cpp")
+    assert_file_with_imatrix_equals_llama_cpp(tmp_path, preset, n_layer=16, n_head_kv=1)
