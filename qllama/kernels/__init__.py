@@ -14,6 +14,7 @@
 - `_x86_gemm.py` the q4_K, q6_K, q4_0 and q8_0 batch kernels (8 rows per pass; 16 on AVX-512)
 - `quantize_k.py` the k-quant block quantizers (q4_K, q5_K, q6_K) of `qllama.quantize`
 - `quantize_iq1.py` the tq1_0, tq2_0, iq1_s and iq1_m quantizers (loaded only by `qllama quantize`)
+- `quantize_iq2.py` the iq3_xxs, iq2_xxs, iq2_xs and iq2_s grid-search quantizers (also only by `qllama quantize`)
 - `layer_ops.py` the non-matmul parts of a transformer layer (norms, RoPE, attention, FFN gates)
 - `scan.py`    scans of packed data for non-finite floats (`qllama inspect --check`)
 - `fused.py`   one-token decode kernels: a layer's Q|K|V, gate|up, GLU and ffn_down in few calls
