@@ -52,6 +52,24 @@ from numba.core.caching import CacheImpl, _CacheLocator
 from numba.core.compiler_lock import global_compiler_lock
 from numba.extending import intrinsic
 
+# libgomp's spin before a waiting thread sleeps, for Numba's OpenMP layer. libgomp reads it once,
+# when Numba first starts its threads (importing Numba starts none), so it is set as this module
+# loads, before any kernel exists; a libgomp already loaded by something else keeps its setting.
+# libgomp's own default (300000 spins, some ms) makes each parallel region's barrier hold a core
+# while its other thread waits for one: with one core taken by another process, an explicit
+# `-t 2` decoded at 0.05-0.1x of `-t 1`. 1000 spins (~50 us) still cover the gap between a decode
+# step's back-to-back regions; 10000 was already 0.4x under load (`tools/bench_busy.py --spin`).
+GOMP_SPINCOUNT = "1000"
+
+
+def _gomp_spin_default(environ=os.environ) -> None:
+    """Set GOMP_SPINCOUNT unless the user chose a spin count or a wait policy."""
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
+
+
+_gomp_spin_default()
+
 KERNELS_DIR = Path(__file__).resolve().parent
 
 
