@@ -3,7 +3,7 @@
 Usage:
     python tools/bench_busy.py [MODEL] [-n 64] [-r 3] [--paths pp,tg,server,bench] [-p 128]
                                [--requests 3] [--cap 10] [--busy-cpu N | --busy-free] [--no-idle]
-                               [--timeout 1200] [--json OUT.json]
+                               [--spin 300000,passive] [--timeout 1200] [--json OUT.json]
 
 Paths (each measured on every worker, A B A B, in the same process run):
 - pp: a prompt of -p random tokens evaluated from an empty cache (qllama: `Session.prefill`, the
@@ -30,6 +30,10 @@ qllama runs through its generation session (`qllama.generation.session.Session.d
 (no thread count) is the adaptive mode of `qllama.runtime.threads`, and the worker reports the thread
 count it settled on. llama.cpp runs through llama-cpp-python (tools/bench_vs_llamacpp.py's
 runner); "default" there is llama-cpp-python's own default, n_threads = cpu_count // 2.
+
+--spin adds one qllama -t 2 worker per value, with GOMP_SPINCOUNT set to it ('passive':
+OMP_WAIT_POLICY=passive): qllama's own choice is `qllama.kernels.jit.GOMP_SPINCOUNT`, libgomp's
+default is 300000.
 
 The busy loop stops by itself after --timeout seconds, and is killed when the benchmark ends or
 fails. Prints a markdown table of median tokens/s per phase with the ratios the issue asks for,
@@ -250,13 +254,13 @@ def _worker(engine: str, model: str, n_ctx: int, threads: int | None, cap: float
 
 class Worker:
     def __init__(self, label: str, engine: str, model: str, n_ctx: int, threads: int | None, timeout: float,
-                 cap: float = 10.0):
+                 cap: float = 10.0, extra_env: dict | None = None):
         self.label, self.timeout = label, timeout
         cmd = [sys.executable, str(Path(__file__).resolve()), model, "--worker", engine, "--n-ctx", str(n_ctx),
                "--cap", str(cap)]
         if threads is not None:
             cmd += ["--threads", str(threads)]
-        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {})}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.hello = self._read()
 
@@ -389,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy-free", action="store_true", help="do not pin the busy loop")
     ap.add_argument("--no-idle", action="store_true", help="skip the phase without a busy loop")
     ap.add_argument("--only", help="comma list of configs by index into: " + ", ".join(c[0] for c in CONFIGS))
+    ap.add_argument("--spin", help="comma list of GOMP_SPINCOUNT values: one more qllama -t 2 worker per value "
+                    "(label 'qllama -t 2 spin X'; 'passive' sets OMP_WAIT_POLICY=passive instead)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="the busy loop stops after this many seconds")
     ap.add_argument("--json", metavar="OUT")
     ap.add_argument("--worker", choices=("qllama", "llama.cpp"), help=argparse.SUPPRESS)
@@ -416,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         configs = [c for c in configs if c[1] == "qllama"]
     if args.only:
         configs = [CONFIGS[int(i)] for i in args.only.split(",")]
+    configs = [(*c, None) for c in configs]
+    for v in (args.spin.split(",") if args.spin else []):  # the same -t 2 under another libgomp wait setting
+        env = {"OMP_WAIT_POLICY": "passive"} if v.strip() == "passive" else {"GOMP_SPINCOUNT": v.strip()}
+        configs.append((f"qllama -t 2 spin {v.strip()}", "qllama", 2, env))
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not set(args.paths) <= {"pp", "tg", "server", "bench"}:
@@ -429,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     workers: list[Worker] = []
     phases = {}
     try:
-        for label, engine, thr in configs:  # one at a time, so that each loads undisturbed
-            workers.append(Worker(label, engine, args.model, n_ctx, thr, args.timeout, args.cap))
+        for label, engine, thr, env in configs:  # one at a time, so that each loads undisturbed
+            workers.append(Worker(label, engine, args.model, n_ctx, thr, args.timeout, args.cap, env))
             say(f"{label} ready: {workers[-1].hello}")
         if not args.no_idle:
             say("phase idle (no busy loop)")
