@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_quantize_ggml import (
+    GRID_PRESETS,
+    _awkward_rows,
+    _importance,
+    assert_file_with_imatrix_equals_llama_cpp,
+    ggml_quantize_chunk,
+)
 
 from qllama.errors import QllamaError
 from qllama.gguf.types import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_XXS, type_name
 from qllama.quantize.blocks import quantize_array, quantize_chunk
-
-from test_quantize_ggml import GRID_PRESETS, _awkward_rows, _importance, assert_file_with_imatrix_equals_llama_cpp, ggml_quantize_chunk
 
 GRID_TYPES = [IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S]
 

@@ -16,17 +16,26 @@ import numpy as np
 
 from ..gguf.types import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_XXS
 from .jit import kernel
-from .quantize_k import _code, _fit_grid, _importance, _make_qp_quants, _signs, _sum_squares, nearest_int
+from .quantize_k import (
+    _code,
+    _fit_grid,
+    _importance,
+    _make_qp_quants,
+    _signs,
+    _sum_squares,
+    nearest_int,
+)
 
 _F32 = np.float32
 
 # =============================================================================================
-# The kernels. Per block: weights, signs, the trial scales, the requantization, the packing.
+# Per sub-block: weights, signs, the trial scales and requantization (quantize_k._fit_grid, shared
+# with iq3_s), the packing; then the super-block's d and the 4-bit sub-block scales.
 # =============================================================================================
 
 @kernel(inline="always")
 def _sub_scales(scales, nsub, d):
-    """Sub-block scale b as a 4-bit l: scale ~ d (2 l + 1)... nearest_int(0.5 (scale / d - 1))."""
+    """Each sub-block scale (nsub,) in place as its 4-bit l, scale ~ d (2 l + 1): nearest_int(0.5 (scale / d - 1))."""
     inv = _F32(1) / d
     for b in range(nsub):
         scales[b] = max(0, min(15, nearest_int(_F32(0.5) * (inv * scales[b] - _F32(1)))))
@@ -129,7 +138,8 @@ def _grid_block(type_id, xbl, qw, has_w, o, dd, ib, grid, kmap, neigh, f, n, fla
 @kernel(nogil=True)
 def quantize_grid(type_id, has_w, grid, kmap, neigh, x, qw, out, dd):
     """iq3_xxs / iq2_xxs / iq2_xs / iq2_s super-blocks: x (nb, 256) float32 -> out (nb, type_size)
-    uint8 but the fp16 d, dd (nb, 1); grid, kmap, neigh: `grid_tables(type_id)`; qw (nb, 256) the
+    uint8 but the fp16 d, dd (nb, 1); grid (n, 4 or 8) the points as odd values 2 l + 1, kmap and
+    neigh the code map and neighbour lists (`quantize.blocks.grid_tables`); qw (nb, 256) the
     importance weights, read when has_w (iq2_xxs / iq2_xs need them)."""
     f = np.empty((4, 32), np.float32)  # scratch: weight, waux, xval, sub-block scales
     n = np.empty((4, 32), np.int64)  # L, Laux, signs, sign words
