@@ -23,10 +23,11 @@ a prompt's rows equal a decoded token's.
 Threads: the call gathers every (token, slot) row by expert into one scratch (row p of xq, g, u,
 y ...), then runs three phases, each one parallel region over all the chosen experts: gate|up
 (each expert's units split evenly over the threads, as int8.py splits a matrix), biases + act +
-quantize (rows over the threads; one chunk below ACT_PARALLEL_ROWS rows), and down, where each
-thread owns a range of output columns for every expert and so also applies the weights and the
-slot sums of its columns. A decoded token pays 2 fork/joins per layer instead of 2 k, a 64-token
-prompt 3 instead of ~250. (At one thread the regions have one chunk, run by the calling thread.)
+quantize (rows over the threads; on the calling thread below ACT_PARALLEL_ROWS rows), and down,
+where each thread owns a range of output columns for every expert and so also applies the
+weights and the slot sums of its columns. A decoded token pays 2 fork/joins per layer instead of
+2 k, a 64-token prompt 3 instead of ~250. (At one thread the regions have one chunk, run by the
+calling thread.)
 
 Shapes: hq/hd/hs (T, n_embd) the activation in gate/up's form; raw_g/raw_u (n_expert, n_ff,
 row bytes), raw_d (n_expert, n_embd, row bytes) uint8; biases (n_expert, width) float32 or
@@ -198,9 +199,12 @@ def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bi
     y = np.empty((n_pos, n_embd), np.float32)  # (P, n_embd) each row's down, then times its weight
     a = (ids, bounds, at, w, row_e, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, xq, xd, xs, tab, g, u, gq, gd, gs,
          y, out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from, act_address, act, quant_address)
-    for phase in range(3):
-        n_chunks = n_threads if phase != 1 or n_pos >= ACT_PARALLEL_ROWS else 1
-        _over_threads(np.int64(phase), np.int64(n_chunks), a)
+    _over_threads(np.int64(0), np.int64(n_threads), a)
+    if n_threads > 1 and n_pos >= ACT_PARALLEL_ROWS:
+        _over_threads(np.int64(1), np.int64(n_threads), a)
+    else:  # (a decoded token's k rows: no region)
+        _act_chunk(np.int64(0), np.int64(1), row_e, bias_g, bias_u, g, u, act_address, act, quant_address, gq, gd, gs)
+    _over_threads(np.int64(2), np.int64(n_threads), a)
 
 
 def row_kernels(type_id: int):
