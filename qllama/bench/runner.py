@@ -246,7 +246,7 @@ def run_bench(
             others = meter.others_cpus(min_seconds=0.0) if meter is not None else None
             if others is not None and used > meter.n_cpu - others + 0.25:
                 say(f"note: other processes held {others:.1f} of {meter.n_cpu} CPUs during {test.name}: {used} fixed "
-                    f"threads wait for a scheduler slice at every parallel region (without -t the count adapts)")
+                    f"threads shared cores with them, so these figures depend on their load (without -t the count adapts)")
             m, sd = mean_sd(samples)
             res = {"test": test.name, "threads": used, "mean_tps": m, "sd_tps": sd, "reps": reps}
             a = runner.threads

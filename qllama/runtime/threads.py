@@ -2,9 +2,11 @@
 
 Why: every Numba parallel region (a `prange`) ends in a barrier that waits for all of its
 threads. When another process holds a core, the second thread waits for a scheduler slice at
-every region (a few hundred per token), and decoding falls far below one thread. Numba's OpenMP
-layer cannot skip a thread that has not started, and no waiting policy helps on an idle machine
-as well, so the thread count adapts (measurements: docs/measurements.md).
+every region (a few hundred per token). With libgomp's default spin (some ms) the first thread
+held its core meanwhile, and decoding fell to 0.05-0.1x of one thread; qllama's shorter spin
+(`qllama.kernels.jit.GOMP_SPINCOUNT`) removed that collapse, so a fixed count now degrades only
+by its share of the cores. Numba's OpenMP layer still cannot skip a thread that has not started,
+so the default thread count adapts (measurements: docs/measurements.md).
 
 `ThreadAdapter` is that choice, made from wall times: it decodes at its current count, and now
 and then probes the other candidates for a few tokens, switching when one is clearly faster
