@@ -43,6 +43,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from llvmlite import ir
@@ -53,18 +54,43 @@ from numba.core.compiler_lock import global_compiler_lock
 from numba.extending import intrinsic
 
 # libgomp's spin before a waiting thread sleeps, for Numba's OpenMP layer. libgomp reads it once,
-# when Numba first starts its threads (importing Numba starts none), so it is set as this module
+# when Numba first starts its threads (importing Numba starts none), so it is chosen as this module
 # loads, before any kernel exists; a libgomp already loaded by something else keeps its setting.
 # libgomp's own default (300000 spins, some ms) makes each parallel region's barrier hold a core
 # while its other thread waits for one: with one core taken by another process, an explicit
-# `-t 2` decoded at 0.05-0.1x of `-t 1`. 1000 spins (~50 us) still cover the gap between a decode
-# step's back-to-back regions; 10000 was already 0.4x under load (`tools/bench_busy.py --spin`).
+# `-t 2` decoded at 0.05-0.1x of `-t 1`. 1000 spins (~50 us) remove that collapse, but on a quiet
+# machine the threads then sleep between a decode step's regions: the 1B shape at `-t 2` lost ~12%
+# of its decode and ~8% of its prompt speed (`qllama bench`, A B A B). So the short spin is set
+# only when other processes hold CPUs as qllama starts; a process started on a quiet machine
+# keeps libgomp's default (and a fixed `-t N` still slows down if the machine gets busy later).
 GOMP_SPINCOUNT = "1000"
 
 
-def _gomp_spin_default(environ=os.environ) -> None:
-    """Set GOMP_SPINCOUNT unless the user chose a spin count or a wait policy."""
-    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+def _runnable_elsewhere() -> int:
+    """Tasks of other processes running or waiting for a CPU right now: the kernel's count of
+    runnable tasks (/proc/loadavg's 4th field, this thread included) less one, the least of three
+    reads 1 ms apart (a momentary blip is not a busy machine). 0 where there is no /proc."""
+    least = None
+    for i in range(3):
+        try:
+            with open("/proc/loadavg") as f:
+                n = int(f.read().split()[3].split("/")[0]) - 1
+        except (OSError, ValueError, IndexError):
+            return 0
+        least = n if least is None else min(least, n)
+        if least <= 0:
+            break
+        if i < 2:
+            time.sleep(0.001)
+    return max(0, least or 0)
+
+
+def _gomp_spin_default(environ=os.environ, busy: bool | None = None) -> None:
+    """Set GOMP_SPINCOUNT to the short spin when other processes hold CPUs (busy; None: look now),
+    unless the user chose a spin count or a wait policy."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return
+    if busy if busy is not None else _runnable_elsewhere() > 0:
         environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
 
 
