@@ -38,6 +38,8 @@ from numba import types
 from numba.core import config as numba_config
 from numba.extending import intrinsic
 
+from ..gguf.types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+
 
 def _target_features() -> frozenset[str]:
     """The CPU features Numba compiles for: NUMBA_CPU_FEATURES when set, else the host's."""
@@ -439,7 +441,7 @@ def _row_ptrs(context, builder, signature, args):
     """(row u8*, [per token: (xq i8*, xd f32*, xs i32* or f32*)]) from a row intrinsic's arguments.
 
     1-D activations: one token. 2-D (n_tok, .) activations plus a first token t0 (args[5]):
-    N_TILE tokens t0 .. t0+N_TILE-1.
+    tokens t0 .. t0+n-1, n the size of the returned tuple (N_TILE, or row_dotn's n).
     """
     z = ir.Constant(_I64, 0)
     rowp = _ptr(context, builder, signature.args[0], args[0], z, _I8)
@@ -448,7 +450,7 @@ def _row_ptrs(context, builder, signature, args):
     if signature.args[2].ndim == 1:
         return rowp, [tuple(_ptr(context, builder, signature.args[k], args[k], z, ty) for k, ty in tys)]
     toks = []
-    for i in range(N_TILE):
+    for i in range(signature.return_type.count):
         t = builder.add(args[5], ir.Constant(_I64, i))
         ptrs = []
         for k, ty in tys:
@@ -654,8 +656,8 @@ def _pack(context, builder, signature, sums):
     return context.make_tuple(builder, signature.return_type, sums)
 
 
-def _row_sig(row, nb, xq, xd, xs, t0=None, xs_dtypes=(types.int32,)):
-    """Signature of a row intrinsic: 1-D activations -> float32; 2-D plus t0 -> N_TILE float32s."""
+def _row_sig(row, nb, xq, xd, xs, t0=None, xs_dtypes=(types.int32,), n=N_TILE):
+    """Signature of a row intrinsic: 1-D activations -> float32; 2-D plus t0 -> n float32s."""
     if not (_is_arr(row, types.uint8) and isinstance(nb, types.Integer)):
         return None
     if not (isinstance(xs, types.Array) and xs.dtype in xs_dtypes):
@@ -667,7 +669,7 @@ def _row_sig(row, nb, xq, xd, xs, t0=None, xs_dtypes=(types.int32,)):
         return types.float32(row, nb, xq, xd, xs) if ok else None
     ok = isinstance(t0, types.Integer) and all(
         isinstance(a, types.Array) and a.ndim == 2 and a.dtype == dt and a.layout == "C" for a, dt in zip(acts, dtypes))
-    return types.UniTuple(types.float32, N_TILE)(row, nb, xq, xd, xs, t0) if ok else None
+    return types.UniTuple(types.float32, n)(row, nb, xq, xd, xs, t0) if ok else None
 
 
 @intrinsic
@@ -769,6 +771,33 @@ def row_dot4_q4_legacy(typingctx, row, nb, xq, xd, xs, t0):
 def row_dot4_q5_legacy(typingctx, row, nb, xq, xd, xs, t0):
     """row_dot_q5_legacy for tokens t0..t0+3 of 2-D activations -> 4 float32."""
     return _legacy_sig(5, row, nb, xq, xd, xs, t0)
+
+
+_TAIL_KINDS = {Q4_K: "q4", Q5_K: "q5", Q6_K: "q6", Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0",
+               Q5_1: "q5_1"}
+
+
+@intrinsic(prefer_literal=True)
+def row_dotn(typingctx, type_id, row, nb, xq, xd, xs, t0, n):
+    """The row_dot4 intrinsic of type_id (a literal, in _TAIL_KINDS) for the n tokens t0..t0+n-1
+    (n a literal) of 2-D activations -> n float32: a tile's tail of 2 or 3 tokens with the
+    weights unpacked once (not once per token), each token bit for bit its one-token value."""
+    if not (isinstance(type_id, types.IntegerLiteral) and isinstance(n, types.IntegerLiteral)):
+        return None
+    kind = _TAIL_KINDS.get(type_id.literal_value)
+    sig = _row_sig(row, nb, xq, xd, xs, t0, xs_dtypes=(types.int32, types.float32), n=n.literal_value)
+    if kind is None or sig is None:
+        return None
+    if kind in ("q4", "q5"):
+        def gen(c, b, sg, a):
+            return _row_kquant45(c, b, sg, a, kind)
+    elif kind == "q6":
+        gen = _row_q6_k
+    else:
+        def gen(c, b, sg, a):
+            return _row_legacy(c, b, sg, a, kind)
+    full = sig.return_type(type_id, *sig.args, n)
+    return full, lambda c, b, sg, a: gen(c, b, sg.replace(args=sg.args[1:]), a[1:])
 
 
 # Two rows, one token: two independent chains of fmas (one row's chain, an fma per 32 weights,

@@ -45,6 +45,7 @@ from ._x86 import (
     row_dot_q5_legacy,
     row_dot_q6_k,
     row_dot_q8_0,
+    row_dotn,
 )
 from ._x86_gemm import IQ_PACKED_BYTES, L1_BLOCK_BYTES, PACKED_BYTES, TILE_ROWS, pack_rows, tile_rows
 from ._x86_iq import tail_iq4_nl
@@ -192,6 +193,12 @@ def _rows_of(type_id: int):
                         y = row_dot4_q4_legacy(row, nb, xq, xd, xs, t)
                     out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
                     t += 4
+                if t1 - t == 3:  # a tail of 3 or 2 tokens: the weights unpacked once for them too
+                    out[t, r], out[t + 1, r], out[t + 2, r] = row_dotn(type_id, row, nb, xq, xd, xs, t, 3)
+                    t += 3
+                elif t1 - t == 2:
+                    out[t, r], out[t + 1, r] = row_dotn(type_id, row, nb, xq, xd, xs, t, 2)
+                    t += 2
                 while t < t1:
                     if q4k:
                         out[t, r] = row_dot_q4_k(row, nb, xq[t], xd[t], xs[t])
