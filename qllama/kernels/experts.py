@@ -9,7 +9,7 @@ time. Here one call loops over the chosen experts and, for each, its tokens:
 
     xa   = the rows of h's int8 activation for those tokens       (gathered, quantized once)
     g, u = gate_e xa (+ bias), up_e xa (+ bias)                    the type's row kernel, or its
-                                                                   gemm from `gemm_from` tokens on
+                                                                   gemm from `gemm_from_*` tokens on
     g    = act(g, u)                                               layer_ops.glu / swiglu_oai
     y    = down_e quantize(g) (+ bias)
     ys[t, slot] = y * w[t, slot]
@@ -147,15 +147,15 @@ def _phase(phase, c, n_chunks, a):
     """Chunk c of n_chunks of phase 0 (gate|up), 1 (biases, act, quantize) or 2 (down, weights,
     sums); a: experts_ffn's arrays and addresses (one tuple: the three phases share them)."""
     (ids, bounds, at, w, row_e, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, xq, xd, xs, tab, g, u, gq, gd, gs, y,
-     out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from, act_address, act, quant_address) = a
+     out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address) = a
     if phase == 0:
         _gate_up_chunk(c, n_chunks, ids, bounds, raw_g, raw_u, xq, xd, xs, tab, g, u, rows_gu, gemm_gu, tile_rows,
-                       gemm_from)
+                       gemm_from_gu)
     elif phase == 1:
         _act_chunk(c, n_chunks, row_e, bias_g, bias_u, g, u, act_address, act, quant_address, gq, gd, gs)
     else:
         _down_chunk(c, n_chunks, ids, bounds, at, w, raw_d, bias_d, gq, gd, gs, tab, y, out, rows_d, gemm_d,
-                    tile_rows, gemm_from)
+                    tile_rows, gemm_from_d)
 
 
 @kernel(parallel=True, **_NOPY)
@@ -169,13 +169,13 @@ def _over_threads(phase, n_chunks, a):
 
 @kernel(**_NOPY)
 def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, tab,
-                rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from, act_address, act, quant_address,
+                rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address,
                 dd_like, ds_like, out, n_threads):
     """out = the weighted sum of each token's experts (module docstring). ids (G,) the chosen
     experts, bounds (G + 1,): expert ids[j]'s entries are pos[bounds[j]:bounds[j + 1]], flat
     positions t * k + slot. rows_* / gemm_*: addresses of the gate|up and down matrices' row
-    kernel and gemm (0: none); act_address: glu or swiglu_oai; quant_address: act_quant's row
-    function of down's form; dd_like, ds_like: (1, n_ff / per_d), (1, n_ff / per_sum) arrays of
+    kernel and gemm (0: none; the gemm from gemm_from_gu / gemm_from_d tokens of an expert on);
+    act_address: glu or swiglu_oai; quant_address: act_quant's row function of down's form; dd_like, ds_like: (1, n_ff / per_d), (1, n_ff / per_sum) arrays of
     that form (their shapes and dtypes make the scratch's)."""
     n_tok, k = w.shape
     n_pos, n_ff, n_embd = pos.shape[0], raw_g.shape[1], raw_d.shape[1]
@@ -198,7 +198,7 @@ def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bi
     gs = np.empty((n_pos, ds_like.shape[1]), ds_like.dtype)
     y = np.empty((n_pos, n_embd), np.float32)  # (P, n_embd) each row's down, then times its weight
     a = (ids, bounds, at, w, row_e, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, xq, xd, xs, tab, g, u, gq, gd, gs,
-         y, out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from, act_address, act, quant_address)
+         y, out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address)
     _over_threads(np.int64(0), np.int64(n_threads), a)
     if n_threads > 1 and n_pos >= ACT_PARALLEL_ROWS:
         _over_threads(np.int64(1), np.int64(n_threads), a)

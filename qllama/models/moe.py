@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import QllamaError, UnsupportedError
-from ..gguf.types import type_name
+from ..gguf.types import Q6_K, type_name
 from ..qtensor import SUPPORTED_TYPES, QTensor, quantize_activation
 from .args import Keys, ModelArgs
 from .base import LayerWeights, WeightReader, Weights
@@ -42,7 +42,10 @@ MAX_EXPERTS = 512  # llama.cpp's LLAMA_MAX_EXPERTS
 _EMPTY_RAW = np.zeros((0, 1), np.uint8)  # an unused matrix slot of a fused call
 _EMPTY_RAW.flags.writeable = False
 _EMPTY_OUT = np.zeros((1, 0), np.float32)
-GEMM_FROM_TOKENS = np.int64(8)  # an expert's tokens from which its matrices take the gemm (fewer: the row kernels, faster there)
+# an expert's tokens from which a matrix takes the gemm (fewer: the row kernels, faster there; 1 thread,
+# 8..32 tokens on 28-41 MB of expert rows: q4_K's gemm wins from ~8, q6_K's only from ~16)
+GEMM_FROM_TOKENS = {Q6_K: np.int64(16)}
+GEMM_FROM_DEFAULT = np.int64(8)
 WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # llama.cpp clamps the renormalising sum to the smallest normal fp16
 
 
@@ -262,14 +265,14 @@ class MoeFFN:
         if not plan:
             return None
 
-        (fg, raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, act_address,
-         quant_address, dd, ds) = plan
+        (fg, raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d,
+         act_address, quant_address, dd, ds) = plan
         ids, bounds, order = _groups(experts)
         hq_, hd, hs = hq.quantized(fg)
         out = np.empty((w.shape[0], raw_d.shape[1]), np.float32)  # (T, n_embd)
         step.op("ffn_moe experts: gate|up + glu + quantize + down + weighted sum (one call)", experts_ffn,
                 hq_, hd, hs, ids, bounds, order, np.ascontiguousarray(w, np.float32),
-                raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, GEMM_FROM_TOKENS,
+                raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d,
                 act_address, np.int64(act), quant_address, dd, ds, out, np.int64(step.n_threads))
         return out
 
@@ -313,8 +316,9 @@ class MoeFFN:
         if not all(found):  # a recording warm-up: the per-expert calls this time
             return None
         rows_gu, gemm_gu, rows_d, gemm_d, act_address, q_address = (np.int64(max(a, 0)) for a in found)
+        from_gu, from_d = (GEMM_FROM_TOKENS.get(t.type_id, GEMM_FROM_DEFAULT) for t in (g, d))
         self._plan = (fg, raw_g, raw_u, raw_d, *self.biases(), tab, rows_gu, gemm_gu, rows_d, gemm_d,
-                      np.int64(TILE_ROWS), act_address, q_address, gq[1], gq[2])
+                      np.int64(TILE_ROWS), from_gu, from_d, act_address, q_address, gq[1], gq[2])
         return self._plan
 
     def _fused_call(self, step, h: np.ndarray, act: int):
