@@ -108,11 +108,11 @@ def child_only(model: str, kernel: str, threads: int) -> dict:
     records = _install_compile_timer()
     import qllama
     from qllama.runtime import compile_pool
-    from qllama.runtime.warmup import _forward_passes, _unchecked
+    from qllama.runtime.warmup import PREFILL_TOKENS, _forward_passes, _unchecked
 
     llm = qllama.load(model, n_threads=threads)
     with _unchecked(llm.forward_model):
-        jobs = compile_pool.record_jobs(_forward_passes(llm.forward_model, 5))
+        jobs = compile_pool.record_jobs(_forward_passes(llm.forward_model, PREFILL_TOKENS))
     jobs = [j for j in jobs if j.label.removeprefix("qllama.kernels.").split("[")[0] in kernel.split(",")]
     if not jobs:
         raise SystemExit(f"error: the warm-up of {model} does not call {kernel}")

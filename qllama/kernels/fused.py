@@ -12,11 +12,19 @@ row is the same whole-row intrinsic of `_x86.py` (as int8.py's kernels call for 
 the activation is rounded by act_quant.py's own per-token code (`q8_k_row`, `q8_0_row`,
 `q8_1_row`, called by address), and the GLU is `layer_ops.glu` itself.
 
+The same calls serve a step of n tokens (2 .. decode.MAX_ROWS: a server step of n streams,
+prompt lookup's verify batch): every token is quantized on the calling thread, and each matrix
+slot holds, instead of a type id, the address of that type's n-token row kernel (the one the
+unfused path runs, `int8.ROWS_INT8` / `iquants.ROWS_INT8`: every token of a row while it is in
+L1, the same bits as one token; `n_token_slots`). So an n-token step is one call and one region
+for Q|K|V, one and one for attn_output, one and two for the FFN, and nothing new to compile
+beyond the row kernels a k-row step ran before.
+
 Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, iq4_nl, iq4_xs); a
 group's matrices must share one activation form. Others take the unfused path.
-Shapes: x (1, n) float32; xq int8 (1, n), xd float32 (1, n/32 or n/256), xs int32 or float32
-(1, n/32 or n/16) as `qtensor.Activation.quantized` makes them; raw uint8 (rows, row_bytes);
-outputs float32 (1, rows). An unused slot is an empty raw (0, 1) with an empty output (1, 0).
+Shapes: x (T, n) float32 (T = 1, or n tokens); xq int8 (T, n), xd float32 (T, n/32 or n/256), xs
+int32 or float32 (T, n/32 or n/16) as `qtensor.Activation.quantized` makes them; raw uint8 (rows,
+row_bytes); outputs float32 (T, rows). An unused slot is an empty raw (0, 1) with an empty output (T, 0).
 """
 
 from __future__ import annotations
@@ -26,7 +34,11 @@ from numba import prange, types
 from numba.extending import overload, register_jitable
 
 from ..gguf.types import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
-from . import _x86  # the whole-row intrinsics, as _x86.row_dot_<type>
+from . import (
+    _x86,  # the whole-row intrinsics, as _x86.row_dot_<type>
+    int8,
+    iquants,
+)
 from ._x86_iq import row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
 from .act_quant import q8_0_row, q8_1_row, q8_k_row
 from .int8 import FASTMATH
@@ -134,6 +146,38 @@ def quant_address(form: str, x, xq, xd, xs) -> int:
     return address_of(row, args, lambda: row(*args))
 
 
+# -- n tokens: each matrix by its type's row kernel, called by address --
+
+_NO_TAB = np.zeros(1, np.float32)  # the row kernels' fp16 table argument (they do not read it), typed as
+_NO_TAB.flags.writeable = False  # _fp16.FP16_TO_F32 is (read-only): a constant of _chunk3's code
+_ADDRESS_MIN = 1 << 16  # a slot's number below this is a type id (one token), else a row kernel's address
+
+
+def n_token_slots(slots, xq, xd, xs) -> list | None:
+    """[t0, r0, o0, t1, r1, o1, t2, r2, o2] of a call of n >= 2 tokens (xq (n, .)) with each type id
+    replaced by the address of its row kernel for these arguments (0 for an empty slot); None while
+    compile_pool records (then the caller asks again)."""
+    out = list(slots)
+    for i in (0, 3, 6):
+        raw, out[i] = slots[i + 1], 0
+        if raw.shape[0]:
+            rows = (iquants.ROWS_INT8 if slots[i] in (IQ4_NL, IQ4_XS) else int8.ROWS_INT8)[slots[i]]
+            args = (raw, xq, xd, xs, _NO_TAB, slots[i + 2], np.int64(0), np.int64(0))
+            out[i] = address_of(rows, args, lambda rows=rows, args=args: rows(*args))  # (an empty range)
+            if not out[i]:
+                return None
+    return out
+
+
+@register_jitable
+def _matrix(t, raw, out, lo, hi, xq, xd, xs):
+    """Rows [lo, hi) of one matrix: t a type id (one token, `_rows`) or its n-token row kernel's address."""
+    if t < _ADDRESS_MIN:
+        _rows(t, raw, out, lo, hi, xq[0], xd[0], xs[0])
+    else:
+        call_address(t, raw, xq, xd, xs, _NO_TAB, out, lo, hi)
+
+
 # -- rows of up to three matrices in one region --
 
 
@@ -141,13 +185,12 @@ def quant_address(form: str, x, xq, xd, xs) -> int:
 def _chunk3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, lo, hi):
     """Rows [lo, hi) of the three matrices' rows taken end to end."""
     n0, n1 = r0.shape[0], r1.shape[0]
-    xq0, xd0, xs0 = xq[0], xd[0], xs[0]
     if lo < n0:
-        _rows(t0, r0, o0, lo, min(hi, n0), xq0, xd0, xs0)
+        _matrix(t0, r0, o0, lo, min(hi, n0), xq, xd, xs)
     if hi > n0 and lo < n0 + n1:
-        _rows(t1, r1, o1, max(lo, n0) - n0, min(hi, n0 + n1) - n0, xq0, xd0, xs0)
+        _matrix(t1, r1, o1, max(lo, n0) - n0, min(hi, n0 + n1) - n0, xq, xd, xs)
     if hi > n0 + n1:
-        _rows(t2, r2, o2, max(lo, n0 + n1) - n0 - n1, hi - n0 - n1, xq0, xd0, xs0)
+        _matrix(t2, r2, o2, max(lo, n0 + n1) - n0 - n1, hi - n0 - n1, xq, xd, xs)
 
 
 # -- the parallel region, shared by the entry points. It calls _chunk3 by its address
@@ -165,8 +208,8 @@ def rows_address(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs) -> int:
 
 @kernel(parallel=True, **_NOPY)
 def _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, chunk_address, n_threads):
-    """o_i = W_i x for up to three matrices (type ids t_i, packed rows r_i) and one quantized
-    token x, their rows taken end to end and split into one chunk per thread in one parallel
+    """o_i = W_i x for up to three matrices (type ids t_i, or n-token row kernels' addresses;
+    packed rows r_i) and the quantized tokens x, their rows taken end to end and split into one chunk per thread in one parallel
     region (none with one thread). chunk_address: `rows_address` of the same arguments."""
     if chunk_address == 0:
         return
@@ -186,27 +229,31 @@ def _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, chunk_address, n_thre
 
 @kernel(**_NOPY)
 def matvec3(x, quant_address, xq, xd, xs, t0, r0, o0, t1, r1, o1, t2, r2, o2, chunk_address, n_threads):
-    """Quantize x (1, n) into (xq, xd, xs) on this thread (quant_address: `quant_address` of x and
-    them), then o_i = W_i x for up to three matrices (type ids t_i, packed rows r_i) in one
-    parallel region (`_rows3`). An address 0 (a recording warm-up): nothing is computed."""
+    """Quantize x (T, n) into (xq, xd, xs) on this thread (quant_address: `quant_address` of x and
+    them), then o_i = W_i x for up to three matrices (type ids t_i, or for T >= 2 their row
+    kernels' addresses; packed rows r_i) in one parallel region (`_rows3`). An address 0 (a
+    recording warm-up): nothing is computed."""
     if quant_address == 0:
         return
-    call_address(quant_address, x, np.int64(0), xq, xd, xs)
+    for t in range(x.shape[0]):
+        call_address(quant_address, x, np.int64(t), xq, xd, xs)
     _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, chunk_address, n_threads)
 
 
 @kernel(**_NOPY)
 def ffn(x, quant_address, xq, xd, xs, tg, rg, gate, tu, ru, up, act, quant_d_address, gq, gd, gs, td, rd, out,
         empty_raw, empty_out, gate_up_address, down_address, glu_address, n_threads):
-    """A gated FFN for one token: gate|up rows in one region, gate = act(gate) * up
-    (layer_ops.glu) on this thread, then ffn_down of it into out (1, n_embd) in a second
-    region. (gq, gd, gs): the quantized GLU output in ffn_down's form. The addresses:
+    """A gated FFN for T tokens: gate|up rows in one region, gate = act(gate) * up
+    (layer_ops.glu) on this thread, then ffn_down of it into out (T, n_embd) in a second
+    region (slots as `matvec3`'s). (gq, gd, gs): the quantized GLU output in ffn_down's form. The addresses:
     `quant_address` of x and of gate, `rows_address` of the two `_rows3` calls' arguments,
     `glu_address`."""
     if quant_address == 0 or quant_d_address == 0 or glu_address == 0:
         return
-    call_address(quant_address, x, np.int64(0), xq, xd, xs)
+    for t in range(x.shape[0]):
+        call_address(quant_address, x, np.int64(t), xq, xd, xs)
     _rows3(tg, rg, gate, tu, ru, up, tg, empty_raw, empty_out, xq, xd, xs, gate_up_address, n_threads)
     call_address(glu_address, gate, up, gate, act)
-    call_address(quant_d_address, gate, np.int64(0), gq, gd, gs)
+    for t in range(x.shape[0]):
+        call_address(quant_d_address, gate, np.int64(t), gq, gd, gs)
     _rows3(td, rd, out, td, empty_raw, empty_out, td, empty_raw, empty_out, gq, gd, gs, down_address, n_threads)

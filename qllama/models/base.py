@@ -21,6 +21,7 @@ from ..errors import QllamaError, UnsupportedError
 from ..gguf.reader import GGUFFile
 from ..qtensor import QTensor, int8_enabled, quantize_activation, resolve_threads, set_threads
 from .args import ModelArgs, read_common_args
+from .decode import MAX_ROWS
 from .kvcache import SWA_BATCH, KVCache
 from .nonfinite import locate as locate_nonfinite
 from .points import attention_numpy
@@ -333,10 +334,10 @@ class Transformer:
         return [o[0] if len(o) == 1 else np.concatenate(o) for o in outs]
 
     def _forward_round(self, runs, want: list[bool], all_logits: bool, n_threads: int | None) -> list[np.ndarray | None]:
-        one_token = len(runs) == 1 and runs[0][0].shape[0] == 1
+        n_rows = sum(t.shape[0] for t, _ in runs)
         n_threads = n_threads or self.n_threads
         set_threads(n_threads)  # Numba's count for this calling thread; kernels also receive it explicitly
-        step = self.execution.step(self, n_threads, one_token)  # the way this round runs
+        step = self.execution.step(self, n_threads, n_rows)  # the way this round runs
         self.step = step
         try:
             return self._round(runs, want, all_logits, step)
@@ -354,13 +355,14 @@ class Transformer:
         finally:
             self.execution = before
 
-    def fused_state(self):
-        """A decode.DecodeState for a one-token round on the fused kernels, or None (the float
-        path, or a matrix type without fused kernels)."""
-        if not int8_enabled():
+    def fused_state(self, n_rows: int = 1, max_rows: int | None = None):
+        """A decode.DecodeState for a round of n_rows tokens on the fused kernels, or None (more
+        than max_rows rows (None: decode.MAX_ROWS), the float path, or a matrix type without
+        fused kernels)."""
+        if n_rows > (max_rows or MAX_ROWS) or not int8_enabled():
             return None
         plan = self._plan if self._plan is not None else self._build_plan()
-        return plan.acquire() if plan else None
+        return plan.acquire(n_rows) if plan else None
 
     def release_fused(self, state) -> None:
         self._plan.release(state)

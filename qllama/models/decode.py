@@ -8,10 +8,13 @@ with the GLU and ffn_down). A `DecodeState` holds preallocated buffers and, per 
 argument tuples of those calls, so a step does no per-matrix Python work and allocates
 nothing but the returned logits.
 
-Used by `Transformer` for a one-token, one-sequence step when nothing is hooked, traced or
-timed by points (those see every named point through the unfused building blocks), the int8
-path is on, and every matrix of the model has a fused kernel (else the unfused path runs).
-Results equal the unfused int8 path bit for bit (tests/test_models_forward.py).
+Used by `Transformer` for a step of 1 to MAX_ROWS tokens (one decode token; a server step of
+several streams, one token each; prompt lookup's verify batch; a short prompt) when nothing is
+hooked, traced or timed by points (those see every named point through the unfused building
+blocks), the int8 path is on, and every matrix of the model has a fused kernel (else the
+unfused path runs). A state serves one row count (`DecodePlan.acquire(n)`). Results equal the
+unfused int8 path bit for bit, and every row of an n-token step its one-token step's
+(tests/test_models_forward.py, tests/test_multi_sequence.py, tests/test_fused_steps.py).
 
 `KernelClock`: when set on a model (`qllama bench --profile`), both paths time each kernel
 call by kind; the step's wall time minus those is Python overhead.
@@ -29,6 +32,11 @@ from ..qtensor import ACTIVATION_FORMS, FUSED_TYPES, TYPES, QTensor
 if TYPE_CHECKING:
     from .base import Weights
 
+# Steps of up to this many rows take the fused kernels (more: the unfused blocks, whose batches of
+# qtensor.GEMM_MIN_TOKENS or more run the gemm). The n-token row kernels read each row once for
+# every token (4 at a time); up to 8 rows they cost no more than the gemm (a verify batch of
+# lookup 8 is 9 rows: the gemm)
+MAX_ROWS = 8
 
 
 def form_buffers(form: str, n_tok: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -66,12 +74,13 @@ def _form(w: QTensor) -> str | None:
 
 
 class DecodePlan:
-    """Which calls a one-token step makes, per layer; None from `build` when a matrix has no fused kernel."""
+    """Which calls a step of 1 to MAX_ROWS tokens makes, per layer; None from `build` when a matrix
+    has no fused kernel."""
 
     def __init__(self, weights: "Weights", n_embd: int, q_dim: int, kv_dim: int, n_ff: int):
         self.weights = weights
         self.dims = (n_embd, q_dim, kv_dim, n_ff)
-        self._free: list[DecodeState] = []  # states not in use (one per concurrent forward)
+        self._free: dict[int, list[DecodeState]] = {}  # per row count, states not in use (one per concurrent forward)
 
     @classmethod
     def build(cls, weights: "Weights", n_embd: int, q_dim: int, kv_dim: int, n_ff: int) -> "DecodePlan | None":
@@ -81,39 +90,41 @@ class DecodePlan:
                 return None
         return cls(weights, n_embd, q_dim, kv_dim, n_ff)
 
-    def acquire(self) -> "DecodeState":
+    def acquire(self, n: int = 1) -> "DecodeState":
+        """A state for a step of n rows (1 <= n <= MAX_ROWS)."""
         try:
-            return self._free.pop()
-        except IndexError:
-            return DecodeState(self)
+            return self._free[n].pop()
+        except (KeyError, IndexError):
+            return DecodeState(self, n)
 
     def release(self, state: "DecodeState") -> None:
-        self._free.append(state)
+        self._free.setdefault(state.n, []).append(state)
 
 
 class DecodeState:
-    """Buffers of one step and the argument tuples of every layer's fused calls."""
+    """Buffers of one step of n rows and the argument tuples of every layer's fused calls."""
 
-    def __init__(self, plan: DecodePlan):
+    def __init__(self, plan: DecodePlan, n: int = 1):
         from ..kernels import fused
 
         self._fused = fused
+        self.n = n  # rows of the steps this state runs
         n_embd, q_dim, kv_dim, n_ff = plan.dims
         self._quant: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._empty_raw = np.zeros((0, 1), np.uint8)  # an unused slot of a fused call
         self._empty_raw.flags.writeable = False
-        self._empty_out = np.zeros((1, 0), np.float32)
-        self.q = np.empty((1, q_dim), np.float32)  # (1, q_dim)
-        self.k = np.empty((1, kv_dim), np.float32)  # (1, kv_dim)
-        self.v = np.empty((1, kv_dim), np.float32)
-        self.attn_out = np.empty((1, n_embd), np.float32)
-        self.gate = np.empty((1, n_ff), np.float32)
-        self.up = np.empty((1, n_ff), np.float32)
-        self.ffn_out = np.empty((1, n_embd), np.float32)
+        self._empty_out = np.zeros((n, 0), np.float32)
+        self.q = np.empty((n, q_dim), np.float32)  # (n, q_dim)
+        self.k = np.empty((n, kv_dim), np.float32)  # (n, kv_dim)
+        self.v = np.empty((n, kv_dim), np.float32)
+        self.attn_out = np.empty((n, n_embd), np.float32)
+        self.gate = np.empty((n, n_ff), np.float32)
+        self.up = np.empty((n, n_ff), np.float32)
+        self.ffn_out = np.empty((n, n_embd), np.float32)
         self.qkv_calls, self.out_calls, self.ffn_calls = [], [], []
         for lw in plan.weights.layers:
             if lw.attn_qkv is not None:  # one fused Q|K|V matrix (phi3): split by the caller
-                fused_out = np.empty((1, q_dim + 2 * kv_dim), np.float32)
+                fused_out = np.empty((n, q_dim + 2 * kv_dim), np.float32)
                 self.qkv_calls.append((self._calls([(lw.attn_qkv, fused_out)]), fused_out))
             else:
                 self.qkv_calls.append((self._calls([(lw.attn_q, self.q), (lw.attn_k, self.k), (lw.attn_v, self.v)]), None))
@@ -121,12 +132,12 @@ class DecodeState:
             self.ffn_calls.append(self._ffn_call(lw, n_ff) if lw.moe is None else None)  # (MoE: models/moe.py)
         self._out_w = plan.weights.output
         self._out_ok = plan.weights.output.type_id in FUSED_TYPES
-        self._logits_addresses = [0, 0]  # the output matrix's chunk and quantizer addresses, found on first use
+        self._logits_call: list | None = None  # the output matrix's call (`_calls`), made on first use
 
     def _qbuf(self, form: str, n: int):
         key = (form, n)
         if key not in self._quant:
-            self._quant[key] = form_buffers(form, 1, n)
+            self._quant[key] = form_buffers(form, self.n, n)
         return self._quant[key]
 
     def _calls(self, mats: list[tuple[QTensor, np.ndarray]]) -> list[list]:
@@ -149,10 +160,18 @@ class DecodeState:
         addresses are found on first use (a warm-up that only records gets 0, and the next use
         asks again)."""
         if not call[-2]:
-            call[-2] = self._fused.rows_address(*call[4:13], *call[1:4])
+            slots = self._slots(call[4:13], call[1:4])
+            chunk = self._fused.rows_address(*slots, *call[1:4]) if slots else 0
+            if chunk:
+                call[4:13], call[-2] = slots, chunk
         if not call[-1]:
             call[-1] = self._fused.quant_address(call[0], x, *call[1:4])
         return (call[-1], *call[1:-1])
+
+    def _slots(self, slots, acts) -> list | None:
+        """A call's matrix slots as the kernels take them: type ids for one row, else each type's
+        n-token row kernel by address (`fused.n_token_slots`; None while compile_pool records)."""
+        return list(slots) if self.n == 1 else self._fused.n_token_slots(slots, *acts)
 
     def _ffn_call(self, lw, n_ff: int):
         """("ffn", args before act, args after act) for separate gate and up of one form; else
@@ -160,19 +179,19 @@ class DecodeState:
         gate, up, down = lw.ffn_gate, lw.ffn_up, lw.ffn_down
         if gate is not None and _form(gate) == _form(up):
             fg, fd = _form(gate), _form(down)
-            pre = (fg, *self._qbuf(fg, gate.n_cols), gate.type_id, gate.raw, self.gate, up.type_id, up.raw, self.up)
-            post = (fd, *self._qbuf(fd, down.n_cols), down.type_id, down.raw, self.ffn_out, self._empty_raw,
-                    self._empty_out)
+            pre = [fg, *self._qbuf(fg, gate.n_cols), gate.type_id, gate.raw, self.gate, up.type_id, up.raw, self.up]
+            post = [fd, *self._qbuf(fd, down.n_cols), down.type_id, down.raw, self.ffn_out, self._empty_raw,
+                    self._empty_out]
             return ("ffn", pre, post, [0, 0, 0, 0, 0])  # (+ the kernels' addresses, found on first use)
         if gate is None:  # gate|up in one matrix, gate first
-            gu = np.empty((1, 2 * n_ff), np.float32)
+            gu = np.empty((self.n, 2 * n_ff), np.float32)  # (n, 2 n_ff)
             return ("split", self._calls([(up, gu)]), gu, self._calls([(down, self.ffn_out)]))
         return ("split2", self._calls([(gate, self.gate), (up, self.up)]), None, self._calls([(down, self.ffn_out)]))
 
-    # -- the steps (h, attn: (1, n) float32 C-contiguous) --
+    # -- the steps (h, attn: (n, dim) float32 C-contiguous) --
 
     def qkv(self, il: int, h: np.ndarray, nt: int, clock: KernelClock | None):
-        """-> q (1, q_dim), k, v (1, kv_dim): views of this state's buffers."""
+        """-> q (n, q_dim), k, v (n, kv_dim): views of this state's buffers."""
         calls, fused_out = self.qkv_calls[il]
         mv = self._fused.matvec3
         for call in calls:
@@ -201,12 +220,17 @@ class DecodeState:
         if call[0] == "ffn":
             _, pre, post, ad = call
             if not all(ad):
-                er, eo = self._empty_raw, self._empty_out
-                ad[0] = self._fused.rows_address(*pre[4:10], pre[4], er, eo, *pre[1:4])
-                ad[1] = self._fused.rows_address(*post[4:7], post[4], er, eo, post[4], er, eo, *post[1:4])
-                ad[2] = self._fused.quant_address(pre[0], h, *pre[1:4])
-                ad[3] = self._fused.quant_address(post[0], self.gate, *post[1:4])
-                ad[4] = self._fused.glu_address(self.gate, self.up, act)
+                if not ad[0]:  # (for n rows, the type ids become the row kernels' addresses, once)
+                    er, eo = self._empty_raw, self._empty_out
+                    gu = self._slots([*pre[4:10], pre[4], er, eo], pre[1:4])
+                    dn = self._slots([*post[4:7], post[4], er, eo, post[4], er, eo], post[1:4])
+                    chunks = [self._fused.rows_address(*gu, *pre[1:4]), self._fused.rows_address(*dn, *post[1:4])] \
+                        if gu and dn else [0, 0]
+                    if all(chunks):
+                        pre[4:10], post[4:7], ad[0:2] = gu[:6], dn[:3], chunks
+                ad[2] = ad[2] or self._fused.quant_address(pre[0], h, *pre[1:4])
+                ad[3] = ad[3] or self._fused.quant_address(post[0], self.gate, *post[1:4])
+                ad[4] = ad[4] or self._fused.glu_address(self.gate, self.up, act)
             args = (ad[2], *pre[1:], act, ad[3], *post[1:], ad[0], ad[1], ad[4], nt)
             if clock is None:
                 self._fused.ffn(h, *args)
@@ -231,16 +255,18 @@ class DecodeState:
         return self.ffn_out
 
     def logits(self, hn: np.ndarray, nt: int, clock: KernelClock | None) -> np.ndarray | None:
-        """The output projection of hn (1, n_embd) into a new (1, n_vocab) array; None if its type has no fused kernel."""
-        if not self._out_ok:
+        """The output projection of hn (n, n_embd) into a new (n, n_vocab) array; None if its type
+        has no fused kernel or hn has another row count."""
+        if not self._out_ok or hn.shape[0] != self.n:
             return None
         w = self._out_w
-        out = np.empty((1, w.n_rows), np.float32)
-        form = _form(w)
-        call = [form, *self._qbuf(form, w.n_cols), w.type_id, w.raw, out, 0, self._empty_raw, self._empty_out, 0,
-                self._empty_raw, self._empty_out, *self._logits_addresses]
+        out = np.empty((self.n, w.n_rows), np.float32)
+        if self._logits_call is None:
+            self._logits_call = self._calls([(w, out)])[0]
+        call = self._logits_call
+        call[6] = out  # (a new array of the same kind each step: the addresses stay)
         args = self._ready(call, hn)
-        self._logits_addresses = call[-2:]  # (the same types on every call: `out` is a new array of the same kind)
+        call[6] = None  # (not kept alive by the state)
         if clock is None:
             self._fused.matvec3(hn, *args, nt)
         else:

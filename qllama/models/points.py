@@ -226,7 +226,7 @@ class Probe(Execution):
         self.traces: list[Trace] = []
         self._route: dict[tuple[str, int | None], tuple[list, list, str]] = {}
 
-    def step(self, model, n_threads: int, one_token: bool) -> Step:
+    def step(self, model, n_threads: int, n_rows: int) -> Step:
         return ProbedStep(self, n_threads, None, self.checks)
 
     # -- registry --

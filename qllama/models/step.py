@@ -12,8 +12,8 @@ one call per step and never asks which mode is on, as llama.cpp's graph builders
 
 The model's `execution` chooses a `Step` once per forward round:
 
-- `Plain` (the default): the calls as they are; a one-token step on the int8 path takes the
-  fused decode kernels (`step.fused`, models/decode.py);
+- `Plain` (the default): the calls as they are; a step of up to decode.MAX_ROWS tokens on the
+  int8 path takes the fused kernels (`step.fused`, models/decode.py);
 - `Timed(clock)`: `qllama bench --profile` times every kernel call by kind and layer;
 - `points.Probe`: hooks and traces see (and may replace) every named point;
 - `Plain(checks=False)` / `Probe(..., checks=False)`: no check of the logits for NaN/Inf (the
@@ -52,7 +52,7 @@ class Step:
     def __init__(self, n_threads: int, fused: "DecodeState | None" = None, checks: bool = True,
                  release: Callable[["DecodeState"], None] | None = None):
         self.n_threads = n_threads  # threads of this round's kernels
-        self.fused = fused  # one-token fused kernels of this round, or None
+        self.fused = fused  # the fused kernels of this round (its row count), or None
         self.checks = checks  # whether the round checks its logits for NaN/Inf
         self.il: int | None = None  # the block being run
         self._release = release
@@ -97,20 +97,23 @@ class TimedStep(Step):
         return self.clock.run(kind, self.il, project, w, act, self.n_threads)
 
 
-# one-token steps on the int8 path use the fused kernels (models/decode.py); QLLAMA_FUSED=0 turns
-# them off (the unfused blocks, for before/after measurements)
+# steps of 1 to decode.MAX_ROWS tokens on the int8 path use the fused kernels (models/decode.py);
+# QLLAMA_FUSED=0 turns them off (the unfused blocks, for before/after measurements), and
+# QLLAMA_FUSED=1token keeps them to one-token steps
 FUSED_DEFAULT = os.environ.get("QLLAMA_FUSED", "1") != "0"
+FUSED_ROWS_DEFAULT = 1 if os.environ.get("QLLAMA_FUSED") == "1token" else None  # (None: decode.MAX_ROWS)
 
 
 class Execution:
-    """Chooses each forward round's Step. `fused`: whether one-token rounds may take the fused
-    decode kernels; `checks`: whether rounds check their logits."""
+    """Chooses each forward round's Step. `fused`: whether rounds of up to `fused_rows` tokens
+    (None: decode.MAX_ROWS) may take the fused kernels; `checks`: whether rounds check their logits."""
 
-    def __init__(self, *, fused: bool = FUSED_DEFAULT, checks: bool = True):
-        self.fused, self.checks = fused, checks
+    def __init__(self, *, fused: bool = FUSED_DEFAULT, checks: bool = True, fused_rows: int | None = FUSED_ROWS_DEFAULT):
+        self.fused, self.checks, self.fused_rows = fused, checks, fused_rows
 
-    def step(self, model, n_threads: int, one_token: bool) -> Step:
-        fused = model.fused_state() if one_token and self.fused else None
+    def step(self, model, n_threads: int, n_rows: int) -> Step:
+        """The Step of a round of n_rows tokens (all segments together)."""
+        fused = model.fused_state(n_rows, self.fused_rows) if self.fused else None
         return self._make(n_threads, fused, model.release_fused)
 
     def _make(self, n_threads: int, fused, release) -> Step:
@@ -124,8 +127,8 @@ class Plain(Execution):
 class Timed(Execution):
     """Every kernel call timed into `clock` (`qllama bench --profile`)."""
 
-    def __init__(self, clock: "KernelClock", *, fused: bool = FUSED_DEFAULT):
-        super().__init__(fused=fused)
+    def __init__(self, clock: "KernelClock", *, fused: bool = FUSED_DEFAULT, fused_rows: int | None = FUSED_ROWS_DEFAULT):
+        super().__init__(fused=fused, fused_rows=fused_rows)
         self.clock = clock
 
     def _make(self, n_threads: int, fused, release) -> Step:

@@ -22,7 +22,12 @@ import hashlib
 import time
 from pathlib import Path
 
-PREFILL_TOKENS = 5  # >= 4: the int8 prefill kernels work on groups of 4 tokens, plus a remainder
+# the prompt pass: more tokens than a fused step takes (models/decode.MAX_ROWS), so the unfused
+# batch kernels (the gemm) compile; >= 4: the int8 row kernels work on groups of 4 tokens plus a remainder
+PREFILL_TOKENS = 9
+# a step of this many tokens runs the fused calls with each type's n-token row kernel (a server
+# step of 2 streams, prompt lookup's verify batch, a short prompt such as the demo's)
+SHORT_TOKENS = 2
 # depth of the third pass: attention runs in parallel there for any model with >= 2 heads
 # (layer_ops.attention_parallel_pays), and costs little (at n_ctx 4096 it took ~0.2 s of a 1B warm-up)
 FAR_DEPTH = 2048
@@ -36,8 +41,8 @@ def kernel_types(gguf) -> list[str]:
 def warm_up(model, tokens: int = PREFILL_TOKENS, workers: int | None = None) -> float:
     """Run the forward pass of `model` (a LlamaModel-like object with `new_cache()` and
     `forward(ids, cache)`) on a scratch cache so that every kernel it uses is compiled or
-    loaded: a prompt batch, one decode step, and a batch FAR_DEPTH tokens into the context (where
-    attention is long enough to run in parallel). Returns the seconds it took.
+    loaded: a prompt batch, one decode step, a step of SHORT_TOKENS, and a batch FAR_DEPTH tokens
+    into the context (where attention is long enough to run in parallel). Returns the seconds it took.
 
     Kernels that neither this process nor Numba's disk cache holds are first compiled by
     `workers` processes in parallel (default: one per CPU; 0: all in this process), see
@@ -71,7 +76,7 @@ def _unchecked(model):
 
 
 def _forward_passes(model, tokens: int) -> list:
-    """The warm-up's three forward passes on one scratch cache, as steps to call in order."""
+    """The warm-up's four forward passes on one scratch cache, as steps to call in order."""
     cache = model.new_cache()  # (positions are zero-filled: their values do not matter here)
     n_ctx = cache.n_ctx
     first = min(tokens, max(n_ctx - 1, 1))
@@ -84,13 +89,18 @@ def _forward_passes(model, tokens: int) -> list:
         if cache.n_past < n_ctx:
             model.forward([0], cache)
 
+    def short():
+        cache.n_past = first + 1
+        if cache.n_past + SHORT_TOKENS <= n_ctx:
+            model.forward([0] * SHORT_TOKENS, cache)
+
     def far():  # a batch deep enough into the context for attention to run in parallel
         depth = min(n_ctx - tokens, FAR_DEPTH)
         if depth > first + 1:
             cache.n_past = depth
             model.forward([0] * tokens, cache)
 
-    return [prompt, decode, far]
+    return [prompt, decode, short, far]
 
 
 # -- is Numba's cache warm for this model? -----------------------------------------------------
