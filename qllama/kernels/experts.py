@@ -40,7 +40,7 @@ import numpy as np
 
 from numba import prange
 
-from .jit import call_address, kernel
+from .jit import call_address, compiled_address, kernel
 
 _NOPY = dict(boundscheck=False)
 SWIGLU_OAI_ALPHA = np.float32(1.702)
@@ -159,24 +159,28 @@ def _phase(phase, c, n_chunks, a):
 
 
 @kernel(parallel=True, **_NOPY)
-def _over_threads(phase, n_chunks, a):
-    """One parallel region: the n_chunks chunks of a phase, one per thread (also for one chunk:
-    _phase's code is then compiled here only, not a third time into experts_ffn; 16 -> 13 s CPU
-    of experts_ffn's first compile)."""
+def _over_threads(phase_address, phase, n_chunks, a):
+    """One parallel region: the n_chunks chunks of a phase, one per thread, each a call of
+    _phase by its address (`phase_address`): _phase compiles once, in its own dispatcher, not
+    twice more into this parfor (experts' first compile: 11 -> 8 s CPU)."""
     for c in prange(n_chunks):
-        _phase(phase, c, n_chunks, a)
+        call_address(phase_address, phase, c, n_chunks, a)
 
 
 @kernel(**_NOPY)
-def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, tab,
-                rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address,
-                dd_like, ds_like, out, n_threads):
-    """out = the weighted sum of each token's experts (module docstring). ids (G,) the chosen
-    experts, bounds (G + 1,): expert ids[j]'s entries are pos[bounds[j]:bounds[j + 1]], flat
-    positions t * k + slot. rows_* / gemm_*: addresses of the gate|up and down matrices' row
-    kernel and gemm (0: none; the gemm from gemm_from_gu / gemm_from_d tokens of an expert on);
-    act_address: glu or swiglu_oai; quant_address: act_quant's row function of down's form; dd_like, ds_like: (1, n_ff / per_d), (1, n_ff / per_sum) arrays of
-    that form (their shapes and dtypes make the scratch's)."""
+def _copy_row(src, i, dst, j):
+    """dst[j] = src[i] (2-D arrays of one width)."""
+    for c in range(src.shape[1]):
+        dst[j, c] = src[i, c]
+
+
+@kernel(**_NOPY)
+def phase_arrays(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, tab,
+                 rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act,
+                 quant_address, dd_like, ds_like, out):
+    """The phases' one tuple: the arguments (as experts_ffn's) and the scratch, with the tokens'
+    activation rows gathered by expert. (Called from Python on 0 rows too: its result's types
+    are those _phase is compiled for, `phase_address`.)"""
     n_tok, k = w.shape
     n_pos, n_ff, n_embd = pos.shape[0], raw_g.shape[1], raw_d.shape[1]
     # row p of every scratch below is flat position pos[p]: each expert's tokens are rows bounds[j]:bounds[j + 1]
@@ -188,7 +192,9 @@ def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bi
     for j in range(ids.shape[0]):
         for p in range(bounds[j], bounds[j + 1]):
             t = pos[p] // k
-            xq[p], xd[p], xs[p] = hq[t], hd[t], hs[t]
+            _copy_row(hq, t, xq, p)  # (element loops: a row assignment compiles a shape-checked raise, ~3 s CPU)
+            _copy_row(hd, t, xd, p)
+            _copy_row(hs, t, xs, p)
             row_e[p] = ids[j]
             at[t, pos[p] % k] = p
     g = np.empty((n_pos, n_ff), np.float32)  # (P, n_ff) gate, then act(gate, up)
@@ -197,14 +203,39 @@ def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bi
     gd = np.empty((n_pos, dd_like.shape[1]), dd_like.dtype)
     gs = np.empty((n_pos, ds_like.shape[1]), ds_like.dtype)
     y = np.empty((n_pos, n_embd), np.float32)  # (P, n_embd) each row's down, then times its weight
-    a = (ids, bounds, at, w, row_e, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, xq, xd, xs, tab, g, u, gq, gd, gs,
-         y, out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address)
-    _over_threads(np.int64(0), np.int64(n_threads), a)
-    if n_threads > 1 and n_pos >= ACT_PARALLEL_ROWS:
-        _over_threads(np.int64(1), np.int64(n_threads), a)
+    return (ids, bounds, at, w, row_e, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, xq, xd, xs, tab, g, u, gq, gd, gs,
+            y, out, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act,
+            quant_address)
+
+
+def phase_address(a) -> int:
+    """The address of _phase compiled (or loaded) for phase_arrays' tuple a; 0 while compile_pool
+    records a warm-up."""
+    args = (np.int64(0), np.int64(0), np.int64(1), a)
+    _phase(*args)  # (a made from 0 rows: nothing runs)
+    return compiled_address(_phase, args)
+
+
+@kernel(**_NOPY)
+def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, tab,
+                rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address,
+                dd_like, ds_like, out, phase_address, n_threads):
+    """out = the weighted sum of each token's experts (module docstring). ids (G,) the chosen
+    experts, bounds (G + 1,): expert ids[j]'s entries are pos[bounds[j]:bounds[j + 1]], flat
+    positions t * k + slot. rows_* / gemm_*: addresses of the gate|up and down matrices' row
+    kernel and gemm (0: none; the gemm from gemm_from_gu / gemm_from_d tokens of an expert on);
+    act_address: glu or swiglu_oai; quant_address: act_quant's row function of down's form; dd_like,
+    ds_like: (1, n_ff / per_d), (1, n_ff / per_sum) arrays of that form (their shapes and dtypes
+    make the scratch's); phase_address: `phase_address` of these types; w C-contiguous, writable."""
+    a = phase_arrays(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, tab, rows_gu,
+                     gemm_gu, rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address,
+                     dd_like, ds_like, out)
+    _over_threads(phase_address, np.int64(0), np.int64(n_threads), a)
+    if n_threads > 1 and pos.shape[0] >= ACT_PARALLEL_ROWS:
+        _over_threads(phase_address, np.int64(1), np.int64(n_threads), a)
     else:  # (a decoded token's k rows: no region)
-        _act_chunk(np.int64(0), np.int64(1), row_e, bias_g, bias_u, g, u, act_address, act, quant_address, gq, gd, gs)
-    _over_threads(np.int64(2), np.int64(n_threads), a)
+        call_address(phase_address, np.int64(1), np.int64(0), np.int64(1), a)
+    _over_threads(phase_address, np.int64(2), np.int64(n_threads), a)
 
 
 def row_kernels(type_id: int):

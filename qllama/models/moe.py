@@ -266,14 +266,14 @@ class MoeFFN:
             return None
 
         (fg, raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d,
-         act_address, quant_address, dd, ds) = plan
+         act_address, quant_address, dd, ds, phase_address) = plan
         ids, bounds, order = _groups(experts)
         hq_, hd, hs = hq.quantized(fg)
         out = np.empty((w.shape[0], raw_d.shape[1]), np.float32)  # (T, n_embd)
         step.op("ffn_moe experts: gate|up + glu + quantize + down + weighted sum (one call)", experts_ffn,
-                hq_, hd, hs, ids, bounds, order, np.ascontiguousarray(w, np.float32),
+                hq_, hd, hs, ids, bounds, order, np.require(w, np.float32, "CW"),  # (the types phase_address has)
                 raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d,
-                act_address, np.int64(act), quant_address, dd, ds, out, np.int64(step.n_threads))
+                act_address, np.int64(act), quant_address, dd, ds, out, phase_address, np.int64(step.n_threads))
         return out
 
     def _experts_plan(self, act: int):
@@ -317,8 +317,17 @@ class MoeFFN:
             return None
         rows_gu, gemm_gu, rows_d, gemm_d, act_address, q_address = (np.int64(max(a, 0)) for a in found)
         from_gu, from_d = (GEMM_FROM_TOKENS.get(t.type_id, GEMM_FROM_DEFAULT) for t in (g, d))
-        self._plan = (fg, raw_g, raw_u, raw_d, *self.biases(), tab, rows_gu, gemm_gu, rows_d, gemm_d,
-                      np.int64(TILE_ROWS), from_gu, from_d, act_address, q_address, gq[1], gq[2])
+        plan = (fg, raw_g, raw_u, raw_d, *self.biases(), tab, rows_gu, gemm_gu, rows_d, gemm_d, np.int64(TILE_ROWS),
+                from_gu, from_d, act_address, q_address, gq[1], gq[2])
+        # the phases' tuple on 0 rows, as experts_ffn makes it: its types give _phase's address
+        none = np.zeros(0, np.int64)
+        sample = kx.phase_arrays(*form_buffers(fg, 1, n_embd), none, np.zeros(1, np.int64), none,
+                                 np.empty((1, self.n_used), np.float32), *plan[1:15], plan[15], np.int64(act),
+                                 *plan[16:], np.empty((1, n_embd), np.float32))
+        phase_address = kx.phase_address(sample)
+        if not phase_address:
+            return None
+        self._plan = (*plan, np.int64(phase_address))
         return self._plan
 
     def _fused_call(self, step, h: np.ndarray, act: int):
