@@ -406,8 +406,8 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
     q_mul = scale if q_scaled else _F1
     dot_scale = _F1 if q_scaled else scale
     for job in range(first, n_tok * n_kv, step):
-        t = job // n_kv
-        kvh = job % n_kv
+        t = job % n_tok  # (kv-head-major, as layer_ops._attend_jobs)
+        kvh = job // n_tok
         lo, n_keys = _key_range(start_pos + t, window)
         s0 = lo % ring
         n1 = min(n_keys, ring - s0)

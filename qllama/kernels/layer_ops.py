@@ -286,7 +286,10 @@ def _key_range(p, window):
 @kernel(fastmath=True)
 def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks, out, first, step):
     """Attention for the jobs first, first + step, ... of the (token t, KV head kvh) jobs, job
-    t * Hkv + kvh: for each, the n_rep query heads of kvh attend over the keys token t sees.
+    kvh * T + t: for each, the n_rep query heads of kvh attend over the keys token t sees. (Head
+    by head, not token by token: one head's keys and values, 1 MB at depth 4096 in f16, stay in L2
+    for all its tokens; token-major order read every head's from L3 for each token. Depth 8000,
+    128 tokens, one thread: 1.23x faster. A job's arithmetic does not depend on the order.)
 
     The one function body of both `attention_serial` (all jobs) and `attention` (one job stride
     per parallel chunk): it is compiled once, and each job's arithmetic is the same however
@@ -314,8 +317,8 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
     bits = np.empty(n_max, np.int32)  # int32 scratch for _exp_shifted, and its float32 view
     fbits = bits.view(np.float32)
     for job in range(first, n_tok * n_kv, step):
-        t = job // n_kv
-        kvh = job % n_kv
+        t = job % n_tok  # (kv-head-major: one head's keys and values stay in L2 across its tokens)
+        kvh = job // n_tok
         lo, n_keys = _key_range(start_pos + t, window)
         head_dim = q.shape[2]
         ring = k_cache.shape[1]
