@@ -2,13 +2,21 @@
 
 Usage:
     python tools/bench_vs_llamacpp.py MODEL [-t 1,2] [-r 3] [-p 512] [-n 128] [-d 1024] [-b 512]
+                                      [--cache-type f16] [--flash-attn on]
                                       [--no-start] [--no-cold] [--start-reps 3] [--json OUT.json]
 
 For each thread count, one worker process per engine loads MODEL with the same n_threads,
 n_batch and n_ctx and warms up; the parent then alternates them, A B A B, test by test and
 repetition by repetition, so that the noise of a shared machine falls on both. Tests (as in
 llama-bench): pp (N random prompt tokens from an empty cache), tg (N one-token decodes, no
-sampling), tg at a depth (the cache already holds DEPTH tokens).
+sampling), tg at a depth (the cache already holds DEPTH tokens). The deep caches are filled
+once per worker, untimed: the warm-up touches depths up to 2048 only and the timed tests run
+pp, then tg at rising depths, so a 16384-token prefix is evaluated once, not once per test.
+
+Both engines keep K and V in --cache-type (f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl). llama.cpp
+runs with flash attention on by default: its own default (`-fa auto`) turns it on for a CPU
+model, while llama-cpp-python's `flash_attn=False` default turns it off (and a quantized V cache
+needs it); `--flash-attn off` measures llama.cpp without it.
 
 Then, each in a fresh process (tools/bench_memory.py): time to first token of a 64-token
 prompt from process start (qllama with an empty Numba cache once; qllama with a warm cache and
@@ -34,6 +42,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 ENGINES = ("qllama", "llama.cpp")
+# ggml type ids of the KV cache types both engines take (ggml.h's enum ggml_type)
+LLAMA_CPP_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20}
+WARM_DEPTH_MAX = 2048  # the untimed first calls touch depths up to this; deeper prefixes fill once, in the timed run
 
 
 # -- the llama.cpp runner (same interface as qllama.bench.runner.BenchRunner) ----------------------------
@@ -42,11 +53,14 @@ ENGINES = ("qllama", "llama.cpp")
 class LlamaCppRunner:
     """Times pp and tg on llama.cpp through llama-cpp-python; the cached prefix is reused as in BenchRunner."""
 
-    def __init__(self, path: str, n_ctx: int, batch_size: int, n_threads: int):
+    def __init__(self, path: str, n_ctx: int, batch_size: int, n_threads: int, cache_type: str = "f16",
+                 flash_attn: bool = True):
         import llama_cpp
 
+        ggml_type = LLAMA_CPP_CACHE_TYPES[cache_type]
         self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=batch_size, n_threads=n_threads,
-                                   n_threads_batch=n_threads, logits_all=False, verbose=False)
+                                   n_threads_batch=n_threads, logits_all=False, verbose=False, type_k=ggml_type,
+                                   type_v=ggml_type, flash_attn=flash_attn)
         self.n_vocab = self.llm.n_vocab()
         self._prefix: list[int] = []
 
@@ -104,14 +118,16 @@ class LlamaCppRunner:
 # -- worker processes --------------------------------------------------------------------------------
 
 
-def _worker(engine: str, model: str, n_ctx: int, batch: int, threads: int) -> None:
+def _worker(engine: str, model: str, n_ctx: int, batch: int, threads: int, cache_type: str, flash_attn: bool) -> None:
     """Serve {"kind", "n", "depth"} requests on stdin with {"tps"} on stdout, one JSON per line."""
     from qllama.bench.runner import BenchRunner, BenchTest
 
     if engine == "qllama":
-        runner = BenchRunner(model, n_ctx=n_ctx, batch_size=batch, n_threads=threads)
+        runner = BenchRunner(model, n_ctx=n_ctx, batch_size=batch, n_threads=threads, type_k=cache_type,
+                             type_v=cache_type)
     else:
-        runner = LlamaCppRunner(model, n_ctx=n_ctx, batch_size=batch, n_threads=threads)
+        runner = LlamaCppRunner(model, n_ctx=n_ctx, batch_size=batch, n_threads=threads, cache_type=cache_type,
+                                flash_attn=flash_attn)
     warm = runner.warmup()
     print(json.dumps({"ready": True, "warmup_s": warm}), flush=True)
     for line in sys.stdin:
@@ -126,11 +142,13 @@ def _worker(engine: str, model: str, n_ctx: int, batch: int, threads: int) -> No
 
 
 class Worker:
-    def __init__(self, engine: str, model: str, n_ctx: int, batch: int, threads: int):
+    def __init__(self, engine: str, model: str, n_ctx: int, batch: int, threads: int, cache_type: str = "f16",
+                 flash_attn: bool = True):
         self.engine = engine
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, model, "--n-ctx", str(n_ctx),
-               "-b", str(batch), "-t", str(threads)]
+               "-b", str(batch), "-t", str(threads), "--cache-type", cache_type,
+               "--flash-attn", "on" if flash_attn else "off"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.hello = self._read()
 
@@ -158,7 +176,7 @@ class Worker:
 
 
 def compare_throughput(model: str, threads: list[int], reps: int, n_prompt: int, n_gen: int, depths: list[int],
-                       batch: int, say) -> list[dict]:
+                       batch: int, say, cache_type: str = "f16", flash_attn: bool = True) -> list[dict]:
     from qllama.bench.runner import bench_tests, needed_ctx
 
     n_ctx = needed_ctx(n_prompt, n_gen, depths)
@@ -167,10 +185,11 @@ def compare_throughput(model: str, threads: list[int], reps: int, n_prompt: int,
     for n_thr in threads:
         workers = {}
         for eng in ENGINES:  # one at a time, so that each loads on a quiet machine
-            workers[eng] = Worker(eng, model, n_ctx, batch, n_thr)
+            workers[eng] = Worker(eng, model, n_ctx, batch, n_thr, cache_type, flash_attn)
             say(f"{eng} worker ready ({n_thr} threads), warm-up {workers[eng].hello['warmup_s']:.2f} s")
         try:
-            for test in bench_tests(min(n_prompt, 64), min(n_gen, 4), depths):  # untimed: first calls at each shape
+            warm_depths = [d for d in depths if d <= WARM_DEPTH_MAX]
+            for test in bench_tests(min(n_prompt, 64), min(n_gen, 4), warm_depths):  # untimed: first calls at each shape
                 for eng in ENGINES:
                     workers[eng].run(test)
             for test in tests:
@@ -220,6 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-d", "--depth", default="1024", help="comma list of tg depths besides 0 (default 1024)")
     ap.add_argument("-b", "--batch-size", type=int, default=512)
+    ap.add_argument("--cache-type", default="f16", choices=sorted(LLAMA_CPP_CACHE_TYPES),
+                    help="K and V cache type of both engines (default f16)")
+    ap.add_argument("--flash-attn", default="on", choices=("on", "off"),
+                    help="llama.cpp's flash attention (default on: what its -fa auto picks on a CPU)")
     ap.add_argument("--no-start", action="store_true", help="skip the TTFT / RSS processes")
     ap.add_argument("--no-cold", action="store_true", help="skip the empty-Numba-cache start (slow)")
     ap.add_argument("--start-reps", type=int, default=3, help="warm TTFT runs per engine, alternating (medians)")
@@ -228,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        _worker(args.worker, args.model, args.n_ctx, args.batch_size, int(args.threads))
+        _worker(args.worker, args.model, args.n_ctx, args.batch_size, int(args.threads), args.cache_type,
+                args.flash_attn == "on")
         return
     try:
         import llama_cpp  # noqa: F401
@@ -240,13 +264,15 @@ def main(argv: list[str] | None = None) -> None:
     depths = sorted({0, *(int(d) for d in args.depth.split(",") if d.strip())})
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.time()
-    rows = compare_throughput(args.model, threads, args.reps, args.n_prompt, args.n_gen, depths, args.batch_size, say)
+    rows = compare_throughput(args.model, threads, args.reps, args.n_prompt, args.n_gen, depths, args.batch_size, say,
+                              args.cache_type, args.flash_attn == "on")
     start = [] if args.no_start else compare_start(args.model, max(threads), not args.no_cold, args.start_reps, say)
     from tools.bench_memory import format_report
 
     size = os.path.getsize(args.model)
     print(f"model {os.path.basename(args.model)} ({size / 1e9:.3f} GB); reps {args.reps}, alternating A B A B; "
-          f"n_batch {args.batch_size}; {os.cpu_count()} CPUs; {time.time() - t0:.0f} s")
+          f"n_batch {args.batch_size}; KV cache {args.cache_type}; llama.cpp flash attention {args.flash_attn}; "
+          f"{os.cpu_count()} CPUs; {time.time() - t0:.0f} s")
     print()
     print(format_throughput(rows))
     if start:
