@@ -1,7 +1,7 @@
 """How much one weight pass serving k sequences costs, llama.cpp and qllama, in one run (a developer tool).
 
     python tools/bench_lcpp_batch.py MODEL [-t 2] [--ks 1,2,4,8] [--depth 64] [--steps 8] [--reps 3]
-                                           [--engines llama.cpp,qllama] [--profile]
+                                           [--engines llama.cpp,qllama,qllama-unfused] [--profile]
 
 Issue 32 asks qllama's server for 4 streams >= 2.5x one stream and >= llama.cpp's batched
 ratio at every stream count. Per engine: k sequences, each with `depth` tokens in its cache,
@@ -13,7 +13,9 @@ by wall clock and by the process's CPU time (user + system; steadier when other 
 share the machine, but it counts the threads' spin-waits). The engines alternate (llama.cpp
 rep 0, qllama rep 0, llama.cpp rep 1, ...) and so do the ks within a repetition, so that a
 drifting machine load favours neither. --profile: then qllama's steps once more with every
-kernel call timed by kind (where a k-sequence step's time goes, against k = 1).
+kernel call timed by kind (where a k-sequence step's time goes, against k = 1). The engine
+`qllama-unfused` is qllama with k-sequence steps through the unfused blocks (one-token steps
+still fused; models/step.Execution's fused_rows=1): the fused n-token steps' before and after.
 """
 
 from __future__ import annotations
@@ -98,9 +100,15 @@ class Qllama:
         for c in self.caches[:k]:
             c.rewind(self.depth)
 
-    def step(self, k: int, step: int) -> None:
+    def step(self, k: int, step: int, execution=None) -> None:
         segs = [([t], c) for t, c in zip(step_tokens(k, step), self.caches)]
-        self.model.forward_many(segs, n_threads=self.threads)
+        with self.model.executing(execution or self.execution()):
+            self.model.forward_many(segs, n_threads=self.threads)
+
+    def execution(self):
+        from qllama.models.step import PLAIN
+
+        return PLAIN
 
     def profile(self, ks: list[int], steps: int) -> str:
         """Where a k-sequence step's time goes: every kernel call timed by kind (models/step.Timed)."""
@@ -111,11 +119,10 @@ class Qllama:
         for k in ks:
             self.prepare(k)
             clock = KernelClock()
-            with self.model.executing(Timed(clock)):
-                t0 = time.perf_counter()
-                for step in range(steps):
-                    self.step(k, step)
-                wall = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for step in range(steps):
+                self.step(k, step, Timed(clock))
+            wall = time.perf_counter() - t0
             lines.append(f"qllama k={k}: {1000 * wall / steps:.1f} ms per step, "
                          f"{1000 * sum(clock.seconds.values()) / steps:.1f} ms in timed calls")
             for kind, sec in sorted(clock.seconds.items(), key=lambda kv: -kv[1]):
@@ -126,7 +133,18 @@ class Qllama:
         pass
 
 
-ENGINES = {"llama.cpp": LlamaCpp, "qllama": Qllama}
+class QllamaUnfused(Qllama):
+    """qllama with k-sequence steps through the unfused blocks (the fused kernels for one token only)."""
+
+    name = "qllama-unfused"
+
+    def execution(self):
+        from qllama.models.step import Plain
+
+        return Plain(fused_rows=1)
+
+
+ENGINES = {"llama.cpp": LlamaCpp, "qllama": Qllama, "qllama-unfused": QllamaUnfused}
 
 
 def main() -> int:
@@ -137,7 +155,7 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--engines", default="llama.cpp,qllama", help="comma-separated: llama.cpp, qllama")
+    ap.add_argument("--engines", default="llama.cpp,qllama", help="comma-separated: llama.cpp, qllama, qllama-unfused")
     ap.add_argument("--profile", action="store_true", help="then qllama's steps once more, each kernel call timed by kind")
     a = ap.parse_args()
     names = a.engines.split(",")

@@ -20,7 +20,9 @@ uses tools/fetch_smollm2.py's cached copy. --temp T > 0 samples (seed = the repe
 distribution, not the same tokens, so the identity check is greedy's only.
 
 --costs: CPU time of one forward of T tokens with every row's logits (a verify batch), in
-one-token decode steps (the fused kernels), T = 1..16, medians: where lookup's time goes.
+one-token decode steps (the fused kernels), T = 1..16, medians: where lookup's time goes; a
+second line the same through the unfused blocks (models/step.Execution's fused_rows=1: the
+fused n-token steps' before), interleaved with the first.
 """
 
 from __future__ import annotations
@@ -328,30 +330,35 @@ def bench_task(model: qllama.Model, task: Task, a: argparse.Namespace, loads: li
                   copied_share(list(ids), outs[0]))
 
 
-def verify_costs(model: qllama.Model, sizes=tuple(range(1, 17)), reps: int = 9) -> dict[int, float]:
+def verify_costs(model: qllama.Model, sizes=tuple(range(1, 17)), reps: int = 9) -> dict[str, dict[int, float]]:
     """CPU seconds of one forward of T tokens with every row's logits after a 200-token prompt
     (T = 1: the session's one-token decode, the fused kernels), medians over `reps` (rounds
-    interleaved across T)."""
+    interleaved across T and the two executions): {"fused": {T: s}, "unfused": {T: s}}."""
     import numpy as np
+
+    from qllama.models.step import PLAIN, Plain
 
     session = model.session
     session.reset()
     session.prefill(model.prepare_prompt(TASK)[0][:200])
     base = session.cache.n_past
     rng = np.random.default_rng(0)
-    times: dict[int, list[float]] = {t: [] for t in sizes}
+    ways = {"fused": PLAIN, "unfused": Plain(fused_rows=1)}
+    times: dict[str, dict[int, list[float]]] = {w: {t: [] for t in sizes} for w in ways}
     for _ in range(reps):
         for t in sizes:
             toks = [int(x) for x in rng.integers(100, 10000, t)]
-            c0 = time.process_time()
-            if t == 1:
-                session.decode(toks[0])
-            else:
-                session.model.forward(toks, session.cache, all_logits=True, n_threads=model.n_threads)
-            times[t].append(time.process_time() - c0)
-            session.cache.rewind(base)
-            del session.tokens[base:]
-    return {t: statistics.median(v) for t, v in times.items()}
+            for way, execution in ways.items():
+                c0 = time.process_time()
+                with session.model.executing(execution):
+                    if t == 1:
+                        session.decode(toks[0])
+                    else:
+                        session.model.forward(toks, session.cache, all_logits=True, n_threads=model.n_threads)
+                times[way][t].append(time.process_time() - c0)
+                session.cache.rewind(base)
+                del session.tokens[base:]
+    return {w: {t: statistics.median(v) for t, v in per.items()} for w, per in times.items()}
 
 
 def main() -> None:
@@ -381,9 +388,11 @@ def main() -> None:
     model.warmup()
     if a.costs:
         costs = verify_costs(model)
+        one = costs["fused"][1]
         print(f"model {os.path.basename(path)}, {model.n_threads} threads, load {os.getloadavg()[0]:.2f}: "
-              f"CPU time of a forward of T tokens (all logits) in one-token steps ({1e3 * costs[1]:.2f} ms)")
-        print("  ".join(f"T={t}: {c / costs[1]:.2f}" for t, c in costs.items()))
+              f"CPU time of a forward of T tokens (all logits) in one-token steps ({1e3 * one:.2f} ms)")
+        for way, per in costs.items():
+            print(f"{way:8s}" + "  ".join(f"T={t}: {c / one:.2f}" for t, c in per.items()))
         return
     tasks = [t for t in TASKS if t.kind in kinds and (t.set == "readme" or a.set in ("all", t.set))]
     print(f"model {os.path.basename(path)}, {model.n_threads} threads, max {a.max_tokens} tokens, lookup {a.lookup}, "

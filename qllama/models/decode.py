@@ -34,9 +34,11 @@ if TYPE_CHECKING:
 
 # Steps of up to this many rows take the fused kernels (more: the unfused blocks, whose batches of
 # qtensor.GEMM_MIN_TOKENS or more run the gemm). The n-token row kernels read each row once for
-# every token (4 at a time); up to 8 rows they cost no more than the gemm (a verify batch of
-# lookup 8 is 9 rows: the gemm)
-MAX_ROWS = 8
+# every token (4 at a time). CPU time of a T-token forward in one-token steps, fused / unfused, 1
+# thread, load ~3: 1B Q4_K_M (the gemm unfused) T=8 2.75 / 3.02, 9 3.16 / 3.27, 12 4.12 / 3.80,
+# 16 5.31 / 4.53; SmolLM2 Q4_1 (no gemm) T=9 3.88 / 4.38, 12 5.65 / 5.89, 16 6.41 / 6.38. 9 rows
+# is a verify batch of prompt lookup's 8 drafts
+MAX_ROWS = 9
 
 
 def form_buffers(form: str, n_tok: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 # the prompt pass: more tokens than a fused step takes (models/decode.MAX_ROWS), so the unfused
 # batch kernels (the gemm) compile; >= 4: the int8 row kernels work on groups of 4 tokens plus a remainder
-PREFILL_TOKENS = 9
+PREFILL_TOKENS = 10
 # a step of this many tokens runs the fused calls with each type's n-token row kernel (a server
 # step of 2 streams, prompt lookup's verify batch, a short prompt such as the demo's)
 SHORT_TOKENS = 2
