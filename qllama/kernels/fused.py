@@ -209,8 +209,9 @@ def rows_address(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs) -> int:
 @kernel(parallel=True, **_NOPY)
 def _rows3(t0, r0, o0, t1, r1, o1, t2, r2, o2, xq, xd, xs, chunk_address, n_threads):
     """o_i = W_i x for up to three matrices (type ids t_i, or n-token row kernels' addresses;
-    packed rows r_i) and the quantized tokens x, their rows taken end to end and split into one chunk per thread in one parallel
-    region (none with one thread). chunk_address: `rows_address` of the same arguments."""
+    packed rows r_i) and the quantized tokens x, their rows taken end to end and split into one
+    chunk per thread in one parallel region (none with one thread). chunk_address:
+    `rows_address` of the same arguments."""
     if chunk_address == 0:
         return
     total = r0.shape[0] + r1.shape[0] + r2.shape[0]
@@ -245,9 +246,9 @@ def ffn(x, quant_address, xq, xd, xs, tg, rg, gate, tu, ru, up, act, quant_d_add
         empty_raw, empty_out, gate_up_address, down_address, glu_address, n_threads):
     """A gated FFN for T tokens: gate|up rows in one region, gate = act(gate) * up
     (layer_ops.glu) on this thread, then ffn_down of it into out (T, n_embd) in a second
-    region (slots as `matvec3`'s). (gq, gd, gs): the quantized GLU output in ffn_down's form. The addresses:
-    `quant_address` of x and of gate, `rows_address` of the two `_rows3` calls' arguments,
-    `glu_address`."""
+    region (slots as `matvec3`'s). (gq, gd, gs): the quantized GLU output in ffn_down's form.
+    The addresses: `quant_address` of x and of gate, `rows_address` of the two `_rows3` calls'
+    arguments, `glu_address`."""
     if quant_address == 0 or quant_d_address == 0 or glu_address == 0:
         return
     for t in range(x.shape[0]):
