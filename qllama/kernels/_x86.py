@@ -773,6 +773,24 @@ def row_dot4_q5_legacy(typingctx, row, nb, xq, xd, xs, t0):
     return _legacy_sig(5, row, nb, xq, xd, xs, t0)
 
 
+@intrinsic
+def prefetch(typingctx, arr, off):
+    """A hint to bring the cache line holding byte `off` of arr's data into the caches
+    (`llvm.prefetch`, read, high locality): it computes nothing and never faults, whatever
+    the address."""
+    if not (isinstance(arr, types.Array) and isinstance(off, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        p = builder.gep(builder.bitcast(data, ir.PointerType(_I8)), [args[1]])
+        _call(builder, "llvm.prefetch", ir.VoidType(), [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                                         ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, off), codegen
+
+
 _TAIL_KINDS = {Q4_K: "q4", Q5_K: "q5", Q6_K: "q6", Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0",
                Q5_1: "q5_1"}
 
