@@ -64,6 +64,17 @@ PREFETCH_BYTES = 8192
 
 
 @kernel(**_NOPY)
+def prefetch_ahead(raw, r, r1):
+    """Ask for the lines of the row PREFETCH_BYTES ahead of row r of raw (uint8 (n_rows, row
+    bytes), C order), when it is below r1 (the rows this call reads)."""
+    rb = raw.shape[1]
+    ahead = r + (PREFETCH_BYTES + rb - 1) // rb
+    if ahead < r1:
+        for o in range(ahead * rb, (ahead + 1) * rb, 64):
+            prefetch(raw, o)
+
+
+@kernel(**_NOPY)
 def _chunks(n_rows, n_threads):
     """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk).
 
@@ -177,13 +188,10 @@ def _rows_of(type_id: int):
     five = type_id == Q5_0 or type_id == Q5_1  # else q4_0 / q4_1 (the legacy intrinsics)
 
     def rows(raw, xq, xd, xs, tab, out, r0, r1):
-        n_tok, nb, rb = xq.shape[0], raw.shape[1] // bb, raw.shape[1]
-        ahead = (PREFETCH_BYTES + rb - 1) // rb  # rows
+        n_tok, nb = xq.shape[0], raw.shape[1] // bb
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(r0, r1):
-                if r + ahead < r1:  # the lines of a row PREFETCH_BYTES ahead (within this call's rows)
-                    for o in range((r + ahead) * rb, (r + ahead + 1) * rb, 64):
-                        prefetch(raw, o)
+                prefetch_ahead(raw, r, r1)
                 row = raw[r]
                 t1 = min(n_tok, t0 + TOKEN_TILE)
                 t = t0
