@@ -98,7 +98,7 @@ class TensorType(NamedTuple):
     view: type | None  # dtype the float types' kernels read rows as (float32, or uint16 bits); None: blocks
     int8_form: str | None  # how x is rounded for the int8 path: "q8_K", "q8_0" or "q8_1" (`Activation`); None: none
     bind: Callable[[], TypeOps]
-    fused: bool = False  # one-token steps run it in the fused decode kernels (kernels/fused.py)
+    fused: bool = False  # steps of 1 to models/decode.MAX_ROWS tokens run it in the fused kernels (kernels/fused.py)
     gemm: bool = False  # batches take its int8 gemm (kernels/_x86_gemm.py) instead of the row kernel
 
 
@@ -270,7 +270,7 @@ _register(F16, np.uint16, None, partial(_half_ops, False))
 _register(BF16, np.uint16, None, partial(_half_ops, True))
 # quantized types: int8 activation form, int8 mat-mat kernel
 # (kernels/int8.py), whether that kernel serves several types (then it takes the type id first),
-# its gemm for batches (or None), and whether the fused one-token kernels run it
+# its gemm for batches (or None), and whether the fused decode kernels run it
 for _tid, _form, _kernel, _shared, _gemm, _fused in (
     (Q4_0, "q8_0", "matmul_rows", True, "gemm", True),
     (Q4_1, "q8_1", "matmul_rows", True, None, True),
@@ -296,7 +296,7 @@ _register(MXFP4, None, "q8_0", partial(_iquant_ops, MXFP4))  # gpt-oss's experts
 SUPPORTED_TYPES: frozenset[int] = frozenset(TYPES)
 # types with an int8-activation kernel (used when the host has AVX2 and int8 is enabled)
 INT8_TYPES: frozenset[int] = frozenset(t for t, e in TYPES.items() if e.int8_form)
-# types the fused one-token decode kernels run (models/decode.py plans a step with them)
+# types the fused decode kernels run (models/decode.py plans a step of 1-9 tokens with them)
 FUSED_TYPES: frozenset[int] = frozenset(t for t, e in TYPES.items() if e.fused)
 # types whose batches take an int8 gemm (kernels/int8.GEMM_ROWS; tests check the two agree)
 GEMM_TYPES: frozenset[int] = frozenset(t for t, e in TYPES.items() if e.gemm)

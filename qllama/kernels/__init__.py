@@ -17,7 +17,7 @@
 - `quantize_iq2.py` the iq3_xxs, iq2_xxs, iq2_xs and iq2_s grid-search quantizers (also only by `qllama quantize`)
 - `layer_ops.py` the non-matmul parts of a transformer layer (norms, RoPE, attention, FFN gates)
 - `scan.py`    scans of packed data for non-finite floats (`qllama inspect --check`)
-- `fused.py`   one-token decode kernels: a layer's Q|K|V, gate|up, GLU and ffn_down in few calls
+- `fused.py`   decode kernels for steps of 1-9 tokens: a layer's Q|K|V, gate|up, GLU and ffn_down in few calls
 - `jit.py`     `kernel`, the one decorator every kernel is compiled with (cache=True,
                error_model="numpy": float arithmetic never raises; LLVM level 1), and
                `call_address`: a kernel calling another compiled kernel by address, so that a
