@@ -10,6 +10,13 @@ bandwidth that implies.
     python tools/bench_moe.py --preset qwen3-30b-a3b --n-layer 2 --threads 1,2 --pp 64 --tg 16 --rounds 2
     python tools/bench_moe.py --preset gpt-oss-20b ...   (q8_0, MXFP4 experts: the published files' types)
     python tools/bench_moe.py --model FILE.gguf ...
+
+How many layers: 2 layers weigh the per-token costs (embedding, output, sampling-free logits,
+Python per step) more than the 48 of the real model, and llama.cpp's prompt is cheaper per layer
+in a 2-layer file than in longer ones: Qwen3-30B-A3B shape, pp64 at -t 1 in CPU ms, 2 / 4 / 6
+layers, llama.cpp 210 / 593 / 767 against qllama 279 / 550 / 673 (one run each, load 3-4,
+before the row kernels' prefetch). So also run --n-layer 6 before reading a 2-layer ratio as a
+layer's cost.
 """
 
 from __future__ import annotations
