@@ -23,7 +23,7 @@ def test_parallel_attention_equals_serial_bit_for_bit(kind, T, start, window):
     rng = np.random.default_rng(T + start)
     H, Hkv, D, n_ctx = 9, 3, 32, 1024
     q = rng.standard_normal((T, H, D)).astype(np.float32)
-    kc = _cache(2 * rng.standard_normal((Hkv, n_ctx, D)).astype(np.float32), kind)
+    kc = _cache(2 * rng.standard_normal((Hkv, D, n_ctx)).astype(np.float32), kind)  # keys d-major
     vt = _cache(rng.standard_normal((Hkv, D, n_ctx)).astype(np.float32), kind)
     args = (q, kc, vt, start, H // Hkv, np.float32(0.17), window, np.float32(0), False)
     serial, parallel = np.full_like(q, np.nan), np.full_like(q, np.nan)
@@ -37,7 +37,7 @@ def test_attention_on_a_non_contiguous_query_runs_on_this_thread_and_agrees():
     """The address is only for C-contiguous arrays: anything else takes the serial kernel."""
     rng = np.random.default_rng(3)
     q = rng.standard_normal((8, 4, 2 * 16)).astype(np.float32)[:, :, ::2]  # strided
-    kc = rng.standard_normal((2, 64, 16)).astype(np.float32)
+    kc = rng.standard_normal((2, 16, 64)).astype(np.float32)  # keys d-major
     vt = rng.standard_normal((2, 16, 64)).astype(np.float32)
     args = (q, kc, vt, 0, 2, np.float32(0.25), 0, np.float32(0), False)
     a, b = np.empty((8, 4, 16), np.float32), np.empty((8, 4, 16), np.float32)

@@ -164,7 +164,7 @@ def test_numpy_attention_path_equals_the_kernel(type_k, type_v, q_scaled, window
     vt = from_f32(v, np.zeros(1, np.uint16 if type_v == "f16" else np.float32))
     args = (start, H // Hkv, np.float32(0.25), window, np.float32(softcap))
     want = np.empty_like(q)
-    ops.attention_serial(q, kc, vt, *args, q_scaled, want)
+    ops.attention_serial(q, np.ascontiguousarray(kc.transpose(0, 2, 1)), vt, *args, q_scaled, want)  # (keys d-major)
     got = attention_numpy(_Pass(), 0, q, kc, vt, *args, q_scaled)
     # measured: <= 3e-7; skipping the q / probability rounding would be 1e-4 .. 1e-3 away
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-6 * np.abs(want).max())

@@ -135,8 +135,9 @@ def test_store_writes_the_reference_quantizers_bytes(name):
     vb = np.zeros_like(kb)
     q1, q2 = q.copy(), q.copy()
     aq.rope_store_quant(q1, k.copy(), v, start, cos, sin, kb, vb, False, tid, tid)
-    kf = np.zeros((Hkv, ring, D), np.float32)  # the float path's roped keys
-    ops.rope_store(q2, k.copy(), v, start, cos, sin, kf, np.zeros((Hkv, D, ring), np.float32), False)
+    kft = np.zeros((Hkv, D, ring), np.float32)  # the float path's roped keys (d-major)
+    ops.rope_store(q2, k.copy(), v, start, cos, sin, kft, np.zeros((Hkv, D, ring), np.float32), False)
+    kf = kft.transpose(0, 2, 1)
     assert np.array_equal(q1, q2)
     slots = np.arange(start, start + T) % ring
     want_k = quantize_array(kf[:, slots].reshape(-1, D), tid).reshape(Hkv, T, -1)

@@ -47,9 +47,10 @@ def test_rope_store_rotates_and_stores(n_rot):
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     pos = np.arange(start, start + T)
     q_ref, k_ref = _rope_ref(q, pos, cos, sin, n_rot), _rope_ref(k, pos, cos, sin, n_rot)
-    kc = np.zeros((Hkv, n_ctx, D), np.float32)
+    kt = np.zeros((Hkv, D, n_ctx), np.float32)  # keys d-major, as values
     vt = np.zeros((Hkv, D, n_ctx), np.float32)
-    ops.rope_store(q, k, v, start, cos, sin, kc, vt, False)
+    ops.rope_store(q, k, v, start, cos, sin, kt, vt, False)
+    kc = kt.transpose(0, 2, 1)
     np.testing.assert_allclose(q, q_ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(kc[:, start : start + T, :], k_ref.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(vt[:, :, start : start + T], v.transpose(1, 2, 0))
@@ -96,7 +97,8 @@ def test_attention_matches_float64(kernel, T, start, H, Hkv, type_k, type_v):
     v[:, start + T :] = np.nan
     kc, vt = _as_cache(k, type_k), _as_cache(v.transpose(0, 2, 1), type_v)
     out = np.empty_like(q)
-    getattr(ops, kernel)(q, kc, vt, start, H // Hkv, np.float32(1 / np.sqrt(D)), 0, np.float32(0), False, out)
+    kt = np.ascontiguousarray(kc.transpose(0, 2, 1))  # keys d-major
+    getattr(ops, kernel)(q, kt, vt, start, H // Hkv, np.float32(1 / np.sqrt(D)), 0, np.float32(0), False, out)
     # the reference reads what the cache holds (the f16-rounded values) in float64
     k64 = _f16(k) if type_k == "f16" else k.astype(np.float64)
     v64 = _f16(v) if type_v == "f16" else v.astype(np.float64)
@@ -124,7 +126,8 @@ def test_f16_attention_over_a_wrapped_ring_with_window_and_softcap(q_scaled):
         kc[:, p % ring], vt[:, :, p % ring] = k[:, p], v[:, p]
     scale = np.float32(0.3)
     out = np.empty_like(q)
-    ops.attention(q, kc.view(np.uint16), vt.view(np.uint16), start, H // Hkv, scale, window, np.float32(cap), q_scaled, out)
+    kt = np.ascontiguousarray(kc.transpose(0, 2, 1))  # keys d-major
+    ops.attention(q, kt.view(np.uint16), vt.view(np.uint16), start, H // Hkv, scale, window, np.float32(cap), q_scaled, out)
     k64, v64 = _f16(k), _f16(v)
     ref = np.empty((T, H, D))
     for t in range(T):
@@ -148,7 +151,8 @@ def test_f16_cache_rounds_probabilities_as_ggml():
     q = np.zeros((1, 1, D), np.float32)
     for type_v, p in (("f16", np.float64(np.float16(np.float32(1 / 3)))), ("f32", 1 / 3)):
         out = np.empty_like(q)
-        ops.attention_serial(q, k, _as_cache(v.transpose(0, 2, 1), type_v), n - 1, 1, np.float32(1), 0, np.float32(0), False,
+        ops.attention_serial(q, k.transpose(0, 2, 1).copy(), _as_cache(v.transpose(0, 2, 1), type_v), n - 1, 1, np.float32(1), 0,
+                             np.float32(0), False,
                              out)
         want = p * _f16(v[0]).sum(axis=0) if type_v == "f16" else p * v[0].astype(np.float64).sum(axis=0)
         np.testing.assert_allclose(out[0, 0], want, rtol=1e-6, atol=1e-7)
@@ -184,10 +188,10 @@ def test_rope_store_into_an_f16_cache_rounds_as_numpy(n_rot):
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     caches = {}
     for kind, dtype in (("f32", np.float32), ("f16", np.uint16)):
-        kc, vt = np.zeros((Hkv, n_ctx, D), dtype), np.zeros((Hkv, D, n_ctx), dtype)
+        kt, vt = np.zeros((Hkv, D, n_ctx), dtype), np.zeros((Hkv, D, n_ctx), dtype)
         qq = q.copy()
-        ops.rope_store(qq, k.copy(), v, start, cos, sin, kc, vt, True)
-        caches[kind] = (qq, kc, vt)
+        ops.rope_store(qq, k.copy(), v, start, cos, sin, kt, vt, True)
+        caches[kind] = (qq, kt, vt)
     q32, k32, v32 = caches["f32"]
     q16, k16, v16 = caches["f16"]
     np.testing.assert_array_equal(q16, q32)

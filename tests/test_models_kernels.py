@@ -36,9 +36,10 @@ def test_rope_neox_and_ring_store(n_rot):
     cos, sin = _tables(n_ctx, n_rot)
     pos = np.arange(start, start + T)
     q_ref, k_ref = _rope_neox_ref(q, pos, cos, sin, n_rot), _rope_neox_ref(k, pos, cos, sin, n_rot)
-    kc = np.zeros((Hkv, ring, D), np.float32)
+    kt = np.zeros((Hkv, D, ring), np.float32)  # keys d-major, as values
     vt = np.zeros((Hkv, D, ring), np.float32)
-    ops.rope_store(q, k, v, start, cos, sin, kc, vt, True)
+    ops.rope_store(q, k, v, start, cos, sin, kt, vt, True)
+    kc = kt.transpose(0, 2, 1)
     np.testing.assert_allclose(q, q_ref, rtol=1e-6, atol=1e-6)
     slots = pos % ring  # 1, 2, 3
     np.testing.assert_allclose(kc[:, slots, :], k_ref.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
@@ -101,7 +102,8 @@ def test_windowed_softcapped_attention_over_a_ring(kernel, window, T, start, sof
         vt[:, :, p % ring] = v[:, p]
     scale = np.float32(1 / np.sqrt(D))
     out = np.empty_like(q)
-    getattr(ops, kernel)(q, kc, vt, start, H // Hkv, scale, window, np.float32(softcap), False, out)
+    getattr(ops, kernel)(q, np.ascontiguousarray(kc.transpose(0, 2, 1)), vt, start, H // Hkv, scale, window, np.float32(softcap),
+                         False, out)
     ref = _attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                          range(start, start + T), H // Hkv, float(scale), window, softcap)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -111,7 +113,7 @@ def test_window_changes_the_result():
     """A window shorter than the context really masks (the reference comparison can fail)."""
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 2, 8)).astype(np.float32)
-    k = rng.standard_normal((1, 20, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 8, 20)).astype(np.float32)  # keys d-major
     vt = rng.standard_normal((1, 8, 20)).astype(np.float32)
     a, b = np.empty_like(q), np.empty_like(q)
     ops.attention_serial(q, k, vt, 19, 2, np.float32(0.35), 0, np.float32(0), False, a)

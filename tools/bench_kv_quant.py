@@ -63,7 +63,7 @@ def attention_ms(fm, cache, il: int, reps: int = 20) -> float:
             aq.attention_quant_serial(q, cache.kb[il], cache.vb[il], *cache.type_ids, *args)
     else:
         def run():
-            ops.attention_serial(q, cache.k[il], cache.vt[il], *args)
+            ops.attention_serial(q, cache.kt[il], cache.vt[il], *args)
     run()
     best = float("inf")
     for _ in range(reps):
@@ -90,7 +90,7 @@ def kernel_table(types: list[str], depth: int, n_kv: int, n_rep: int, head_dim: 
     for t in types:
         if t in ("f16", "f32"):
             like = np.zeros(1, np.uint16 if t == "f16" else np.float32)
-            kc, vt = from_f32(k, like), np.ascontiguousarray(from_f32(v, like).transpose(0, 2, 1))
+            kc, vt = (np.ascontiguousarray(from_f32(x, like).transpose(0, 2, 1)) for x in (k, v))  # both d-major
             runs[t] = (lambda kc=kc, vt=vt: ops.attention_serial(q, kc, vt, *args))
         else:
             kb = from_f32(k, np.zeros(1, block_dtype(t))).view(np.uint8)

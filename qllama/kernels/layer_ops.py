@@ -47,6 +47,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from ._fp16 import HAVE_F16C, f16c_load, f16c_store, f16_bits, f16_value
+from ._scores import LANES as SCORE_LANES, scores16x1, scores16x4
 from .jit import address_of, call_address, kernel
 
 # float32 constants (module globals are frozen into the kernels with their float32 type)
@@ -217,11 +218,11 @@ def rope_heads(q, t, p, cos_table, sin_table, neox):
 
 
 @kernel(fastmath=True)
-def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
+def rope_store(q, k, v, start, cos_table, sin_table, kt_cache, vt_cache, neox):
     """RoPE on q and k (in place) for positions start.., then k and v into the cache, in one call.
 
-    q: (T, H, D); k, v: (T, Hkv, D); cos/sin_table: (n_ctx, n_rot/2); k_cache: (Hkv, ring, D);
-    vt_cache: (Hkv, D, ring) values stored d-major (see `_attend_jobs`); float32, the caches float32
+    q: (T, H, D); k, v: (T, Hkv, D); cos/sin_table: (n_ctx, n_rot/2); kt_cache, vt_cache:
+    (Hkv, D, ring) keys and values stored d-major (see `_attend_jobs`); float32, the caches float32
     or f16 bits (rounded to nearest even on store), one layer.
     Position p goes to slot p % ring. neox: rotate halves (i, i + n_rot/2) instead of
     interleaved pairs (2i, 2i+1). Dims past n_rot are not rotated.
@@ -229,7 +230,7 @@ def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
     n_tok, head_dim = q.shape[0], q.shape[2]
     n_kv = k.shape[1]
     half = cos_table.shape[1]
-    ring = k_cache.shape[1]
+    ring = kt_cache.shape[2]
     step = 1 if neox else 2  # element index of pair i: (i * step, i * step + off)
     off = half if neox else 1
     for t in range(n_tok):
@@ -238,15 +239,15 @@ def rope_store(q, k, v, start, cos_table, sin_table, k_cache, vt_cache, neox):
         rope_heads(q, t, p, cos_table, sin_table, neox)
         for h in range(n_kv):
             for d in range(2 * half, head_dim):  # dims past n_rot are not rotated
-                k_cache[h, slot, d] = _encode(k_cache, k[t, h, d])
+                kt_cache[h, d, slot] = _encode(kt_cache, k[t, h, d])
             for i in range(half):
                 c = cos_table[p, i]
                 s = sin_table[p, i]
                 i0 = i * step
                 x0 = k[t, h, i0]
                 x1 = k[t, h, i0 + off]
-                k_cache[h, slot, i0] = _encode(k_cache, x0 * c - x1 * s)
-                k_cache[h, slot, i0 + off] = _encode(k_cache, x0 * s + x1 * c)
+                kt_cache[h, i0, slot] = _encode(kt_cache, x0 * c - x1 * s)
+                kt_cache[h, i0 + off, slot] = _encode(kt_cache, x0 * s + x1 * c)
             for d in range(head_dim):
                 vt_cache[h, d, slot] = _encode(vt_cache, v[t, h, d])
 
@@ -283,8 +284,41 @@ def _key_range(p, window):
     return lo, p + 1 - lo
 
 
+@kernel(inline="always")
+def _score_run(kt, kvh, slot, n, qbuf, n_rep, scale, scores, j, tail, tail_scores):
+    """scores[r, j:j+n] = scale * (qbuf[r] . key) for the keys in slots slot..slot+n-1 of kv head
+    kvh, every query row r < n_rep: 16 slots per intrinsic call, four rows at a time; the last
+    n % 16 keys are copied into `tail` (1, D, 16), zero-padded, and go through the same call."""
+    full = n - n % SCORE_LANES
+    for i in range(0, full, SCORE_LANES):
+        r = 0
+        while r + 4 <= n_rep:
+            scores16x4(kt, kvh, slot + i, qbuf, r, scale, scores, j + i)
+            r += 4
+        while r < n_rep:
+            scores16x1(kt, kvh, slot + i, qbuf, r, scale, scores, j + i)
+            r += 1
+    m = n - full
+    if m > 0:
+        for d in range(kt.shape[1]):
+            for i in range(m):
+                tail[0, d, i] = kt[kvh, d, slot + full + i]
+            for i in range(m, SCORE_LANES):
+                tail[0, d, i] = 0
+        r = 0
+        while r + 4 <= n_rep:
+            scores16x4(tail, 0, 0, qbuf, r, scale, tail_scores, 0)
+            r += 4
+        while r < n_rep:
+            scores16x1(tail, 0, 0, qbuf, r, scale, tail_scores, 0)
+            r += 1
+        for r in range(n_rep):
+            for i in range(m):
+                scores[r, j + full + i] = tail_scores[r, i]
+
+
 @kernel(fastmath=True)
-def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks, out, first, step):
+def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks, out, first, step):
     """Attention for the jobs first, first + step, ... of the (token t, KV head kvh) jobs, job
     kvh * T + t: for each, the n_rep query heads of kvh attend over the keys token t sees. (Head
     by head, not token by token: one head's keys and values, 1 MB at depth 4096 in f16, stay in L2
@@ -295,11 +329,16 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
     per parallel chunk): it is compiled once, and each job's arithmetic is the same however
     the jobs are spread. Shapes and arguments: see `attention_serial`.
 
-    k_cache: (Hkv, ring, D): a score is a 64-long dot with one cached key row; position p is
-    in slot p % ring (the range may wrap around the ring once).
+    kt_cache: (Hkv, D, ring), keys d-major: the scores of 16 consecutive slots are one vector of
+    fused multiply-adds over d (`_scores.scores16x4`: no horizontal sum per key, and bits that do
+    not depend on the ISA or on how many tokens are computed together); position p is in slot
+    p % ring (the range may wrap around the ring once).
     vt_cache: (Hkv, D, ring), values d-major: out[h, d] is a long dot of the softmax weights with
     one contiguous row, read once for the n_rep heads and summed in registers (with the values
-    row-major, the accumulator row would round-trip through memory for every key).
+    row-major, the accumulator row would round-trip through memory for every key). A range that
+    wraps around the ring is first copied into key order (`vrun`), so that these sums see the
+    same sequence of keys however the ring lies: a window layer's rows are then equal for every
+    batch size (its ring's size, and so where it wraps, depends on the batch).
     softcap > 0: cap the scores (Gemma 2). Either cache may hold f16 bits (see the module
     docstring for the rounding); q_scaled: with f16 keys, the queries are multiplied by `scale`
     before they are rounded, as the llama.cpp graphs that scale Q themselves (Gemma, Phi-3)
@@ -309,51 +348,33 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
     """
     n_tok = q.shape[0]
     has_sinks = sinks.shape[0] > 0
-    n_kv = k_cache.shape[0]
-    n_max = min(start_pos + n_tok, k_cache.shape[1])
+    n_kv = kt_cache.shape[0]
+    n_max = min(start_pos + n_tok, kt_cache.shape[2])
     qbuf = np.empty((n_rep, q.shape[2]), np.float32)  # scratch: the queries as the keys are stored
     scores = np.empty((n_rep, n_max), np.float32)
     totals = np.empty(n_rep, np.float32)
     bits = np.empty(n_max, np.int32)  # int32 scratch for _exp_shifted, and its float32 view
     fbits = bits.view(np.float32)
+    tail = np.zeros((1, q.shape[2], SCORE_LANES), kt_cache.dtype)  # a run's last < 16 keys, zero-padded
+    tail_scores = np.empty((n_rep, SCORE_LANES), np.float32)
+    vrun = np.empty(n_max, vt_cache.dtype)  # a wrapped range's values in key order
     for job in range(first, n_tok * n_kv, step):
         t = job % n_tok  # (kv-head-major: one head's keys and values stay in L2 across its tokens)
         kvh = job // n_tok
         lo, n_keys = _key_range(start_pos + t, window)
         head_dim = q.shape[2]
-        ring = k_cache.shape[1]
+        ring = kt_cache.shape[2]
         s0 = lo % ring  # slot of the first key
         n1 = min(n_keys, ring - s0)  # keys in slots s0.. before the wrap
         h0 = kvh * n_rep
-        pre = q_scaled and _is_half(k_cache)
+        pre = q_scaled and _is_half(kt_cache)
         q_mul = scale if pre else _F1  # scale applied to q before rounding, or to the dot products
         dot_scale = _F1 if pre else scale
         for r in range(n_rep):  # the queries as the key type holds them (f16 keys: rounded, as ggml)
             for d in range(head_dim):
-                qbuf[r, d] = _as_stored(k_cache, q[t, h0 + r, d] * q_mul)
-        r = 0
-        while r + 4 <= n_rep:  # four heads per pass: each key row is loaded once for the four dots
-            q0, q1, q2, q3 = qbuf[r], qbuf[r + 1], qbuf[r + 2], qbuf[r + 3]
-            s0_, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
-            for j in range(n_keys):
-                slot = s0 + j if j < n1 else j - n1
-                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, q0, q1, q2, q3, 0, k_cache[kvh, slot], head_dim)
-                s0_[j] = a0 * dot_scale
-                s1[j] = a1 * dot_scale
-                s2[j] = a2 * dot_scale
-                s3[j] = a3 * dot_scale
-            r += 4
-        while r < n_rep:
-            qh = qbuf[r]  # (D,)
-            sr = scores[r]
-            for j in range(n_keys):
-                slot = s0 + j if j < n1 else j - n1
-                kj = k_cache[kvh, slot]  # (D,)
-                a = _F0
-                for d in range(head_dim):
-                    a += qh[d] * _load(kj[d])
-                sr[j] = a * dot_scale
-            r += 1
+                qbuf[r, d] = _as_stored(kt_cache, q[t, h0 + r, d] * q_mul)
+        _score_run(kt_cache, kvh, s0, n1, qbuf, n_rep, dot_scale, scores, 0, tail, tail_scores)
+        _score_run(kt_cache, kvh, 0, n_keys - n1, qbuf, n_rep, dot_scale, scores, n1, tail, tail_scores)
         for r in range(n_rep):
             sr = scores[r]
             if softcap > _F0:
@@ -375,16 +396,21 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
                     sr[j] = _as_stored(vt_cache, sr[j] * inv)
                 total = _F1
             totals[r] = total
-        n2 = n_keys - n1
+        wrapped = n_keys > n1
         for d in range(head_dim):
             vd = vt_cache[kvh, d]  # (ring,): component d of every value, read once for all heads
-            va = vd[s0 : s0 + n1]  # positions lo.. up to the wrap
-            vb = vd[:n2]  # the rest, from slot 0
+            if wrapped:  # positions lo.. up to the wrap, then the rest from slot 0: made one run, so
+                for j in range(n1):  # that the sums below see the same sequence however the ring lies
+                    vrun[j] = vd[s0 + j]
+                for j in range(n_keys - n1):
+                    vrun[n1 + j] = vd[j]
+                vals = vrun[:n_keys]
+            else:
+                vals = vd[s0 : s0 + n_keys]
             r = 0
             while r + 4 <= n_rep:
-                s0_, s1, s2, s3 = scores[r], scores[r + 1], scores[r + 2], scores[r + 3]
-                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, s0_, s1, s2, s3, 0, va, n1)
-                a0, a1, a2, a3 = _dots4(a0, a1, a2, a3, s0_, s1, s2, s3, n1, vb, n2)
+                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, scores[r], scores[r + 1], scores[r + 2], scores[r + 3], 0,
+                                        vals, n_keys)
                 out[t, h0 + r, d] = a0 / totals[r]
                 out[t, h0 + r + 1, d] = a1 / totals[r + 1]
                 out[t, h0 + r + 2, d] = a2 / totals[r + 2]
@@ -393,10 +419,8 @@ def _attend_jobs(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap,
             while r < n_rep:
                 sr = scores[r]
                 a = _F0
-                for j in range(n1):
-                    a += sr[j] * _load(va[j])
-                for j in range(n2):
-                    a += sr[n1 + j] * _load(vb[j])
+                for j in range(n_keys):
+                    a += sr[j] * _load(vals[j])
                 out[t, h0 + r, d] = a / totals[r]
                 r += 1
 
@@ -418,47 +442,47 @@ def _sinks(sinks) -> np.ndarray:
     return s
 
 
-def attention_serial(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, sinks=None):
+def attention_serial(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, sinks=None):
     """Causal grouped-query attention over the cache, on the calling thread (decode-sized work).
 
-    q: (T, H, D) float32 (already roped); k_cache: (Hkv, ring, D), vt_cache: (Hkv, D, ring)
+    q: (T, H, D) float32 (already roped); kt_cache, vt_cache: (Hkv, D, ring) (keys and values d-major)
     float32 or f16 bits (uint16) for one layer, holding positions [start_pos + T - ring, start_pos + T) (all of
     [0, start_pos + T) when ring = n_ctx); out: (T, H, D) float32. Token t sees the keys at
     positions start_pos + t - window + 1 .. start_pos + t (window 0: from 0). q_scaled: see `_attend_jobs`.
     sinks: (H,) float32 attention sinks, or None (see `_attend_jobs`).
     (A Python function: a compiled wrapper would compile the whole body once more.)
     """
-    _attend_jobs(q, k_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), _sinks(sinks), out,
+    _attend_jobs(q, kt_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), _sinks(sinks), out,
                  0, 1)
 
 
 ATTENTION_CHUNKS = 16  # job strides of the parallel form: contiguous runs of them per thread stay balanced
 
 
-def attention(q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, sinks=None):
+def attention(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, out, sinks=None):
     """`attention_serial` with the jobs spread over the threads (one parallel region), computing
     exactly the same: `_attention_chunks` calls the same compiled `_attend_jobs` by its address."""
-    args = (q, k_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), _sinks(sinks), out)
-    arrays = (q, k_cache, vt_cache, out)
+    args = (q, kt_cache, vt_cache, *_typed(start_pos, n_rep, scale, window, softcap, q_scaled), _sinks(sinks), out)
+    arrays = (q, kt_cache, vt_cache, out)
     if not all(a.flags.c_contiguous and a.flags.aligned for a in arrays):  # (the address is for C-contiguous arrays)
         _attend_jobs(*args, 0, 1)
         return
-    no_jobs = (*args, q.shape[0] * k_cache.shape[0], 1)  # (first = every job: only compiles, or loads, it)
+    no_jobs = (*args, q.shape[0] * kt_cache.shape[0], 1)  # (first = every job: only compiles, or loads, it)
     _attention_chunks(address_of(_attend_jobs, no_jobs, lambda: _attend_jobs(*no_jobs)), *args)
 
 
 @kernel(parallel=True)
-def _attention_chunks(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks,
+def _attention_chunks(jobs_address, q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks,
                       out):
     """The parallel region of `attention`: chunk c runs _attend_jobs (at jobs_address) for every
     ATTENTION_CHUNKS-th job from c, so that each thread gets early (short) and late (long)
     tokens of a causal batch alike. jobs_address 0: nothing (a recording warm-up's call)."""
     if jobs_address == 0:
         return
-    n_jobs = q.shape[0] * k_cache.shape[0]
+    n_jobs = q.shape[0] * kt_cache.shape[0]
     n_chunks = min(n_jobs, ATTENTION_CHUNKS)
     for c in prange(n_chunks):
-        call_address(jobs_address, q, k_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks,
+        call_address(jobs_address, q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks,
                      out, np.int64(c), np.int64(n_chunks))
 
 

@@ -476,7 +476,7 @@ class Transformer:
 
                 aq.rope_store_quant(qs, ks, vs, seg.start, cos, sin, c.kb[il], c.vb[il], a.rope_neox, *c.type_ids)
             else:
-                ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.k[il], c.vt[il], a.rope_neox)
+                ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.kt[il], c.vt[il], a.rope_neox)
             qs = step.attention_inputs(qs, c.k[il], c.vt[il], seg.start)  # the points attn_q/k/v (after RoPE)
             if step.wants("attn_scores") or step.wants("attn_probs"):  # they need the NumPy path
                 os_[...] = attention_numpy(step.probe, il, qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window,
@@ -489,7 +489,7 @@ class Transformer:
                 attention(qs, c.kb[il], c.vb[il], *c.type_ids, seg.start, a.n_rep, scale, window, softcap, self.q_prescaled, os_)
                 continue
             attention = ops.attention if parallel else ops.attention_serial
-            attention(qs, c.k[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap, self.q_prescaled, os_)
+            attention(qs, c.kt[il], c.vt[il], seg.start, a.n_rep, scale, window, softcap, self.q_prescaled, os_)
         return out.reshape(n_tok, a.q_dim)
 
     def out_proj(self, layer: LayerWeights, attn: np.ndarray) -> np.ndarray:

@@ -247,7 +247,7 @@ class GptOss(Transformer):
 
                 aq.rope_store_quant(qs, ks, vs, seg.start, cos, sin, c.kb[il], c.vb[il], a.rope_neox, *c.type_ids)
             else:
-                ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.k[il], c.vt[il], a.rope_neox)
+                ops.rope_store(qs, ks, vs, seg.start, cos, sin, c.kt[il], c.vt[il], a.rope_neox)
             qs = step.attention_inputs(qs, c.k[il], c.vt[il], seg.start)
             args = (a.n_rep, self._scale, self._window[il], self._softcap, self.q_prescaled)
             if step.wants("attn_scores") or step.wants("attn_probs"):  # the hooks see the segment at once
@@ -257,7 +257,7 @@ class GptOss(Transformer):
             if not c.blocks:  # the Numba attention kernels with the sinks (a prompt's rows == decode's)
                 parallel = ops.attention_parallel_pays(seg.hi - seg.lo, seg.start, a.n_head, step.n_threads)
                 attention = ops.attention if parallel else ops.attention_serial
-                attention(np.ascontiguousarray(qs), c.k[il], c.vt[il], seg.start, *args, os_, sinks=sinks)
+                attention(np.ascontiguousarray(qs), c.kt[il], c.vt[il], seg.start, *args, os_, sinks=sinks)
                 continue
             for t in range(qs.shape[0]):  # a quantized cache: query by query in NumPy
                 os_[t] = attend_one(qs[t], c.k[il], c.vt[il], seg.start + t, *args[:3], self.q_prescaled, sinks)

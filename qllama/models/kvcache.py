@@ -182,11 +182,11 @@ def ring_slots(n_ctx: int, windows: list[int], batch: int = SWA_BATCH) -> list[i
 
 
 class KVCache:
-    """Per layer: keys (Hkv, ring, D) row-major and values (Hkv, D, ring) d-major, as f16 bits
-    (uint16) or float32 (`type_k`, `type_v`: "f16" or "f32").
+    """Per layer: keys `kt` and values `vt`, both (Hkv, D, ring) d-major, as f16 bits (uint16) or
+    float32 (`type_k`, `type_v`: "f16" or "f32"); `k` and `v` are their (Hkv, ring, D) views.
 
-    Keys are stored row-major (a score is a dot with one key row); values d-major (`vt`), so
-    that each output component is one long dot over the positions (see
+    Both d-major: the scores of 16 consecutive positions are one vector of multiply-adds, and
+    each output component is one long dot over the positions (see
     `kernels.layer_ops._attend_jobs`). `n_past`: positions [0, n_past) have been evaluated.
 
     With a quantized type_k or type_v (`blocks` True), `k` and `vt` are both (Hkv, ring, D/32)
@@ -215,11 +215,13 @@ class KVCache:
             self.k = [_lazy_zeros((n_head_kv, r, nb), bk) for r in self.ring]  # L x (Hkv, ring, D/32) blocks
             self.vt = [_lazy_zeros((n_head_kv, r, nb), bv) for r in self.ring]  # L x (Hkv, ring, D/32), row-major
             self.kb = [k.view(np.uint8) for k in self.k]  # L x (Hkv, ring, row bytes)
+            self.kt = None  # (the float caches' d-major keys)
             self.vb = [v.view(np.uint8) for v in self.vt]
         else:
             dk, dv = KV_TYPES[self.type_k][0], KV_TYPES[self.type_v][0]
-            self.k = [_lazy_zeros((n_head_kv, r, head_dim), dk) for r in self.ring]  # L x (Hkv, ring, D)
+            self.kt = [_lazy_zeros((n_head_kv, head_dim, r), dk) for r in self.ring]  # L x (Hkv, D, ring)
             self.vt = [_lazy_zeros((n_head_kv, head_dim, r), dv) for r in self.ring]  # L x (Hkv, D, ring)
+            self.k = [kt.transpose(0, 2, 1) for kt in self.kt]  # L x (Hkv, ring, D) views, for NumPy readers
         # the most tokens one forward may store: a window layer must keep the window of its first query
         limits = [r - w + 1 for r, w in zip(self.ring, windows) if w > 0 and r < n_ctx]
         self.max_batch = min(limits) if limits else n_ctx

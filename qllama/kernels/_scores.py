@@ -1,0 +1,107 @@
+"""Attention scores of a block of keys, keys d-major: the intrinsics `scores16x4` / `scores16x1`.
+
+Why: with keys row-major, a score is a 64-long dot product and each one ends in a horizontal
+sum (about 40% of the instructions of a prompt's attention, which at depth 8192 is most of the
+prompt's time). With the keys stored d-major (kt[kvh, d, slot], as the values already are), the
+scores of 16 consecutive slots are one vector: for d = 0..D-1, acc = fma(q[d], kt[d, slot:slot+16],
+acc), no horizontal step, each converted key element used by up to four query heads.
+
+Order: each lane (key) is a chain of fused multiply-adds over d = 0, 1, ..., D-1 from 0, then one
+multiplication by `scale`, written as explicit LLVM vector operations. So a score's bits depend on
+neither the vector width of the ISA nor how many tokens or keys are computed together: a decoded
+token and the same token inside a prompt batch get the same scores on every ISA.
+
+Arguments (all checked at compile time for their types): kt (Hkv, D, ring) uint16 (f16 bits) or
+float32, C-contiguous; kvh, slot int64 (slots slot..slot+15 are read); q (R, D) float32 rows, r0
+int64 the first of the 4 (or 1) rows used; scale float32; out (R, N) float32, j int64: out[r0 + i,
+j:j+16] receives the scores of query row r0 + i.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ._x86 import _loop, _vec
+
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+LANES = 16  # keys per block
+
+
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _row_ptr(context, builder, aty, aval, i, j=None):
+    """float/element pointer to aval[i] (2-D) or aval[i, j] (j given, 2-D), i8*-based with the strides."""
+    ary = context.make_array(aty)(context, builder, aval)
+    base = builder.bitcast(ary.data, ir.PointerType(ir.IntType(8)))
+    off = builder.mul(i, builder.extract_value(ary.strides, 0))
+    if j is not None:
+        off = builder.add(off, builder.mul(j, builder.extract_value(ary.strides, 1)))
+    return builder.gep(base, [off])
+
+
+def _splat(builder, x):
+    v = builder.insert_element(ir.Constant(_vec(x.type, LANES), None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, LANES), [0] * LANES))
+
+
+def _fma(builder, a, b, c):
+    fn = builder.module.declare_intrinsic(f"llvm.fma.v{LANES}f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
+    return builder.call(fn, [a, b, c])
+
+
+def _codegen(n_rows):
+    def codegen(context, builder, sig, args):
+        kt_ty, _, _, q_ty, _, _, out_ty, _ = sig.args
+        kt, kvh, slot, q, r0, scale, out, j = args
+        half = kt_ty.dtype == types.uint16
+        ary = context.make_array(kt_ty)(context, builder, kt)
+        strides = [builder.extract_value(ary.strides, i) for i in range(3)]
+        head_dim = builder.extract_value(ary.shape, 1)
+        base = builder.gep(builder.bitcast(ary.data, ir.PointerType(ir.IntType(8))),
+                           [builder.add(builder.mul(kvh, strides[0]), builder.mul(slot, strides[2]))])
+        elem = ir.HalfType() if half else ir.FloatType()
+        vf = _vec(ir.FloatType(), LANES)
+        qrows = [builder.bitcast(_row_ptr(context, builder, q_ty, q, builder.add(r0, _c64(i))), ir.PointerType(ir.FloatType()))
+                 for i in range(n_rows)]
+
+        def step(d, accs):
+            p = builder.bitcast(builder.gep(base, [builder.mul(d, strides[1])]), ir.PointerType(_vec(elem, LANES)))
+            keys = builder.load(p, align=2 if half else 4)
+            keys = builder.fpext(keys, vf) if half else keys
+            return [_fma(builder, _splat(builder, builder.load(builder.gep(qrows[i], [d]), align=4)), keys, accs[i])
+                    for i in range(n_rows)]
+
+        accs = _loop(builder, _c64(0), head_dim, step, [ir.Constant(vf, [0.0] * LANES)] * n_rows)
+        s = _splat(builder, scale)
+        for i in range(n_rows):
+            y = builder.fmul(accs[i], s, flags=("arcp",))  # (a flag of its own: Numba adds no fast-math ones)
+            p = _row_ptr(context, builder, out_ty, out, builder.add(r0, _c64(i)), j)
+            builder.store(y, builder.bitcast(p, ir.PointerType(vf)), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _typer(n_rows):
+    def typer(typingctx, kt, kvh, slot, q, r0, scale, out, j):
+        ok = (isinstance(kt, types.Array) and kt.ndim == 3 and kt.dtype in (types.uint16, types.float32)
+              and isinstance(q, types.Array) and q.ndim == 2 and q.dtype == types.float32
+              and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32)
+        if not ok:
+            return None
+        return types.void(kt, kvh, slot, q, r0, scale, out, j), _codegen(n_rows)
+
+    return typer
+
+
+def _named(fn, name):
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+scores16x4 = intrinsic(_named(_typer(4), "scores16x4"))
+scores16x1 = intrinsic(_named(_typer(1), "scores16x1"))
