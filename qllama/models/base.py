@@ -311,9 +311,10 @@ class Transformer:
         Runs longer than a cache's max_batch are evaluated in rounds.
 
         A server step (one token of each of k streams) is one k-row batch: every projection reads
-        its weights once for all rows (the row kernels' 4-token intrinsic up to 4 rows, the gemm
-        from 5: qtensor.GEMM_MIN_TOKENS), attention runs per segment over its own cache, and each
-        row equals that stream's one-token step bit for bit (tests/test_multi_sequence.py).
+        its weights once for all rows (up to decode.MAX_ROWS rows through the fused calls of
+        models/decode.py, which run each type's n-token row kernel; more rows the gemm, where the
+        type has one), attention runs per segment over its own cache, and each row equals that
+        stream's one-token step bit for bit (tests/test_multi_sequence.py).
         """
         runs = [(self._check(tokens, cache), cache) for tokens, cache in segments]
         if len({id(c) for _, c in runs}) != len(runs):
