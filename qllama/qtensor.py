@@ -289,7 +289,7 @@ del _tid, _form, _kernel, _shared, _gemm, _fused
 # i-quants (kernels/iquants.py, dequant/iq_rows.py): int8 activation form, or None (float path only)
 for _tid, _form in ((IQ4_NL, "q8_0"), (IQ4_XS, "q8_K"), (IQ3_S, "q8_K"), (IQ3_XXS, "q8_K"), (IQ2_XXS, "q8_K"),
                     (IQ2_XS, "q8_K"), (IQ2_S, "q8_K"), (IQ1_S, "q8_K"), (IQ1_M, "q8_K"), (TQ1_0, "q8_K"), (TQ2_0, "q8_K")):
-    _register(_tid, None, _form, partial(_iquant_ops, _tid), fused=_tid in (IQ4_NL, IQ4_XS))
+    _register(_tid, None, _form, partial(_iquant_ops, _tid), fused=_tid in (IQ4_NL, IQ4_XS, IQ3_S, IQ2_XXS))
 del _tid, _form
 _register(MXFP4, None, "q8_0", partial(_iquant_ops, MXFP4))  # gpt-oss's experts: e8m0 scale, e2m1 values
 

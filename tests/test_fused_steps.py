@@ -2,7 +2,8 @@
 tokens of one sequence (prompt lookup's verify batch, a short prompt) runs the fused calls, each
 type's n-token row kernel by address, and gives every row exactly the logits of its own one-token
 step and of the unfused blocks, bit for bit, on the type mixes of test_models_forward's fused
-cases (every grouping of the fused calls, every fused type and activation form). The server's
+cases (every grouping of the fused calls, every fused type and activation form) and on the
+i-quant mixes below, whose one-token steps are checked against the unfused blocks too. The server's
 steps of n sequences: tests/test_multi_sequence.py."""
 
 from __future__ import annotations
@@ -11,11 +12,20 @@ import numpy as np
 import pytest
 from test_models_forward import _FUSED_SPECS, _ids, _model  # (tests/ is on sys.path)
 
-from qllama.models.decode import MAX_ROWS, KernelClock
+from qllama.models.decode import MAX_ROWS, DecodePlan, KernelClock
 from qllama.models.step import Plain, Timed
-from tools.make_model import write_model
+from tools.make_model import ModelSpec, write_model
 
-SPECS = [name for name in _FUSED_SPECS if not name.endswith("q2_K")]  # (q2_K: no fused kernel)
+# the i-quant mixes of llama.cpp's IQ3_M and IQ2_XXS files (iq3_s / iq2_xxs Q, K, gate, up with
+# q4_K V, attn_output or ffn_down, q6_K / q5_K output; all q8_K activations), one thread's rows odd
+_IQ_SPECS = {
+    "llama-iq3_s": ModelSpec(n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_layer=2, seed=39, weight_type="iq3_s",
+                             types={"attn_v": "q4_K", "attn_output": "q4_K", "ffn_down": "q4_K", "output": "q6_K"}),
+    "llama-iq2_xxs": ModelSpec(n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_layer=2, seed=40,
+                               weight_type="iq2_xxs", types={"attn_v": "q4_K", "output": "q5_K"}),
+}
+ALL_SPECS = {**_FUSED_SPECS, **_IQ_SPECS}
+SPECS = [name for name in ALL_SPECS if not name.endswith("q2_K")]  # (q2_K: no fused kernel)
 PROMPT = 5
 
 
@@ -25,7 +35,7 @@ def files(tmp_path_factory):
     paths = {}
     for name in SPECS:
         paths[name] = root / f"{name}.gguf"
-        write_model(paths[name], _FUSED_SPECS[name])
+        write_model(paths[name], ALL_SPECS[name])
     return paths
 
 
@@ -47,6 +57,12 @@ def test_each_row_of_a_fused_n_token_batch_equals_its_one_token_step(files, name
     one = m.new_cache()
     m.forward(ids[:PROMPT], one)
     alone = np.concatenate([m.forward([t], one) for t in ids[PROMPT:]])  # (MAX_ROWS, n_vocab): one-token steps
+    assert isinstance(m._plan, DecodePlan), name  # (every matrix type is fused: the steps took the plan)
+    cache = m.new_cache()
+    m.forward(ids[:PROMPT], cache)
+    with m.executing(Plain(fused=False)):
+        plain_one = np.concatenate([m.forward([t], cache) for t in ids[PROMPT:]])
+    np.testing.assert_array_equal(alone, plain_one, err_msg=f"{name}: one-token steps against the unfused blocks")
     for n in (2, 3, 4, 5, MAX_ROWS):
         batch = ids[PROMPT : PROMPT + n]
         cache = m.new_cache()

@@ -20,8 +20,8 @@ L1, the same bits as one token; `n_token_slots`). So an n-token step is one call
 for Q|K|V, one and one for attn_output, one and two for the FFN, and nothing new to compile
 beyond the row kernels a k-row step ran before.
 
-Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, iq4_nl, iq4_xs); a
-group's matrices must share one activation form. Others take the unfused path.
+Types: those with whole-row intrinsics (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, iq4_nl, iq4_xs,
+iq3_s, iq2_xxs); a group's matrices must share one activation form. Others take the unfused path.
 Shapes: x (T, n) float32 (T = 1, or n tokens); xq int8 (T, n), xd float32 (T, n/32 or n/256), xs
 int32 or float32 (T, n/32 or n/16) as `qtensor.Activation.quantized` makes them; raw uint8 (rows,
 row_bytes); outputs float32 (T, rows). An unused slot is an empty raw (0, 1) with an empty output (T, 0).
@@ -33,13 +33,13 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload, register_jitable
 
-from ..gguf.types import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+from ..gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from . import (
     _x86,  # the whole-row intrinsics, as _x86.row_dot_<type>
     int8,
     iquants,
 )
-from ._x86_iq import row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
+from ._x86_iq import row_dot_iq2_xxs, row_dot_iq3_s, row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
 from .act_quant import q8_0_row, q8_1_row, q8_k_row
 from .int8 import FASTMATH
 from .jit import address_of, call_address, kernel
@@ -118,6 +118,14 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
             for r in range(lo, hi):
                 y = row_dot_iq4_nl(raw[r], nbe, xq, xd, xs)
                 out[0, r] = tail_iq4_nl(raw[r], nb, xq, xd, y) if nb % 2 else y
+        elif type_id == IQ3_S:
+            nb = raw.shape[1] // 110
+            for r in range(lo, hi):
+                out[0, r] = row_dot_iq3_s(raw[r], nb, xq, xd, xs)
+        elif type_id == IQ2_XXS:
+            nb = raw.shape[1] // 66
+            for r in range(lo, hi):
+                out[0, r] = row_dot_iq2_xxs(raw[r], nb, xq, xd, xs)
         else:
             _rows_q5_legacy(raw, raw.shape[1] // 22, out, lo, hi, xq, xd, xs)
 
@@ -161,7 +169,7 @@ def n_token_slots(slots, xq, xd, xs) -> list | None:
     for i in (0, 3, 6):
         raw, out[i] = slots[i + 1], 0
         if raw.shape[0]:
-            rows = (iquants.ROWS_INT8 if slots[i] in (IQ4_NL, IQ4_XS) else int8.ROWS_INT8)[slots[i]]
+            rows = (iquants.ROWS_INT8 if slots[i] in iquants.ROW_BYTES else int8.ROWS_INT8)[slots[i]]
             args = (raw, xq, xd, xs, _NO_TAB, slots[i + 2], np.int64(0), np.int64(0))
             out[i] = address_of(rows, args, lambda rows=rows, args=args: rows(*args))  # (an empty range)
             if not out[i]:
