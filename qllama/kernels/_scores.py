@@ -24,13 +24,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._x86 import _loop, _vec
+from ._x86_gemm import _c64, _fma, _splat_scalar
 
-_I32, _I64 = ir.IntType(32), ir.IntType(64)
 LANES = 16  # keys per block
-
-
-def _c64(v):
-    return ir.Constant(_I64, v)
 
 
 def _row_ptr(context, builder, aty, aval, i, j=None):
@@ -41,16 +37,6 @@ def _row_ptr(context, builder, aty, aval, i, j=None):
     if j is not None:
         off = builder.add(off, builder.mul(j, builder.extract_value(ary.strides, 1)))
     return builder.gep(base, [off])
-
-
-def _splat(builder, x):
-    v = builder.insert_element(ir.Constant(_vec(x.type, LANES), None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, LANES), [0] * LANES))
-
-
-def _fma(builder, a, b, c):
-    fn = builder.module.declare_intrinsic(f"llvm.fma.v{LANES}f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
-    return builder.call(fn, [a, b, c])
 
 
 def _codegen(n_rows):
@@ -72,11 +58,11 @@ def _codegen(n_rows):
             p = builder.bitcast(builder.gep(base, [builder.mul(d, strides[1])]), ir.PointerType(_vec(elem, LANES)))
             keys = builder.load(p, align=2 if half else 4)
             keys = builder.fpext(keys, vf) if half else keys
-            return [_fma(builder, _splat(builder, builder.load(builder.gep(qrows[i], [d]), align=4)), keys, accs[i])
+            return [_fma(builder, _splat_scalar(builder, builder.load(builder.gep(qrows[i], [d]), align=4), LANES), keys, accs[i])
                     for i in range(n_rows)]
 
         accs = _loop(builder, _c64(0), head_dim, step, [ir.Constant(vf, [0.0] * LANES)] * n_rows)
-        s = _splat(builder, scale)
+        s = _splat_scalar(builder, scale, LANES)
         for i in range(n_rows):
             y = builder.fmul(accs[i], s, flags=("arcp",))  # (a flag of its own: Numba adds no fast-math ones)
             p = _row_ptr(context, builder, out_ty, out, builder.add(r0, _c64(i)), j)

@@ -46,8 +46,9 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ._fp16 import HAVE_F16C, f16c_load, f16c_store, f16_bits, f16_value
-from ._scores import LANES as SCORE_LANES, scores16x1, scores16x4
+from ._fp16 import HAVE_F16C, f16_bits, f16_value, f16c_load, f16c_store
+from ._scores import LANES as SCORE_LANES
+from ._scores import scores16x1, scores16x4
 from .jit import address_of, call_address, kernel
 
 # float32 constants (module globals are frozen into the kernels with their float32 type)
@@ -285,19 +286,26 @@ def _key_range(p, window):
 
 
 @kernel(inline="always")
+def _score_block(kt, kvh, slot, qbuf, n_rep, scale, out, j):
+    """out[r, j:j+16] = scale * (qbuf[r] . key) for the 16 keys in slots slot.. of kv head kvh,
+    every query row r < n_rep, four rows per intrinsic call."""
+    r = 0
+    while r + 4 <= n_rep:
+        scores16x4(kt, kvh, slot, qbuf, r, scale, out, j)
+        r += 4
+    while r < n_rep:
+        scores16x1(kt, kvh, slot, qbuf, r, scale, out, j)
+        r += 1
+
+
+@kernel(inline="always")
 def _score_run(kt, kvh, slot, n, qbuf, n_rep, scale, scores, j, tail, tail_scores):
     """scores[r, j:j+n] = scale * (qbuf[r] . key) for the keys in slots slot..slot+n-1 of kv head
-    kvh, every query row r < n_rep: 16 slots per intrinsic call, four rows at a time; the last
-    n % 16 keys are copied into `tail` (1, D, 16), zero-padded, and go through the same call."""
+    kvh, every query row r < n_rep, 16 slots at a time; the last n % 16 keys are copied into
+    `tail` (1, D, 16), zero-padded, and go through the same call."""
     full = n - n % SCORE_LANES
     for i in range(0, full, SCORE_LANES):
-        r = 0
-        while r + 4 <= n_rep:
-            scores16x4(kt, kvh, slot + i, qbuf, r, scale, scores, j + i)
-            r += 4
-        while r < n_rep:
-            scores16x1(kt, kvh, slot + i, qbuf, r, scale, scores, j + i)
-            r += 1
+        _score_block(kt, kvh, slot + i, qbuf, n_rep, scale, scores, j + i)
     m = n - full
     if m > 0:
         for d in range(kt.shape[1]):
@@ -305,13 +313,7 @@ def _score_run(kt, kvh, slot, n, qbuf, n_rep, scale, scores, j, tail, tail_score
                 tail[0, d, i] = kt[kvh, d, slot + full + i]
             for i in range(m, SCORE_LANES):
                 tail[0, d, i] = 0
-        r = 0
-        while r + 4 <= n_rep:
-            scores16x4(tail, 0, 0, qbuf, r, scale, tail_scores, 0)
-            r += 4
-        while r < n_rep:
-            scores16x1(tail, 0, 0, qbuf, r, scale, tail_scores, 0)
-            r += 1
+        _score_block(tail, 0, 0, qbuf, n_rep, scale, tail_scores, 0)
         for r in range(n_rep):
             for i in range(m):
                 scores[r, j + full + i] = tail_scores[r, i]
