@@ -379,6 +379,30 @@ def test_gemm_takes_whole_tiles_only():
     assert np.array_equal(q.matmul(xs), out)
 
 
+def test_q8_k_sum_slots():
+    """q8_K's 16 sum slots per block (act_quant.Q8K_SUMS), against sums of the quants in NumPy:
+    slots 0-7 the sums of 32 (b_2l + b_2l+1), slots 8-15 the int16 pairs (b_l low, b_l+8 high),
+    and `bsum16` reads b_k back; extreme blocks (every quant +-127: |b| = 2032) and a zero block."""
+    from qllama.kernels.act_quant import bsum16
+
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((3, 1024)).astype(np.float32)
+    x[0, :256] = -7.0  # every quant -127 (d < 0: the largest magnitude is negative)
+    x[1, 256:512] = 0.0  # a zero block
+    x[2, 512:528] = 3.0  # one 16-element run at the block's maximum
+    xq, _, xs = quantize_activation(x).quantized("q8_K")
+    b16 = xq.astype(np.int64).reshape(3, 4, 16, 16).sum(-1)  # (tokens, blocks, 16 sums)
+    assert np.abs(b16).max() == 16 * 127
+    slots = xs.reshape(3, 4, 16).astype(np.int64)
+    np.testing.assert_array_equal(slots[..., :8], b16[..., 0::2] + b16[..., 1::2])
+    halves = slots[..., 8:].astype(np.int32).view(np.int16).reshape(3, 4, 8, 2)  # (low, high) of each slot
+    np.testing.assert_array_equal(halves[..., 0], b16[..., :8])
+    np.testing.assert_array_equal(halves[..., 1], b16[..., 8:])
+    for t in range(3):
+        for b in range(4):
+            assert [bsum16(xs[t], b, k) for k in range(16)] == list(b16[t, b])
+
+
 def test_activation_reuse():
     rng = np.random.default_rng(5)
     a = QTensor.from_bytes(gt.Q4_K, random_matrix(gt.Q4_K, 256, 6, rng), (256, 6))

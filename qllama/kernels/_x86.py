@@ -494,7 +494,7 @@ def _row_kquant45(context, builder, signature, args, kind):
             return builder.bitcast(builder.insert_element(v, hi, c(1)), _vec(_I8, 8))
 
         sc = builder.zext(bytes8(sc_lo, sc_hi), _vec(_I16, 8))
-        mn = builder.zext(bytes8(mn_lo, mn_hi), _vec(_I32, 8))
+        mn16 = builder.bitcast(builder.zext(bytes8(mn_lo, mn_hi), _vec(_I32, 8)), _vec(_I16, 16))  # (m_l, 0) pairs
         qp = builder.bitcast(_gep8(builder, blk, qoff), ir.PointerType(_vec(_I8, 32)))
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
                for xq, _, _ in toks]
@@ -502,9 +502,9 @@ def _row_kquant45(context, builder, signature, args, kind):
         out = []
         for acc, isum, (_, xd, xs) in zip(accs, isums, toks):
             xdb = builder.load(builder.gep(xd, [b]), align=4)
-            bsp = builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))])
-            bs = builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4)
-            msum = builder.mul(mn, builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))))
+            bsp = builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))])  # (slots 0-7: the sums of 32, act_quant.Q8K_SUMS)
+            pairs = builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I16, 16))), align=4)
+            msum = _maddwd(builder, pairs, mn16)  # m_l * (sum of 32): each sum's high half meets a 0
             acc = builder.fadd(acc, builder.fmul(_splat_f(builder, builder.fmul(d, xdb)), builder.sitofp(isum, v8f)))
             out.append(builder.fsub(acc, builder.fmul(_splat_f(builder, builder.fmul(dmin, xdb)), builder.sitofp(msum, v8f))))
         return out
@@ -521,15 +521,14 @@ def _row_q6_k(context, builder, signature, args):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 210)))
         d = _load_f16(builder, _gep8(builder, blk, 208))
         sc = builder.sext(builder.load(builder.bitcast(_gep8(builder, blk, 192), ir.PointerType(_vec(_I8, 16))), align=1), _vec(_I16, 16))
-        sc32 = builder.sext(sc, _vec(_I32, 16))
+        sc_pairs = _lanes(builder, sc, [k // 2 + 8 * (k % 2) for k in range(16)])  # (s_l, s_l+8), as the q8_K sums' slots 8-15
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
                for xq, _, _ in toks]
         isums = _q6_core(builder, blk, xps, sc)
         out = []
         for acc, isum, (_, xd, xs) in zip(accs, isums, toks):
-            bsp = builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))])
-            corr = builder.mul(sc32, builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I32, 16))), align=4))
-            corr = builder.add(_lanes(builder, corr, range(8)), _lanes(builder, corr, range(8, 16)))
+            bsp = builder.gep(xs, [builder.add(builder.mul(b, ir.Constant(_I64, 16)), ir.Constant(_I64, 8))])
+            corr = _maddwd(builder, builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I16, 16))), align=4), sc_pairs)
             isum = builder.sub(isum, builder.shl(corr, ir.Constant(_vec(_I32, 8), [5] * 8)))
             db = builder.fmul(d, builder.load(builder.gep(xd, [b]), align=4))
             out.append(builder.fadd(acc, builder.fmul(_splat_f(builder, db), builder.sitofp(isum, v8f))))

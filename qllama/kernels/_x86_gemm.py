@@ -420,10 +420,17 @@ class _Tile:
     def dx(self, blk):
         return _splat_scalar(self.b, self.b.load(self.b.gep(self.xd, [blk]), align=4))
 
-    def bsums(self, blk):
-        """The token's 16 sums of 16 activations of block blk: <16 x i32>."""
+    def sums32(self, blk):
+        """The token's 8 sums of 32 activations of block blk (q8_K sum slots 0-7, act_quant.Q8K_SUMS): <8 x i32>."""
         b = self.b
-        return b.load(b.bitcast(b.gep(self.xs, [b.mul(blk, _c64(16))]), ir.PointerType(_vec(_I32, 16))), align=4)
+        return b.load(b.bitcast(b.gep(self.xs, [b.mul(blk, _c64(16))]), ir.PointerType(_vec(_I32, 8))), align=4)
+
+    def sum16_pairs(self, blk):
+        """The token's 16 sums of 16 activations of block blk as <16 x i32> (b_0, b_8, b_1, b_9, ...):
+        q8_K sum slots 8-15, int16 pairs (b_l, b_l+8), sign-extended."""
+        b = self.b
+        p = b.gep(self.xs, [b.add(b.mul(blk, _c64(16)), _c64(8))])
+        return b.sext(b.load(b.bitcast(p, ir.PointerType(_vec(_I16, 16))), align=4), _vec(_I32, 16))
 
     def lane(self, v, k):
         """Lane k of v in every lane of the tile."""
@@ -447,8 +454,7 @@ def _q4_k_block(tile, b, accs):
 
     # (a loop, not unrolled: an eighth of the code for LLVM to compile, at no measured cost)
     isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
-    bs = tile.bsums(b)
-    bsums = builder.sitofp(builder.add(_lanes(builder, bs, range(0, 16, 2)), _lanes(builder, bs, range(1, 16, 2))), _V8F)
+    bsums = builder.sitofp(tile.sums32(b), _V8F)
     dx = tile.dx(b)
     a = _exact("fmul", builder, tile.load(_V8F, src, _D), dx)
     neg_b = _exact("fmul", builder, builder.fneg(tile.load(_V8F, src, _DMIN)), dx)
@@ -478,14 +484,14 @@ def _q6_k_block(tile, b, accs):
                               builder.add(xq_off, builder.mul(g, _c64(32))), lambda k: lo if k < 4 else hi)
 
     isums = _loop(builder, _c64(0), _c64(8), group, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
-    bsums = tile.bsums(b)
+    bsums = tile.sum16_pairs(b)  # lane 2l: b_l, lane 2l + 1: b_l+8
     db = _exact("fmul", builder, tile.load(_V8F, src, _D6), tile.dx(b))
     sh16 = ir.Constant(vi, [16] * TILE_ROWS)
     out = []
     for k in range(8):
         s_lo, s_hi = (builder.ashr(builder.shl(builder.bitcast(tile.load(_V16H, src, _SCALES6 + 32 * j), vi), sh16), sh16)
                       for j in (k, k + 8))
-        corr = builder.add(builder.mul(s_lo, tile.lane(bsums, k)), builder.mul(s_hi, tile.lane(bsums, k + 8)))
+        corr = builder.add(builder.mul(s_lo, tile.lane(bsums, 2 * k)), builder.mul(s_hi, tile.lane(bsums, 2 * k + 1)))
         isum = builder.sub(isums[k], builder.shl(corr, ir.Constant(vi, [5] * TILE_ROWS)))
         out.append(_fma(builder, db, builder.sitofp(isum, vf), accs[k]))
     return out

@@ -1,8 +1,12 @@
 """Activations rounded to 8 bits in ggml's formats, for the int8 mat-muls (`int8.py`).
 
 - q8_K (for the k-quants): per 256 elements a float32 scale d = max/-127 of the signed value
-  of largest magnitude, int8 quants round(x/d) (ties to even), and int32 sums of every 16
-  quants ("bsums", used for the min / offset terms).
+  of largest magnitude, int8 quants round(x/d) (ties to even), and the sums of every 16 quants
+  ("bsums" b_0..b_15, used for the min / offset terms), kept in 16 int32 slots per block in the
+  two arrangements the kernels read (`Q8K_SUMS`): slots 0-7 the sums of 32, b_2l + b_2l+1
+  (q4_K / q5_K mins, the iq1 types), slots 8-15 the int16 pairs (b_l, b_l+8) (q6_K's offset
+  term: one `pmaddwd` against its scales paired alike; q2_K / q3_K read them one by one,
+  `bsum16`). Every |b| <= 16 * 127 fits in int16.
 - q8_0 (for q8_0, q4_0, q5_0): per 32 elements d = amax/127 rounded to fp16 as ggml stores it,
   quants round-half-even(x * 127/amax), and their int32 sum;
 - q8_1 (for q4_1, q5_1): as q8_0, with s = fp16(d * sum of quants) instead of the sum (ggml's
@@ -22,6 +26,8 @@ from .quantize_k import fp16_round
 _NOPY = dict(boundscheck=False)
 QK_K = 256
 QK8_0 = 32
+# q8_K's 16 int32 sum slots per block: [0, 8) sums of 32 quants, [8, 16) int16 pairs (b_l, b_l+8)
+Q8K_SUMS = 16
 
 _FLT_MAX = np.float32(3.4028234663852886e38)
 
@@ -73,8 +79,28 @@ def q8_k_row(x, t, xq, xd, xs):
                 q = _to_int8(np.rint(iscale * x[t, o + 16 * k + j]))
                 xq[t, o + 16 * k + j] = q
                 s += q
-            xs[t, b * 16 + k] = s
+            if k < 8:  # (b_k in slot 8 + k's low half for now; its pair partner comes at k + 8)
+                xs[t, b * 16 + 8 + k] = s & 0xFFFF
+            else:
+                xs[t, b * 16 + k] = _pair16(xs[t, b * 16 + k], s)
+        for l in range(8):
+            xs[t, b * 16 + l] = bsum16(xs[t], b, 2 * l) + bsum16(xs[t], b, 2 * l + 1)
         xd[t, b] = np.float32(1.0) / iscale
+
+
+@kernel(inline="always", **_NOPY)
+def _pair16(lo, hi):
+    """The int32 whose low half is lo's low 16 bits and high half hi (|hi| < 2**15)."""
+    v = (np.int64(lo) & 0xFFFF) | ((np.int64(hi) & 0xFFFF) << 16)
+    return np.int32(v - (np.int64(1) << 32) if v >= (np.int64(1) << 31) else v)
+
+
+@kernel(inline="always", **_NOPY)
+def bsum16(xs_row, b, k):
+    """b_k, the sum of quants 16k..16k+15 of block b, from a token's q8_K sums (`Q8K_SUMS`)."""
+    w = np.int64(xs_row[b * 16 + 8 + (k & 7)])
+    h = (w >> 16) if k >= 8 else ((w & 0xFFFF) ^ 0x8000) - 0x8000  # (high half: arithmetic shift; low: sign-extended)
+    return np.int32(h)
 
 
 @kernel(**_NOPY)

@@ -50,6 +50,7 @@ from ._x86 import (
 )
 from ._x86_gemm import IQ_PACKED_BYTES, L1_BLOCK_BYTES, PACKED_BYTES, TILE_ROWS, pack_rows, tile_rows
 from ._x86_iq import tail_iq4_nl
+from .act_quant import bsum16
 from .kquants import scale_q3_k
 
 _NOPY = dict(boundscheck=False)
@@ -296,7 +297,7 @@ def matmul_q2_q3_k(type_id, raw, xq, xd, xs, tab, out, n_threads):
                     for b in range(nb):
                         corr = 0
                         for k in range(16):
-                            corr += ms[b, k] * xst[b * 16 + k]
+                            corr += ms[b, k] * bsum16(xst, b, k)
                         if is_q2:
                             isum = dot_q2_k(row, b * bb, xqt, b * QK_K, sc[b, 0], sc[b, 1])
                             acc += (xdt[b] * dd[b, 0]) * np.float32(isum) - (xdt[b] * dd[b, 1]) * np.float32(corr)

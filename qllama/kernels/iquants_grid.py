@@ -216,7 +216,7 @@ def _rows_of(type_id: int):
                                 for c in range(8):  # scale of sub-block 2c + l // 4
                                     isum2 += sc[2 * c + l // 4] * dl[4 * c + l // 2] * x4[8 * c + l]
                             if tq:  # ggml: (q - 1) . x as q . x - the 16-element sums, lane l taking sums 2l, 2l+1
-                                isum -= xs[t, 16 * b + 2 * l] + xs[t, 16 * b + 2 * l + 1]
+                                isum -= xs[t, 16 * b + l]  # (q8_K sum slot l: b_2l + b_2l+1, act_quant.Q8K_SUMS)
                             # (tq: ggml's mul + add, which its compiler contracts to this fma)
                             acc[t - t0, l] = fma32(d, np.float32(isum), acc[t - t0, l])
                             if iq1m:
@@ -224,7 +224,7 @@ def _rows_of(type_id: int):
                         if iq1s:
                             s = 0
                             for c in range(8):
-                                s += (xs[t, 16 * b + 2 * c] + xs[t, 16 * b + 2 * c + 1]) * dl[4 * c] * sc[2 * c]
+                                s += xs[t, 16 * b + c] * dl[4 * c] * sc[2 * c]
                             s1[t - t0] = fma32(d, np.float32(s), s1[t - t0])
                 for t in range(t0, t1):
                     v = _hsum8(acc[t - t0])
