@@ -159,6 +159,56 @@ def test_router_points_equal_the_reference(files, float_path):
         np.testing.assert_allclose(t[p + "ffn_moe_weights"].sum(axis=1), 1.0, rtol=1e-5)  # renormalised (qwen3moe)
 
 
+def test_router_kernels_against_numpy():
+    """kernels/router.py against the NumPy formulation of llama.cpp's gating (softmax in float32 with
+    the sum in float64, a stable argsort of -p: ties to the lower id, NaN last; renormalised weights;
+    gpt-oss's top k of the logits then a softmax over them) and np.unique's grouping: the same
+    experts and groups exactly, weights within float32 rounding of exp."""
+    from qllama.kernels.router import group_by_expert, softmax_top_k, top_k_softmax
+    from qllama.models.moe import WEIGHT_SUM_MIN
+
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((6, 64)).astype(np.float32) * 3
+    logits[1, [5, 9, 40]] = 20.0  # a three-way tie for the top: ids 5, 9, 40 in that order
+    logits[2, :] = 0.0  # every expert tied: 0..k-1
+    logits[3, 10] = np.nan  # NaN makes every probability NaN (as NumPy's max): experts 0..k-1, weights NaN
+    none = np.zeros((0, 0), np.int64)
+    k = 6
+    for norm, scale in ((True, 0.0), (False, 2.5)):
+        experts, w = softmax_top_k(logits, k, none, norm, np.float32(scale), WEIGHT_SUM_MIN)
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p = e * (1.0 / e.sum(axis=1, dtype=np.float64)).astype(np.float32)[:, None]
+        ref_e = np.argsort(-p, axis=1, kind="stable")[:, :k]
+        ref_w = np.take_along_axis(p, ref_e, axis=1)
+        if norm:
+            ref_w = ref_w / np.maximum(ref_w.sum(axis=1, dtype=np.float64).astype(np.float32), WEIGHT_SUM_MIN)[:, None]
+        if scale:
+            ref_w = ref_w * np.float32(scale)
+        np.testing.assert_array_equal(experts, ref_e)
+        assert list(experts[1, :3]) == [5, 9, 40] and list(experts[2]) == list(range(k))
+        np.testing.assert_allclose(w, ref_w, rtol=2e-6)
+        assert np.isnan(w[3]).all() and not np.isnan(np.delete(w, 3, axis=0)).any()
+    forced = np.tile(np.arange(60, 60 - k, -1), (6, 1)).astype(np.int64)
+    experts, w = softmax_top_k(logits, k, forced, False, np.float32(0.0), WEIGHT_SUM_MIN)
+    np.testing.assert_array_equal(experts, forced)
+    np.testing.assert_allclose(w[0], p[0, forced[0]], rtol=2e-6)
+    experts, w = top_k_softmax(logits, 4, none)  # gpt-oss: the top 4 logits, softmax over them
+    ref_e = np.argsort(-logits, axis=1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(np.delete(experts, 3, axis=0), np.delete(ref_e, 3, axis=0))
+    assert experts[3, 0] != 10  # (NaN last)
+    sel = np.take_along_axis(logits, experts, axis=1)
+    e = np.exp(sel - sel.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(w, e / e.sum(axis=1, keepdims=True), rtol=2e-6)
+    for ex in (experts, np.array([[3, 3, 1], [0, 3, 2]], np.int64), rng.integers(0, 64, (50, 8))):
+        ids, bounds, order = group_by_expert(np.ascontiguousarray(ex, np.int64), 64)
+        flat = ex.reshape(-1)
+        ref_order = np.argsort(flat, kind="stable")
+        ref_ids, starts = np.unique(flat[ref_order], return_index=True)
+        np.testing.assert_array_equal(ids, ref_ids)
+        np.testing.assert_array_equal(bounds, np.append(starts, flat.size))
+        np.testing.assert_array_equal(order, ref_order)
+
+
 def test_hooks_mask_and_force_experts(files, float_path):
     """Masking expert 3 (logit -inf) and forcing experts 0, 1 move the logits exactly as the
     reference's forward with the same hooks."""

@@ -40,7 +40,7 @@ import numpy as np
 from ..errors import UnsupportedError
 from .args import Keys, ModelArgs, read_common_args, swa_pattern
 from .base import ACT_SILU, LayerWeights, Transformer, WeightReader, ops
-from .moe import ExpertTensor, MoeFFN, read_moe_args
+from .moe import _NO_EXPERTS, ExpertTensor, MoeFFN, read_moe_args
 from .kvcache import from_f32, is_blocks, query_as_keys, to_f32
 from .points import attention_numpy
 
@@ -117,16 +117,19 @@ class GptOssMoe(MoeFFN):
                    down_b=biases("ffn_down_exps.bias", d))
 
     def route(self, model, h: np.ndarray, hq) -> tuple[np.ndarray, np.ndarray]:
-        step, k = model.step, self.n_used
+        step = model.step
         logits = step.op("ffn_gate_inp (router)", self.router.matmul, hq) + self.router_b  # (T, n_expert)
         logits = step.point("ffn_moe_logits", logits)
-        experts = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # (T, k): ties to the lower id
+        experts, w = self._gate(logits, _NO_EXPERTS)  # the top k logits (ties to the lower id), softmax over them
         if step.wants("ffn_moe_experts"):
-            experts = self._checked_experts(step.point("ffn_moe_experts", experts.astype(np.float32)), logits.shape[1])
-        sel = np.take_along_axis(logits, experts, axis=1)  # (T, k)
-        e = np.exp(sel - sel.max(axis=1, keepdims=True))  # softmax over the k chosen, as ggml's
-        w = (e * (1.0 / e.sum(axis=1, dtype=np.float64)).astype(np.float32)[:, None]).astype(np.float32)
+            forced = self._checked_experts(step.point("ffn_moe_experts", experts.astype(np.float32)), logits.shape[1])
+            experts, w = self._gate(logits, forced)
         return experts, step.point("ffn_moe_weights", w)
+
+    def _gate(self, logits: np.ndarray, forced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from ..kernels.router import top_k_softmax
+
+        return top_k_softmax(np.ascontiguousarray(logits, np.float32), self.n_used, forced)
 
     def _expert(self, step, e: int, xa, act: int, glu) -> np.ndarray:
         from ..qtensor import quantize_activation

@@ -47,6 +47,7 @@ _EMPTY_OUT = np.zeros((1, 0), np.float32)
 GEMM_FROM_TOKENS = {Q6_K: np.int64(16)}
 GEMM_FROM_DEFAULT = np.int64(8)
 WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # llama.cpp clamps the renormalising sum to the smallest normal fp16
+_NO_EXPERTS = np.zeros((0, 0), np.int64)  # the router kernels' "no forced experts"
 
 
 # -- hyper-parameters ---------------------------------------------------------------------------
@@ -179,23 +180,24 @@ class MoeFFN:
 
     def route(self, model, h: np.ndarray, hq) -> tuple[np.ndarray, np.ndarray]:
         """Router: (experts (T, k) int64 best first, weights (T, k) float32), with the points fired."""
-        step, k = model.step, self.n_used
+        step = model.step
         # the mat-mat kernel for every batch size: a token's logits do not depend on its batch
         logits = step.point("ffn_moe_logits", step.op("ffn_gate_inp (router)", self.router.matmul, hq))  # (T, n_expert)
-        # softmax as ggml's: exp(x - max) in float32, summed in double, scaled by 1/sum
-        e = np.exp(logits - logits.max(axis=1, keepdims=True))  # (T, n_expert)
-        probs = e * (1.0 / e.sum(axis=1, dtype=np.float64)).astype(np.float32)[:, None]
-        experts = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # (T, k): ties to the lower id
+        # softmax as ggml's (exp(x - max) in float32, summed in double, scaled by 1/sum), top k, weights
+        experts, w = self._gate(logits, _NO_EXPERTS)  # (T, k) int64, (T, k) float32
         if step.wants("ffn_moe_experts"):  # a hook may force other experts
-            forced = step.point("ffn_moe_experts", experts.astype(np.float32))
-            experts = self._checked_experts(forced, probs.shape[1])
-        w = np.take_along_axis(probs, experts, axis=1)  # (T, k)
-        if self.norm_w:
-            s = np.maximum(w.sum(axis=1, dtype=np.float64).astype(np.float32), WEIGHT_SUM_MIN)  # (T,)
-            w = w / s[:, None]
-        if self.w_scale is not None:
-            w = w * self.w_scale
+            forced = self._checked_experts(step.point("ffn_moe_experts", experts.astype(np.float32)), logits.shape[1])
+            experts, w = self._gate(logits, forced)
         return experts, step.point("ffn_moe_weights", w)
+
+    def _gate(self, logits: np.ndarray, forced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(experts, weights) from the router's logits (T, n_expert), or the weights of `forced`
+        experts (T, k) int64 ((0, 0): none): kernels/router.py."""
+        from ..kernels.router import softmax_top_k
+
+        scale = np.float32(0.0 if self.w_scale is None else self.w_scale)
+        return softmax_top_k(np.ascontiguousarray(logits, np.float32), self.n_used, forced, bool(self.norm_w), scale,
+                             WEIGHT_SUM_MIN)
 
     @staticmethod
     def _checked_experts(ids: np.ndarray, n_expert: int) -> np.ndarray:
@@ -228,7 +230,7 @@ class MoeFFN:
                     out += y
         elif out is None:  # a batch: each chosen expert once over its tokens (mul_mat_id), then the same sums
             ys = np.empty((n_tok, k, n_embd), np.float32)  # (T, k, n_embd): each slot's weighted expert output
-            ids, bounds, order = _groups(experts)
+            ids, bounds, order = _groups(experts, len(self.up))
             for j, e in enumerate(ids.tolist()):
                 pos = order[bounds[j] : bounds[j + 1]]  # (n_e,) flat positions routed to expert e
                 tok, slot = pos // k, pos % k
@@ -267,7 +269,7 @@ class MoeFFN:
 
         (fg, raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d,
          act_address, quant_address, dd, ds, phase_address) = plan
-        ids, bounds, order = _groups(experts)
+        ids, bounds, order = _groups(experts, len(self.up))
         hq_, hd, hs = hq.quantized(fg)
         out = np.empty((w.shape[0], raw_d.shape[1]), np.float32)  # (T, n_embd)
         step.op("ffn_moe experts: gate|up + glu + quantize + down + weighted sum (one call)", experts_ffn,
@@ -398,13 +400,12 @@ class MoeFFN:
         return y
 
 
-def _groups(experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """experts (T, k) -> (ids (G,) the chosen experts ascending, bounds (G + 1,), order (T k,)):
+def _groups(experts: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """experts (T, k) int64 -> (ids (G,) the chosen experts ascending, bounds (G + 1,), order (T k,)):
     expert ids[j]'s flat positions t * k + slot, tokens in order, are order[bounds[j]:bounds[j + 1]]."""
-    flat = experts.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    ids, starts = np.unique(flat[order], return_index=True)
-    return ids.astype(np.int64), np.append(starts, flat.size).astype(np.int64), order.astype(np.int64)
+    from ..kernels.router import group_by_expert
+
+    return group_by_expert(np.ascontiguousarray(experts, np.int64), n_expert)
 
 
 def _glu():
