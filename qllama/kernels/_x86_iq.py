@@ -86,6 +86,21 @@ def nibble_lookup(builder, p, table):
     return _call(builder, "llvm.x86.avx2.pshuf.b", _vec(_I8, 32), [ir.Constant(_vec(_I8, 32), [int(k) for k in table] * 2), idx])
 
 
+def nibble_lookup_abs(builder, p, table):
+    """(<32 x i8> q, <32 x i8> |q|): `nibble_lookup`'s values and their magnitudes, each one `vpshufb`
+    (|q| from the table of magnitudes, not `vpsignb`: on 256-bit vectors the shuffle port has room
+    where the multiply ports have none). The 16 bytes are loaded into both 128-bit halves and
+    the high half shifted right by 4 (`vbroadcasti128`, `vpsrlvw`), not inserted."""
+    v = builder.load(builder.bitcast(p, ir.PointerType(_vec(_I8, 16))), align=1)
+    both = builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, 32), list(range(16)) * 2))
+    shifted = builder.lshr(builder.bitcast(both, _vec(_I16, 16)), ir.Constant(_vec(_I16, 16), [0] * 8 + [4] * 8))
+    idx = builder.and_(builder.bitcast(shifted, _vec(_I8, 32)), _splat(_I8, 32, 15))
+    shuf = "llvm.x86.avx2.pshuf.b"
+    q = _call(builder, shuf, _vec(_I8, 32), [ir.Constant(_vec(_I8, 32), [int(k) for k in table] * 2), idx])
+    aq = _call(builder, shuf, _vec(_I8, 32), [ir.Constant(_vec(_I8, 32), [abs(int(k)) for k in table] * 2), idx])
+    return q, aq
+
+
 def _iq4_values(builder, p):
     """<32 x i8> signed kvalues_iq4nl of the 32 elements packed at i8* p."""
     return nibble_lookup(builder, p, KVALUES_IQ4NL)
@@ -104,10 +119,14 @@ class Pairs(NamedTuple):
     block_bytes: int
     qs: int  # offset of the 16 packed bytes in a block
     scale: Callable  # (builder, i8* block) -> its float32 scale
-    values: Callable  # (builder, i8* packed bytes) -> <32 x i8> signed values
+    table: np.ndarray  # (16,) int8: the values the 4-bit codes index
+
+    def values(self, builder, p):
+        """<32 x i8> the signed values of the 32 elements packed at i8* p."""
+        return nibble_lookup(builder, p, self.table)
 
 
-IQ4_NL_PAIRS = Pairs(18, 2, lambda builder, blk: _load_f16(builder, blk), _iq4_values)
+IQ4_NL_PAIRS = Pairs(18, 2, lambda builder, blk: _load_f16(builder, blk), KVALUES_IQ4NL)
 
 
 def _row_pairs(context, builder, signature, args, kind):
@@ -124,8 +143,7 @@ def _row_pairs(context, builder, signature, args, kind):
             b = builder.add(builder.shl(i, ir.Constant(_I64, 1)), ir.Constant(_I64, h))
             blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, kind.block_bytes)))
             d = kind.scale(builder, blk)
-            q = kind.values(builder, _gep8(builder, blk, kind.qs))
-            aq = _psign(builder, q, q)  # |q|
+            q, aq = nibble_lookup_abs(builder, _gep8(builder, blk, kind.qs), kind.table)  # q, |q|
             for t, (xq, xd, _) in enumerate(toks):
                 x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), v32), align=1)
                 isum = _dot4(builder, aq, _psign(builder, x, q))  # (8,) i32: 4 products per lane
@@ -210,8 +228,7 @@ def _row_iq4_xs(context, builder, signature, args):
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), v32) for xq, _, _ in toks]
         isums = [ir.Constant(_vec(_I32, 8), [0] * 8)] * len(toks)
         for j in range(8):
-            q = _iq4_values(builder, _gep8(builder, blk, 8 + 16 * j))
-            aq = _psign(builder, q, q)
+            q, aq = nibble_lookup_abs(builder, _gep8(builder, blk, 8 + 16 * j), KVALUES_IQ4NL)
             s = _lanes(builder, ls, [j] * 16)
             for t, xp in enumerate(xps):
                 x = builder.load(builder.gep(xp, [ir.Constant(_I32, j)]), align=1)
