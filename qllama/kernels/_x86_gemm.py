@@ -61,6 +61,7 @@ from ._x86 import (
     _loop,
     _madd_add,
     _maddubs,
+    _maddwd,
     _psign,
     _splat,
     _vec,
@@ -425,12 +426,10 @@ class _Tile:
         b = self.b
         return b.load(b.bitcast(b.gep(self.xs, [b.mul(blk, _c64(16))]), ir.PointerType(_vec(_I32, 8))), align=4)
 
-    def sum16_pairs(self, blk):
-        """The token's 16 sums of 16 activations of block blk as <16 x i32> (b_0, b_8, b_1, b_9, ...):
-        q8_K sum slots 8-15, int16 pairs (b_l, b_l+8), sign-extended."""
+    def sum_pair(self, blk, k):
+        """The token's q8_K sum slot 8 + k of block blk: the int16 pair (b_k, b_k+8) as one i32."""
         b = self.b
-        p = b.gep(self.xs, [b.add(b.mul(blk, _c64(16)), _c64(8))])
-        return b.sext(b.load(b.bitcast(p, ir.PointerType(_vec(_I16, 16))), align=4), _vec(_I32, 16))
+        return b.load(b.gep(self.xs, [b.add(b.mul(blk, _c64(16)), _c64(8 + k))]), align=4)
 
     def lane(self, v, k):
         """Lane k of v in every lane of the tile."""
@@ -484,14 +483,16 @@ def _q6_k_block(tile, b, accs):
                               builder.add(xq_off, builder.mul(g, _c64(32))), lambda k: lo if k < 4 else hi)
 
     isums = _loop(builder, _c64(0), _c64(8), group, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
-    bsums = tile.sum16_pairs(b)  # lane 2l: b_l, lane 2l + 1: b_l+8
     db = _exact("fmul", builder, tile.load(_V8F, src, _D6), tile.dx(b))
-    sh16 = ir.Constant(vi, [16] * TILE_ROWS)
+    n16 = 2 * TILE_ROWS
     out = []
     for k in range(8):
-        s_lo, s_hi = (builder.ashr(builder.shl(builder.bitcast(tile.load(_V16H, src, _SCALES6 + 32 * j), vi), sh16), sh16)
-                      for j in (k, k + 8))
-        corr = builder.add(builder.mul(s_lo, tile.lane(bsums, 2 * k)), builder.mul(s_hi, tile.lane(bsums, 2 * k + 1)))
+        # s_k b_k + s_k+8 b_k+8 in one pmaddwd: each row's (s_k, s_k+8) against the token's int16 pair
+        # (b_k, b_k+8), q8_K sum slot 8 + k broadcast (the pack holds each scale in both halves)
+        lo, hi = (tile.load(_V16H, src, _SCALES6 + 32 * j) for j in (k, k + 8))
+        pairs = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n16), [i if i % 2 == 0 else n16 + i for i in range(n16)]))
+        bk = builder.bitcast(_splat_scalar(builder, tile.sum_pair(b, k)), _vec(_I16, n16))
+        corr = _maddwd(builder, pairs, bk)
         isum = builder.sub(isums[k], builder.shl(corr, ir.Constant(vi, [5] * TILE_ROWS)))
         out.append(_fma(builder, db, builder.sitofp(isum, vf), accs[k]))
     return out
