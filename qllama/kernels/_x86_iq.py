@@ -77,13 +77,17 @@ def _load_f16(builder, p):
     return builder.fpext(h, ir.FloatType())
 
 
+def _lookup16(builder, table, idx):
+    """<32 x i8> table[idx] for 16 int8 table values and <32 x i8> indices 0..15 (`vpshufb`)."""
+    return _call(builder, "llvm.x86.avx2.pshuf.b", _vec(_I8, 32), [ir.Constant(_vec(_I8, 32), [int(k) for k in table] * 2), idx])
+
+
 def nibble_lookup(builder, p, table):
     """<32 x i8> the values of the 32 elements of the 16 packed bytes at i8* p: the low nibbles
     (elements 0-15), then the high ones (16-31), each looked up in the 16 int8s `table` (`vpshufb`)."""
     v = builder.load(builder.bitcast(p, ir.PointerType(_vec(_I8, 16))), align=1)
     lo, hi = builder.and_(v, _splat(_I8, 16, 15)), builder.lshr(v, _splat(_I8, 16, 4))
-    idx = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
-    return _call(builder, "llvm.x86.avx2.pshuf.b", _vec(_I8, 32), [ir.Constant(_vec(_I8, 32), [int(k) for k in table] * 2), idx])
+    return _lookup16(builder, table, builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32)))))
 
 
 def nibble_lookup_abs(builder, p, table):
@@ -95,10 +99,7 @@ def nibble_lookup_abs(builder, p, table):
     both = builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, 32), list(range(16)) * 2))
     shifted = builder.lshr(builder.bitcast(both, _vec(_I16, 16)), ir.Constant(_vec(_I16, 16), [0] * 8 + [4] * 8))
     idx = builder.and_(builder.bitcast(shifted, _vec(_I8, 32)), _splat(_I8, 32, 15))
-    shuf = "llvm.x86.avx2.pshuf.b"
-    q = _call(builder, shuf, _vec(_I8, 32), [ir.Constant(_vec(_I8, 32), [int(k) for k in table] * 2), idx])
-    aq = _call(builder, shuf, _vec(_I8, 32), [ir.Constant(_vec(_I8, 32), [abs(int(k)) for k in table] * 2), idx])
-    return q, aq
+    return _lookup16(builder, table, idx), _lookup16(builder, [abs(int(k)) for k in table], idx)
 
 
 def _iq4_values(builder, p):

@@ -69,22 +69,25 @@ def q8_k_row(x, t, xq, xd, xs):
             xd[t, b] = np.float32(np.nan) if not finite else np.float32(0.0)
             for j in range(QK_K):
                 xq[t, o + j] = 0
-            for k in range(QK_K // 16):
-                xs[t, b * 16 + k] = 0
+            for k in range(Q8K_SUMS):
+                xs[t, b * Q8K_SUMS + k] = 0
             continue
         iscale = np.float32(-127.0) / vmax
+        so = b * Q8K_SUMS
         for k in range(QK_K // 16):
             s = 0
             for j in range(16):
                 q = _to_int8(np.rint(iscale * x[t, o + 16 * k + j]))
                 xq[t, o + 16 * k + j] = q
                 s += q
-            if k < 8:  # (b_k in slot 8 + k's low half for now; its pair partner comes at k + 8)
-                xs[t, b * 16 + 8 + k] = s & 0xFFFF
+            if k % 2 == 0:  # slot k // 2: the sum of 32, b_k + b_k+1
+                xs[t, so + k // 2] = s
             else:
-                xs[t, b * 16 + k] = _pair16(xs[t, b * 16 + k], s)
-        for l in range(8):
-            xs[t, b * 16 + l] = bsum16(xs[t], b, 2 * l) + bsum16(xs[t], b, 2 * l + 1)
+                xs[t, so + k // 2] += s
+            if k < 8:  # slot 8 + k: b_k in the low half for now, b_k+8 joins it at k + 8
+                xs[t, so + 8 + k] = s & 0xFFFF
+            else:
+                xs[t, so + k] = _pair16(xs[t, so + k], s)
         xd[t, b] = np.float32(1.0) / iscale
 
 
@@ -98,7 +101,7 @@ def _pair16(lo, hi):
 @kernel(inline="always", **_NOPY)
 def bsum16(xs_row, b, k):
     """b_k, the sum of quants 16k..16k+15 of block b, from a token's q8_K sums (`Q8K_SUMS`)."""
-    w = np.int64(xs_row[b * 16 + 8 + (k & 7)])
+    w = np.int64(xs_row[b * Q8K_SUMS + 8 + (k & 7)])
     h = (w >> 16) if k >= 8 else ((w & 0xFFFF) ^ 0x8000) - 0x8000  # (high half: arithmetic shift; low: sign-extended)
     return np.int32(h)
 

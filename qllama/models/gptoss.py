@@ -40,7 +40,7 @@ import numpy as np
 from ..errors import UnsupportedError
 from .args import Keys, ModelArgs, read_common_args, swa_pattern
 from .base import ACT_SILU, LayerWeights, Transformer, WeightReader, ops
-from .moe import _NO_EXPERTS, ExpertTensor, MoeFFN, read_moe_args
+from .moe import ExpertTensor, MoeFFN, read_moe_args
 from .kvcache import from_f32, is_blocks, query_as_keys, to_f32
 from .points import attention_numpy
 
@@ -116,17 +116,11 @@ class GptOssMoe(MoeFFN):
                    gate_b=biases("ffn_gate_exps.bias", ff), up_b=biases("ffn_up_exps.bias", ff),
                    down_b=biases("ffn_down_exps.bias", d))
 
-    def route(self, model, h: np.ndarray, hq) -> tuple[np.ndarray, np.ndarray]:
-        step = model.step
-        logits = step.op("ffn_gate_inp (router)", self.router.matmul, hq) + self.router_b  # (T, n_expert)
-        logits = step.point("ffn_moe_logits", logits)
-        experts, w = self._gate(logits, _NO_EXPERTS)  # the top k logits (ties to the lower id), softmax over them
-        if step.wants("ffn_moe_experts"):
-            forced = self._checked_experts(step.point("ffn_moe_experts", experts.astype(np.float32)), logits.shape[1])
-            experts, w = self._gate(logits, forced)
-        return experts, step.point("ffn_moe_weights", w)
+    def _router_logits(self, step, hq) -> np.ndarray:
+        return super()._router_logits(step, hq) + self.router_b  # (T, n_expert)
 
     def _gate(self, logits: np.ndarray, forced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The top k logits (ties to the lower id), then the softmax over those k."""
         from ..kernels.router import top_k_softmax
 
         return top_k_softmax(np.ascontiguousarray(logits, np.float32), self.n_used, forced)

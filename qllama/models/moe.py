@@ -181,14 +181,18 @@ class MoeFFN:
     def route(self, model, h: np.ndarray, hq) -> tuple[np.ndarray, np.ndarray]:
         """Router: (experts (T, k) int64 best first, weights (T, k) float32), with the points fired."""
         step = model.step
-        # the mat-mat kernel for every batch size: a token's logits do not depend on its batch
-        logits = step.point("ffn_moe_logits", step.op("ffn_gate_inp (router)", self.router.matmul, hq))  # (T, n_expert)
+        logits = step.point("ffn_moe_logits", self._router_logits(step, hq))  # (T, n_expert)
         # softmax as ggml's (exp(x - max) in float32, summed in double, scaled by 1/sum), top k, weights
         experts, w = self._gate(logits, _NO_EXPERTS)  # (T, k) int64, (T, k) float32
         if step.wants("ffn_moe_experts"):  # a hook may force other experts
             forced = self._checked_experts(step.point("ffn_moe_experts", experts.astype(np.float32)), logits.shape[1])
             experts, w = self._gate(logits, forced)
         return experts, step.point("ffn_moe_weights", w)
+
+    def _router_logits(self, step, hq) -> np.ndarray:
+        """The router's logits (T, n_expert): the mat-mat kernel for every batch size (a token's
+        logits do not depend on its batch)."""
+        return step.op("ffn_gate_inp (router)", self.router.matmul, hq)
 
     def _gate(self, logits: np.ndarray, forced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(experts, weights) from the router's logits (T, n_expert), or the weights of `forced`
