@@ -88,6 +88,7 @@ def test_prefill_equals_token_by_token(tmp_path, name, window, kv, int8_mode):
         got = m.logits(ids)
         if bs == 1 and name.endswith("q8"):  # one-token steps took the fused Q|K|V and output kernels
             assert m.forward_model._plan
+            assert all(lw.moe._decode for lw in m.forward_model.weights.layers)  # router + experts: moe_decode
         np.testing.assert_array_equal(got, full, err_msg=f"batch {bs}")
 
 

@@ -118,7 +118,10 @@ def test_prefill_equals_token_by_token_bit_for_bit(files, name, kv, int8_mode):
         got = m.logits(ids)
         np.testing.assert_array_equal(got, full, err_msg=f"batch {bs}")
         if name.endswith("q4k"):  # every step took the one-call expert kernel (kernels/experts.py)
-            assert all(lw.moe._plan for lw in _transformer(m).weights.layers)
+            layers = _transformer(m).weights.layers
+            assert all(lw.moe._plan for lw in layers)
+            if bs == 1 and layers[0].moe.shared is None:  # decoded tokens: router and experts in moe_decode
+                assert all(lw.moe._decode for lw in layers)
 
 
 def test_forward_many_equals_separate_forwards(files, int8_mode):
@@ -280,15 +283,16 @@ def test_a_decoded_token_reads_only_its_experts(files, int8_mode, monkeypatch):
         for et in (lw.moe.gate, lw.moe.up, lw.moe.down):
             assert not et.raw.flags.owndata and not et.raw.flags.writeable  # a view of the file's mmap
             assert et.nbytes == et.raw.shape[0] * et.raw.shape[1]
-    calls, real = [], kx.experts_ffn
-    monkeypatch.setattr(kx, "experts_ffn", lambda *a: calls.append(a) or real(*a))
-    for step in range(2):  # (the first step may run per expert while its kernels load)
+    # a decode step: one moe_decode call per layer (router, gate, experts), handed the same views
+    calls, real = [], kx.moe_decode
+    monkeypatch.setattr(kx, "moe_decode", lambda *a: calls.append(a) or real(*a))
+    for step in range(2):
         calls.clear()
         tr.forward([5 + step], tr.new_cache())
     assert len(calls) == len(tr.weights.layers)
     for lw, a in zip(tr.weights.layers, calls):
-        assert len(a[3]) == k  # the chosen experts
-        for et, raw in zip((lw.moe.gate, lw.moe.up, lw.moe.down), a[7:10]):  # their 3-D views
+        assert a[5] == k and a[1] is lw.moe.router._typed
+        for et, raw in zip((lw.moe.gate, lw.moe.up, lw.moe.down), a[14:17]):
             assert np.shares_memory(raw, et.raw) and not raw.flags.owndata
     # the per-expert calls (--no-fuse) make exactly k views per projection
     from qllama.models.step import Plain

@@ -90,6 +90,7 @@ class GptOssMoe(MoeFFN):
     def __init__(self, *args, router_b, gate_b, up_b, down_b, **kw):
         super().__init__(*args, **kw)
         self.router_b, self.gate_b, self.up_b, self.down_b = router_b, gate_b, up_b, down_b
+        self.top_k_first = True  # top k on the router's logits, then the softmax over those k
         self._fusable = False  # (kernels/fused.py has no biases nor swiglu_oai)
 
     def biases(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -115,15 +116,6 @@ class GptOssMoe(MoeFFN):
         return cls(router, gate, up, down, a.n_expert_used, False, router_b=r.vector(p + "ffn_gate_inp.bias", n),
                    gate_b=biases("ffn_gate_exps.bias", ff), up_b=biases("ffn_up_exps.bias", ff),
                    down_b=biases("ffn_down_exps.bias", d))
-
-    def _router_logits(self, step, hq) -> np.ndarray:
-        return super()._router_logits(step, hq) + self.router_b  # (T, n_expert)
-
-    def _gate(self, logits: np.ndarray, forced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The top k logits (ties to the lower id), then the softmax over those k."""
-        from ..kernels.router import top_k_softmax
-
-        return top_k_softmax(np.ascontiguousarray(logits, np.float32), self.n_used, forced)
 
     def _expert(self, step, e: int, xa, act: int, glu) -> np.ndarray:
         from ..qtensor import quantize_activation

@@ -139,6 +139,9 @@ class ExpertTensor:
 class MoeFFN:
     """One layer's router, experts and optional shared expert; `forward` is its FFN."""
 
+    router_b: np.ndarray | None = None  # (n_expert,) a bias added to the router's logits (gpt-oss)
+    top_k_first = False  # gpt-oss's gate: top k of the logits, then the softmax over those k
+
     def __init__(self, router: QTensor, gate: ExpertTensor | None, up: ExpertTensor, down: ExpertTensor,
                  n_used: int, norm_w: bool, w_scale: float = 0.0, shared: tuple | None = None,
                  shared_gate: np.ndarray | None = None):
@@ -154,6 +157,7 @@ class MoeFFN:
         self._fused_addresses: tuple | None = None  # its kernels' addresses (the same for every expert)
         self._plan: tuple | bool | None = None  # kernels.experts.experts_ffn's fixed arguments; False: not these types
         self.shared_gate = shared_gate  # (n_embd,) qwen2moe's sigmoid gate of the shared expert, or None
+        self._decode: tuple | bool | None = None  # kernels.experts.moe_decode's fixed arguments; False: not here
 
     @classmethod
     def load(cls, r: WeightReader, a: ModelArgs, i: int, *, norm_w: bool, gate_optional: bool = False,
@@ -190,18 +194,21 @@ class MoeFFN:
         return experts, step.point("ffn_moe_weights", w)
 
     def _router_logits(self, step, hq) -> np.ndarray:
-        """The router's logits (T, n_expert): the mat-mat kernel for every batch size (a token's
-        logits do not depend on its batch)."""
-        return step.op("ffn_gate_inp (router)", self.router.matmul, hq)
+        """The router's logits (T, n_expert) (+ router_b): the mat-mat kernel for every batch size
+        (a token's logits do not depend on its batch)."""
+        logits = step.op("ffn_gate_inp (router)", self.router.matmul, hq)
+        return logits if self.router_b is None else logits + self.router_b
 
     def _gate(self, logits: np.ndarray, forced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(experts, weights) from the router's logits (T, n_expert), or the weights of `forced`
         experts (T, k) int64 ((0, 0): none): kernels/router.py."""
-        from ..kernels.router import softmax_top_k
+        from ..kernels.router import softmax_top_k, top_k_softmax
 
+        logits = np.ascontiguousarray(logits, np.float32)
+        if self.top_k_first:  # (ties to the lower id)
+            return top_k_softmax(logits, self.n_used, forced)
         scale = np.float32(0.0 if self.w_scale is None else self.w_scale)
-        return softmax_top_k(np.ascontiguousarray(logits, np.float32), self.n_used, forced, bool(self.norm_w), scale,
-                             WEIGHT_SUM_MIN)
+        return softmax_top_k(logits, self.n_used, forced, bool(self.norm_w), scale, WEIGHT_SUM_MIN)
 
     @staticmethod
     def _checked_experts(ids: np.ndarray, n_expert: int) -> np.ndarray:
@@ -216,6 +223,10 @@ class MoeFFN:
 
         step = model.step
         n_tok, n_embd = h.shape
+        if n_tok == 1 and step.fused is not None and self.shared is None:  # decode: one call, when it applies
+            out = self._decode_call(step, h, act)
+            if out is not None:
+                return step.point("ffn_out", out)
         hq = quantize_activation(h)  # quantized once for the router, the shared expert and one-token steps
         experts, w = self.route(model, h, hq)
         k = experts.shape[1]
@@ -281,6 +292,56 @@ class MoeFFN:
                 raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d,
                 act_address, np.int64(act), quant_address, dd, ds, out, phase_address, np.int64(step.n_threads))
         return out
+
+    def _decode_call(self, step, h: np.ndarray, act: int) -> np.ndarray | None:
+        """A decoded token's FFN (1, n_embd) by one kernels.experts.moe_decode call (router,
+        gate, groups, h's quantization, experts), or None when it does not apply (a router not
+        in f32, the per-expert kernels, a recording warm-up): then the calls one by one."""
+        from ..kernels.experts import moe_decode
+
+        args = self._decode_plan(h, act)
+        if args is None:
+            return None
+        out = np.empty((1, h.shape[1]), np.float32)  # (1, n_embd)
+        step.op("ffn_moe: router + top-k + gate|up + glu + quantize + down + weighted sum (one call)", moe_decode,
+                np.ascontiguousarray(h), *args, out, self._plan[-1], np.int64(step.n_threads))
+        return out
+
+    def _decode_plan(self, h: np.ndarray, act: int) -> tuple | None:
+        """moe_decode's arguments between h and out, made once (None while an address is missing)."""
+        if self._decode is False:
+            return None
+        if self._decode is not None:
+            return self._decode
+        from ..gguf.types import F32
+        from ..kernels.floats import matmul_f32
+        from ..kernels.fused import quant_address
+        from ..kernels.jit import address_of
+        from .decode import form_buffers
+
+        plan = self._experts_plan(act)
+        if self._plan is False or self.router.type_id != F32:
+            self._decode = False
+            return None
+        if not plan:
+            return None
+        (fg, raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d,
+         act_address, q_address, dd, ds, _) = plan
+        w = self.router._typed  # (n_expert, n_embd) float32
+        logits = np.empty((1, w.shape[0]), np.float32)
+        router_args = (w, h, logits, np.int64(1))
+        router_address = address_of(matmul_f32, router_args, lambda: matmul_f32(*router_args))
+        xq = form_buffers(fg, 1, h.shape[1])  # h in the experts' int8 form (1, n_embd), refilled each call
+        x_address = quant_address(fg, h, *xq)
+        if not (router_address and x_address):
+            return None
+        rb = np.zeros(0, np.float32) if self.router_b is None else np.array(self.router_b, np.float32)
+        scale = np.float32(0.0 if self.w_scale is None else self.w_scale)
+        self._decode = (w, rb, np.int64(router_address), self.top_k_first, np.int64(self.n_used), _NO_EXPERTS,
+                        bool(self.norm_w), scale, WEIGHT_SUM_MIN, *xq, np.int64(x_address), raw_g, raw_u, raw_d, b_g,
+                        b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d, act_address,
+                        np.int64(act), q_address, dd, ds)
+        return self._decode
 
     def _experts_plan(self, act: int):
         """experts_ffn's arguments fixed for this layer (matrices, kernels' addresses), made once;
