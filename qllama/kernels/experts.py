@@ -240,8 +240,8 @@ def experts_ffn(hq, hd, hs, ids, bounds, pos, w, raw_g, raw_u, raw_d, bias_g, bi
 
 
 @kernel(**_NOPY)
-def moe_decode(h, router_w, router_b, router_address, top_k_first, k, forced, norm, scale, sum_min, hq, hd, hs,
-               quant_x_address, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, tab, rows_gu, gemm_gu, rows_d, gemm_d,
+def moe_decode(h, router_w, router_b, router_address, top_k_first, k, forced, norm, scale, sum_min, hq_like,
+               hd_like, hs_like, quant_x_address, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, tab, rows_gu, gemm_gu, rows_d, gemm_d,
                tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address, dd_like, ds_like, out,
                phase_address, n_threads):
     """A decoded token's whole MoE FFN in one call: out (1, n_embd) = experts_ffn of the experts
@@ -249,8 +249,9 @@ def moe_decode(h, router_w, router_b, router_address, top_k_first, k, forced, no
     order, so the same bits: logits = router_w h (floats.matmul_f32 by its address; router_w
     (n_expert, n_embd) float32) + router_b ((n_expert,), or (0,) for none); the gate
     (router.top_k_softmax when top_k_first, gpt-oss's order, else router.softmax_top_k); the
-    groups; h quantized into (hq, hd, hs) by act_quant's row function of the experts' form
-    (quant_x_address); then experts_ffn (its arguments as there).
+    groups; h quantized by act_quant's row function of the experts' form (quant_x_address) into
+    arrays like hq_like, hd_like, hs_like (1, .) (made here: concurrent steps share nothing); then
+    experts_ffn (its arguments as there).
 
     Why: run from Python, the router, the gate, the grouping and the quantization were ~10 calls
     and array wrappers per layer, ~0.2 ms of a ~3.5 ms layer at two threads (Qwen3-30B-A3B shape)."""
@@ -264,6 +265,7 @@ def moe_decode(h, router_w, router_b, router_address, top_k_first, k, forced, no
     else:
         experts, w = softmax_top_k(logits, k, forced, norm, scale, sum_min)
     ids, bounds, order = group_by_expert(experts, n_expert)
+    hq, hd, hs = np.empty_like(hq_like), np.empty_like(hd_like), np.empty_like(hs_like)
     call_address(quant_x_address, h, np.int64(0), hq, hd, hs)
     experts_ffn(hq, hd, hs, ids, bounds, order, w, raw_g, raw_u, raw_d, bias_g, bias_u, bias_d, tab, rows_gu, gemm_gu,
                 rows_d, gemm_d, tile_rows, gemm_from_gu, gemm_from_d, act_address, act, quant_address, dd_like, ds_like,

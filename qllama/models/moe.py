@@ -331,7 +331,7 @@ class MoeFFN:
         logits = np.empty((1, w.shape[0]), np.float32)
         router_args = (w, h, logits, np.int64(1))
         router_address = address_of(matmul_f32, router_args, lambda: matmul_f32(*router_args))
-        xq = form_buffers(fg, 1, h.shape[1])  # h in the experts' int8 form (1, n_embd), refilled each call
+        xq = form_buffers(fg, 1, h.shape[1])  # h in the experts' int8 form (1, n_embd): the kinds of moe_decode's own
         x_address = quant_address(fg, h, *xq)
         if not (router_address and x_address):
             return None
