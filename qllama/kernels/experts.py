@@ -90,6 +90,17 @@ def _gate_up_chunk(c, n_chunks, ids, bounds, raw_g, raw_u, xq, xd, xs, tab, g, u
 
 
 @kernel(**_NOPY)
+def _add_bias_rows(bias, row_e, y, p0, p1):
+    """y[p] += bias[row_e[p]] for rows p0..p1-1 of y (P, width); bias (n_expert, width), or (0, 0): none."""
+    if bias.shape[0] == 0:
+        return
+    for p in range(p0, p1):
+        yr, br = y[p], bias[row_e[p]]
+        for i in range(yr.shape[0]):
+            yr[i] = yr[i] + br[i]
+
+
+@kernel(**_NOPY)
 def _act_chunk(c, n_chunks, row_e, bias_g, bias_u, g, u, act_address, act, quant_address, gq, gd, gs):
     """Rows of chunk c of g, u (P, n_ff): the biases of their experts (row_e (P,)) added, g =
     act(g, u), g quantized into (gq, gd, gs), row by row as the kernels do for any batch."""
@@ -98,11 +109,8 @@ def _act_chunk(c, n_chunks, row_e, bias_g, bias_u, g, u, act_address, act, quant
     p0, p1 = c * per, min(n, (c + 1) * per)
     if p0 >= p1:
         return
-    for b, y in ((bias_g, g), (bias_u, u)):
-        if b.shape[0] != 0:
-            for p in range(p0, p1):
-                for i in range(y.shape[1]):
-                    y[p, i] = y[p, i] + b[row_e[p], i]
+    _add_bias_rows(bias_g, row_e, g, p0, p1)  # (row by row: loops LLVM vectorizes; a loop over a
+    _add_bias_rows(bias_u, row_e, u, p0, p1)  # tuple of (bias, rows) pairs ran ~4 ns per add)
     call_address(act_address, g[p0:p1], u[p0:p1], g[p0:p1], act)
     for p in range(p0, p1):
         call_address(quant_address, g, np.int64(p), gq, gd, gs)
