@@ -325,8 +325,7 @@ class MoeFFN:
             return None
         if not plan:
             return None
-        (fg, raw_g, raw_u, raw_d, b_g, b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d,
-         act_address, q_address, dd, ds, _) = plan
+        fg = plan[0]
         w = self.router._typed  # (n_expert, n_embd) float32
         logits = np.empty((1, w.shape[0]), np.float32)
         router_args = (w, h, logits, np.int64(1))
@@ -337,10 +336,10 @@ class MoeFFN:
             return None
         rb = np.zeros(0, np.float32) if self.router_b is None else np.array(self.router_b, np.float32)
         scale = np.float32(0.0 if self.w_scale is None else self.w_scale)
+        # then experts_ffn's arguments from raw_g on, as _one_call passes them (act after act_address)
         self._decode = (w, rb, np.int64(router_address), self.top_k_first, np.int64(self.n_used), _NO_EXPERTS,
-                        bool(self.norm_w), scale, WEIGHT_SUM_MIN, *xq, np.int64(x_address), raw_g, raw_u, raw_d, b_g,
-                        b_u, b_d, tab, rows_gu, gemm_gu, rows_d, gemm_d, tile_rows, from_gu, from_d, act_address,
-                        np.int64(act), q_address, dd, ds)
+                        bool(self.norm_w), scale, WEIGHT_SUM_MIN, *xq, np.int64(x_address), *plan[1:16], np.int64(act),
+                        *plan[16:19])
         return self._decode
 
     def _experts_plan(self, act: int):
