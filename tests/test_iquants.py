@@ -143,12 +143,13 @@ def test_grid_int8_prompt_equals_decode_and_float64(tid):
     within the activations' rounding of the float64 product (exactness against ggml: the oracle test)."""
     _needs_int8()
     rng = np.random.default_rng(300 + tid)
-    raw = grid_matrix(tid, 13, 512, rng)
-    q = QTensor.from_bytes(tid, raw, (512, 13))
-    x = rng.standard_normal((6, 512)).astype(np.float32)
-    one = np.stack([q.matvec(xi) for xi in x])
-    for n in (1, 2, 6):
-        np.testing.assert_array_equal(bits(q.matmul(x[:n])), bits(one[:n]))
+    for n_rows in (48, 13):  # (48: the batch kernel, `_x86_gemm`, in passes of 16 or 8 rows; 13: the row kernels)
+        raw = grid_matrix(tid, n_rows, 512, rng)
+        q = QTensor.from_bytes(tid, raw, (512, n_rows))
+        x = rng.standard_normal((6, 512)).astype(np.float32)
+        one = np.stack([q.matvec(xi) for xi in x])
+        for n in (1, 2, 6):
+            np.testing.assert_array_equal(bits(q.matmul(x[:n])), bits(one[:n]))
     ref = x.astype(np.float64) @ gq.dequantize(raw, GQ(tid)).astype(np.float64).T
     assert 1e-7 < np.abs(one - ref).max() / np.abs(ref).max() < 5e-2
 
@@ -304,12 +305,13 @@ def test_prompt_rows_equal_decode_bit_for_bit(tid):
     _needs_int8()
     rng = np.random.default_rng(5)
     ne0 = 32 * 27 if tid == IQ4_NL else 768  # (iq4_nl: an odd block count)
-    raw = random_blocks(tid, 20, ne0, rng)
-    q = QTensor.from_bytes(tid, raw, (ne0, 20))
-    x = rng.standard_normal((9, ne0)).astype(np.float32)
-    one = np.stack([q.matvec(xi) for xi in x])
-    for n in range(1, 10):
-        np.testing.assert_array_equal(bits(q.matmul(x[:n])), bits(one[:n]))
+    for n_rows in (20, 48):  # (48: the batch kernel, `_x86_gemm`, in passes of 16 or 8 rows)
+        raw = random_blocks(tid, n_rows, ne0, rng)
+        q = QTensor.from_bytes(tid, raw, (ne0, n_rows))
+        x = rng.standard_normal((9, ne0)).astype(np.float32)
+        one = np.stack([q.matvec(xi) for xi in x])
+        for n in range(1, 10):
+            np.testing.assert_array_equal(bits(q.matmul(x[:n])), bits(one[:n]))
 
 
 @pytest.mark.parametrize("tid", IQ4)

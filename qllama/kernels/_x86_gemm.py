@@ -53,6 +53,7 @@ from ._x86 import (
     _I16,
     _I32,
     _I64,
+    VNNI,
     ZMM,
     _dot4,
     _fifth_bits,
@@ -81,10 +82,14 @@ _D, _DMIN, _SCALES, _MINS, _QUANTS = 0, 32, 64, 320, 576
 # both halves), then 64 vectors of transposed quants (32-element groups g, byte quads k) as 0..63
 _D6, _SCALES6, _QUANTS6 = 0, 32, 544
 # scratch bytes per q4_0, q5_0 or q8_0 block of 8 rows: d (8 f32), then 8 vectors of transposed
-# quants (byte quads k): q4_0 as 0..15, q5_0 as 0..31, q8_0 as they are (-128..127)
-_D0, _QUANTS0 = 0, 32
+# quants (byte quads k): q4_0 as 0..15, q5_0 as 0..31, q8_0 as they are (-128..127); for the signed
+# ones (q8_0, iq4_nl) 8 more vectors: quad k, lane r = -128 * (the sum of row r's 4 quants), the
+# start of the tile's sums against x + 128 on a VNNI ISA (`_signed_quads`)
+_D0, _QUANTS0, _CORR0 = 0, 32, 288
+_LEGACY_BYTES = 544  # (the layout above, with the correction vectors)
 # type id -> scratch bytes per block of TILE_ROWS rows (the 8-row layouts above, HALVES times)
-PACKED_BYTES = {Q4_K: 2624 * HALVES, Q6_K: 2592 * HALVES, Q4_0: 288 * HALVES, Q5_0: 288 * HALVES, Q8_0: 288 * HALVES}
+PACKED_BYTES = {Q4_K: 2624 * HALVES, Q6_K: 2592 * HALVES, Q4_0: 288 * HALVES, Q5_0: 288 * HALVES,
+                Q8_0: _LEGACY_BYTES * HALVES}
 # scratch bytes per iq4_xs super-block of 8 rows: d (8 f32), 8 scale vectors (lane r = ls_rj - 32
 # as an i16 in both halves), 8 x 8 sign masks (512-bit ISA: sub-block j, quad k: an i32, bit 4r + i
 # set where byte i of row r's quad is negative; the two halves' side by side, one kmovq), then
@@ -93,7 +98,7 @@ _DX4, _SCALESX4, _MASKSX4, _QUANTSX4 = 0, 32, 288, 544
 # the i-quants' gemms (`kernels/iquants.py` drives them); iq4_nl's unit is a pair of blocks, each
 # laid out as q4_0's (d, 8 quad vectors of signed kvalues); iq3_s and iq2_xxs as iq4_xs (their
 # 32-element chunks' scales 2s + 1, the grid values with their signs)
-IQ_PACKED_BYTES = {IQ4_XS: 2592 * HALVES, IQ4_NL: 576 * HALVES, IQ3_S: 2592 * HALVES, IQ2_XXS: 2592 * HALVES}
+IQ_PACKED_BYTES = {IQ4_XS: 2592 * HALVES, IQ4_NL: 2 * _LEGACY_BYTES * HALVES, IQ3_S: 2592 * HALVES, IQ2_XXS: 2592 * HALVES}
 
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
@@ -267,6 +272,9 @@ def _pack_half_legacy(builder, blks, put, kind):
     put(_rows_f16(builder, blks, 0), _D0)
     for k, v in enumerate(_transpose8(builder, rows)):
         put(v, _QUANTS0 + 32 * k)
+        if kind in ("q8_0", "iq4_nl"):  # -128 * the quad's sum (exact: pmaddubsw by ones, pmaddwd by ones)
+            quad_sums = _maddwd(builder, _maddubs(builder, _splat(_I8, 32, 1), builder.bitcast(v, _V32B)), _splat(_I16, 16, 1))
+            put(builder.mul(quad_sums, _splat(_I32, 8, -128)), _CORR0 + 32 * k)
 
 
 def _pack_sig(raw, r0, nb, pack):
@@ -395,17 +403,23 @@ class _Tile:
         """The item of the 8-row layout at offset off (a 32-byte vector type ty), for all TILE_ROWS rows."""
         return _load(self.b, _vec(ty.element, ty.count * HALVES), src, _in_half(self.b, off))
 
-    def dot_quads(self, isums, w_at, x_off, scale_of=None, signed=False, neg_at=None, x_unsigned=False):
+    def dot_quads(self, isums, w_at, x_off, scale_of=None, signed=False, neg_at=None, x_unsigned=False, flip_x=False):
         """isums[k] += scale_of(k) * (4 quants of each row . the token's 4 activations at x_off + 4k),
         k = 0..7, with w_at(k) the rows' quad k (unsigned bytes; signed ones, with signed=True, as
         |w| . sign(x, w); or |w| with neg_at(k) the <4 TILE_ROWS x i1> mask of the negative w, x
-        negated there; or signed ones against unsigned activations, x_unsigned=True); with no
-        scale_of, the plain sums of 4 products (`vpdpbusd` on VNNI)."""
+        negated there; or signed ones against unsigned activations, x_unsigned=True, or against x + 128
+        made here, flip_x=True); with no scale_of, the plain sums of 4 products (`vpdpbusd` on VNNI)."""
         b = self.b
         out = []
         for k in range(8):
-            xv = b.bitcast(_splat_scalar(b, _load(b, _I32, self.xq, b.add(x_off, _c64(4 * k)))), _vec(_I8, 4 * TILE_ROWS))
+            x4 = _load(b, _I32, self.xq, b.add(x_off, _c64(4 * k)))
+            if flip_x:  # (x + 128 as 4 unsigned bytes, before the broadcast)
+                x4 = b.xor(x4, ir.Constant(_I32, -0x7F7F7F80))
+            xv = b.bitcast(_splat_scalar(b, x4), _vec(_I8, 4 * TILE_ROWS))
             w = w_at(k)
+            if flip_x:
+                out.append(_dot4(b, xv, w, isums[k]))
+                continue
             if neg_at is not None:  # (one masked vpsubb: the sign test and |w| were paid once, in the pack)
                 xv = b.select(neg_at(k), b.sub(ir.Constant(xv.type, [0] * xv.type.count), xv), xv)
             elif signed and HALVES == 1:
@@ -498,16 +512,33 @@ def _q6_k_block(tile, b, accs):
     return out
 
 
+def _signed_quads(tile, src, off, b):
+    """The 8 exact quad sums of the signed 32-element block at offset off of src (q8_0, or an iq4_nl
+    block of a pair) times block b of the token's q8_0 activations. On a VNNI ISA one `vpdpbusd` per
+    quad of x + 128 (unsigned) by the signed quants, starting from the pack's -128 * (quad sum): no
+    sign step per product. (Without VNNI, x + 128 against quants down to -128 would saturate
+    `pmaddubsw`: there |w| . sign(x, w).)"""
+    builder = tile.b
+    x_off = builder.mul(b, _c64(32))
+
+    def w_at(k):
+        return tile.load(_V32B, src, off + _QUANTS0 + 32 * k)
+
+    if VNNI:
+        return tile.dot_quads([tile.load(_V8I, src, off + _CORR0 + 32 * k) for k in range(8)], w_at, x_off, flip_x=True)
+    vi = _vec(_I32, TILE_ROWS)
+    return tile.dot_quads([ir.Constant(vi, [0] * TILE_ROWS)] * 8, w_at, x_off, signed=True)
+
+
 def _legacy_block(tile, b, accs, kind):
     """q4_0 / q5_0 / q8_0 (32 elements, q8_0 activations): per block acc_l = fma(d*dx, isum_l, acc_l)
     with isum_l the 4 products of quad l (exact: q4_0 / q5_0 unsigned, less 8 / 16 * the block's
     activation sum in lane 0; q8_0 as |w| . sign(x, w)), as the row kernel (`_x86._row_legacy`)."""
     builder = tile.b
     vf, vi = _vec(ir.FloatType(), TILE_ROWS), _vec(_I32, TILE_ROWS)
-    src = tile.src(b, PACKED_BYTES[Q4_0])  # (= q5_0's, q8_0's)
-    zero = ir.Constant(vi, [0] * TILE_ROWS)
-    isums = tile.dot_quads([zero] * 8, lambda k: tile.load(_V32B, src, _QUANTS0 + 32 * k), builder.mul(b, _c64(32)),
-                           signed=kind == "q8_0")
+    src = tile.src(b, PACKED_BYTES[Q4_0 if kind != "q8_0" else Q8_0])
+    isums = _signed_quads(tile, src, 0, b) if kind == "q8_0" else tile.dot_quads(
+        [ir.Constant(vi, [0] * TILE_ROWS)] * 8, lambda k: tile.load(_V32B, src, _QUANTS0 + 32 * k), builder.mul(b, _c64(32)))
     if kind != "q8_0":
         corr = builder.mul(builder.load(builder.gep(tile.xs, [b]), align=4), ir.Constant(_I32, 8 if kind == "q4_0" else 16))
         isums[0] = builder.sub(isums[0], _splat_scalar(builder, corr))
@@ -581,7 +612,7 @@ def _pack_half_iq4_xs(builder, blks, put):
 
 def _pack_half_iq4_nl(builder, blks, put):
     for h in range(2):  # the pair's even block, then its odd one, each as q4_0's layout
-        _pack_half_legacy(builder, [_gep8(builder, p, 18 * h) for p in blks], lambda v, off: put(v, 288 * h + off), "iq4_nl")
+        _pack_half_legacy(builder, [_gep8(builder, p, 18 * h) for p in blks], lambda v, off, h=h: put(v, _LEGACY_BYTES * h + off), "iq4_nl")
 
 
 def _pack_half_grid(builder, blks, put, type_id):
@@ -649,15 +680,12 @@ def _iq4_nl_pair(tile, pair, accs):
     """iq4_nl: blocks 2p (accumulators 0-7) and 2p+1 (8-15), each acc_l = fma(d*dx, isum_l, acc_l)
     with isum_l the 4 products of quad l, as `_x86_iq._row_iq4_nl`'s two accumulators."""
     builder = tile.b
-    vi = _vec(_I32, TILE_ROWS)
     src = tile.src(pair, IQ_PACKED_BYTES[IQ4_NL])
-    zero = ir.Constant(vi, [0] * TILE_ROWS)
     out = []
     for h in range(2):
         b = builder.add(builder.mul(pair, _c64(2)), _c64(h))
-        isums = tile.dot_quads([zero] * 8, lambda k: tile.load(_V32B, src, 288 * h + _QUANTS0 + 32 * k),
-                               builder.mul(b, _c64(32)), signed=True)
-        db = _exact("fmul", builder, tile.load(_V8F, src, 288 * h + _D0), tile.dx(b))
+        isums = _signed_quads(tile, src, _LEGACY_BYTES * h, b)
+        db = _exact("fmul", builder, tile.load(_V8F, src, _LEGACY_BYTES * h + _D0), tile.dx(b))
         out += [_fma(builder, db, builder.sitofp(isum, _vec(ir.FloatType(), TILE_ROWS)), acc)
                 for isum, acc in zip(isums, accs[8 * h:8 * h + 8])]
     return out
