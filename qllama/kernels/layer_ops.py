@@ -288,11 +288,15 @@ def _key_range(p, window):
 @kernel(inline="always")
 def _score_block(kt, kvh, slot, qbuf, n_rep, scale, out, j):
     """out[r, j:j+16] = scale * (qbuf[r] . key) for the 16 keys in slots slot.. of kv head kvh,
-    every query row r < n_rep, four rows per intrinsic call."""
+    every query row r < n_rep, four rows per intrinsic call (each call converts the keys once for
+    its rows: with n_rep = 7, two calls of 4 took less time than one of 4 and three of 1)."""
     r = 0
     while r + 4 <= n_rep:
         scores16x4(kt, kvh, slot, qbuf, r, scale, out, j)
         r += 4
+    if n_rep >= 4 and n_rep - r >= 2:  # the last 2 or 3 rows in one more call of 4 (rows before them get
+        scores16x4(kt, kvh, slot, qbuf, n_rep - 4, scale, out, j)  # the same bits again: a row's do not
+        r = n_rep  # depend on the call)
     while r < n_rep:
         scores16x1(kt, kvh, slot, qbuf, r, scale, out, j)
         r += 1
@@ -410,13 +414,13 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
             else:
                 vals = vd[s0 : s0 + n_keys]
             r = 0
-            while r + 4 <= n_rep:
-                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, scores[r], scores[r + 1], scores[r + 2], scores[r + 3], 0,
-                                        vals, n_keys)
+            while r + 1 < n_rep:  # 4 heads per pass over the row; a last group of 2 or 3 padded with
+                r1, r2, r3 = min(r + 1, n_rep - 1), min(r + 2, n_rep - 1), min(r + 3, n_rep - 1)  # its last head
+                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, scores[r], scores[r1], scores[r2], scores[r3], 0, vals, n_keys)
                 out[t, h0 + r, d] = a0 / totals[r]
-                out[t, h0 + r + 1, d] = a1 / totals[r + 1]
-                out[t, h0 + r + 2, d] = a2 / totals[r + 2]
-                out[t, h0 + r + 3, d] = a3 / totals[r + 3]
+                out[t, h0 + r1, d] = a1 / totals[r1]
+                out[t, h0 + r2, d] = a2 / totals[r2]
+                out[t, h0 + r3, d] = a3 / totals[r3]
                 r += 4
             while r < n_rep:
                 sr = scores[r]
