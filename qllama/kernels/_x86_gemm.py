@@ -413,7 +413,8 @@ class _Tile:
         out = []
         for k in range(8):
             x4 = _load(b, _I32, self.xq, b.add(x_off, _c64(4 * k)))
-            if flip_x:  # (x + 128 as 4 unsigned bytes, before the broadcast)
+            if flip_x:  # x + 128 as 4 unsigned bytes, on the scalar: an xor of the broadcast vector instead
+                # made LLVM's code generation of the q8_0 gemm run for over 15 minutes
                 x4 = b.xor(x4, ir.Constant(_I32, -0x7F7F7F80))
             xv = b.bitcast(_splat_scalar(b, x4), _vec(_I8, 4 * TILE_ROWS))
             w = w_at(k)
