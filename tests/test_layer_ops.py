@@ -142,6 +142,60 @@ def test_f16_attention_over_a_wrapped_ring_with_window_and_softcap(q_scaled):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("H,Hkv", [(14, 2), (3, 1), (8, 2)])  # n_rep 7 (4 + 3), 3, 4
+@pytest.mark.parametrize("type_v", ["f16", "f32"])
+def test_long_attention_batch_rows_equal_single_tokens(H, Hkv, type_v):
+    """Depths past several 64-key value blocks (plus a last partial one): each row of a batch
+    equals the same token attended alone, bit for bit, and both match float64."""
+    rng = np.random.default_rng(H * 10 + Hkv)
+    T, start, D = 5, 190, 64
+    n_ctx = start + T
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k = (0.5 * rng.standard_normal((Hkv, n_ctx, D))).astype(np.float32)
+    v = rng.standard_normal((Hkv, n_ctx, D)).astype(np.float32)
+    kt = _as_cache(k.transpose(0, 2, 1), "f16")
+    vt = _as_cache(v.transpose(0, 2, 1), type_v)
+    scale = np.float32(1 / np.sqrt(D))
+    out = np.empty_like(q)
+    ops.attention(q, kt, vt, start, H // Hkv, scale, 0, np.float32(0), False, out)
+    for t in range(T):
+        one = np.empty_like(q[:1])
+        ops.attention_serial(q[t : t + 1].copy(), kt, vt, start + t, H // Hkv, scale, 0, np.float32(0), False, one)
+        np.testing.assert_array_equal(one[0], out[t])
+    v64 = _f16(v) if type_v == "f16" else v.astype(np.float64)
+    ref = _attention_ref(q.astype(np.float64), _f16(k), v64, start, H // Hkv, True, type_v == "f16")
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_window_ring_rows_do_not_depend_on_where_the_ring_wraps():
+    """A window layer's ring (window + batch slots) wraps at a place that depends on the batch:
+    a token's row is the same from a ring of 160 + 5 slots filled by a batch of 5 and from a ring
+    of 160 + 1 filled one token at a time, with more than one 64-key value block in the window."""
+    rng = np.random.default_rng(3)
+    T, start, H, Hkv, D, window = 5, 400, 8, 2, 32, 160
+    n_pos = start + T
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k = rng.standard_normal((Hkv, n_pos, D)).astype(np.float32)
+    v = rng.standard_normal((Hkv, n_pos, D)).astype(np.float32)
+
+    def ring_cache(ring, upto):
+        kt = np.full((Hkv, D, ring), np.nan, np.float16)
+        vt = np.full((Hkv, D, ring), np.nan, np.float16)
+        for p in range(max(0, upto - ring), upto):
+            kt[:, :, p % ring], vt[:, :, p % ring] = k[:, p], v[:, p]
+        return kt.view(np.uint16), vt.view(np.uint16)
+
+    scale = np.float32(0.2)
+    kt, vt = ring_cache(window + T, n_pos)
+    out = np.empty_like(q)
+    ops.attention_serial(q, kt, vt, start, H // Hkv, scale, window, np.float32(0), False, out)
+    for t in range(T):
+        kt1, vt1 = ring_cache(window + 1, start + t + 1)
+        one = np.empty_like(q[:1])
+        ops.attention_serial(q[t : t + 1].copy(), kt1, vt1, start + t, H // Hkv, scale, window, np.float32(0), False, one)
+        np.testing.assert_array_equal(one[0], out[t])
+
+
 def test_f16_cache_rounds_probabilities_as_ggml():
     """q = 0: every score is 0 and each probability is 1/n in float32; an f16 V cache multiplies
     by fp16(1/n) (ggml converts the probabilities to f16 for the V product), an f32 one by 1/n."""

@@ -40,7 +40,7 @@ from numba import prange
 from .act_quant import q8_0_row, q8_1_row
 from .jit import address_of, call_address, kernel
 from ._fp16 import HAVE_F16C, f16_bits, f16_value, f16c_store, f32_as_u32, u32_as_f32
-from .layer_ops import _dots4, _exp_shifted, _key_range, _softcap, rope_heads, rope_row
+from .layer_ops import _dots4, _exp_shifted, _key_range, _softcap, rope_heads, rope_row, row_max
 
 # ggml type ids of the cache types (the `type_k` / `type_v` arguments)
 T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_IQ4_NL = 0, 1, 2, 3, 6, 7, 8, 20
@@ -399,6 +399,7 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
     acc = np.empty((n_rep, head_dim), np.float32)
     scores = np.empty((n_rep, n_max), np.float32)
     totals = np.empty(n_rep, np.float32)
+    lanes = np.empty(16, np.float32)  # row_max's running maxima
     bits = np.empty(n_max, np.int32)
     fbits = bits.view(np.float32)
     k_quant = type_k != T_F32 and type_k != T_F16
@@ -458,9 +459,7 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
                 sr[j] *= dot_scale
             if softcap > _F0:
                 _softcap(sr, n_keys, softcap, bits, fbits)
-            best = _NEG_INF
-            for j in range(n_keys):
-                best = sr[j] if sr[j] > best else best
+            best = row_max(sr, n_keys, lanes)
             _exp_shifted(sr, n_keys, best, bits, fbits)
             total = _F0
             for j in range(n_keys):

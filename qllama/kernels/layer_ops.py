@@ -48,7 +48,10 @@ from numba.extending import overload
 
 from ._fp16 import HAVE_F16C, f16_bits, f16_value, f16c_load, f16c_store
 from ._scores import LANES as SCORE_LANES
-from ._scores import scores16x1, scores16x4
+from ._scores import scores16x1, scores16x4, scores16x8, scores32x4
+from ._value_sums import BLOCK as VALUE_BLOCK
+from ._value_sums import LANES as VALUE_LANES
+from ._value_sums import lane_sum16, value_block1, value_block2, value_block4
 from .jit import address_of, call_address, kernel
 
 # float32 constants (module globals are frozen into the kernels with their float32 type)
@@ -278,6 +281,27 @@ def _softcap(x, n, cap, bits, fbits):
         x[i] = cap - _F2 * cap / (x[i] + _F1)
 
 
+@kernel(inline="always")
+def row_max(x, n, lanes):
+    """The largest of x[:n] (float32; -inf when n = 0), through 16 running maxima in `lanes` (a (16,)
+    float32 scratch): a max has the same value in any order, and the one running maximum of a
+    plain loop is a chain of compare-and-select that LLVM does not vectorise (3 ns per element
+    against ~0.3). Inlined: its caller's fast-math flags."""
+    for i in range(SCORE_LANES):
+        lanes[i] = _NEG_INF
+    full = n - n % SCORE_LANES
+    for j in range(0, full, SCORE_LANES):
+        for i in range(SCORE_LANES):
+            v = x[j + i]
+            lanes[i] = v if v > lanes[i] else lanes[i]
+    best = _NEG_INF
+    for j in range(full, n):
+        best = x[j] if x[j] > best else best
+    for i in range(SCORE_LANES):
+        best = lanes[i] if lanes[i] > best else best
+    return best
+
+
 @kernel
 def _key_range(p, window):
     """(first visible position, number of keys) for a query at position p: keys p - window + 1 .. p."""
@@ -285,31 +309,47 @@ def _key_range(p, window):
     return lo, p + 1 - lo
 
 
+@kernel
+def padded_rows(n_rep):
+    """The query rows the score and value calls take for a group of n_rep heads: 1, 4, or a
+    multiple of 8 (rows past n_rep are zero queries with zero probabilities, computed and
+    ignored). One call for the whole group converts each key and value once for it, and keeps
+    4-8 chains of multiply-adds in flight (`_scores`); two calls of 4 for a group of 7 took 1.4x
+    as long as one of 8."""
+    if n_rep == 1:
+        return 1
+    if n_rep <= 4:
+        return 4
+    return (n_rep + 7) // 8 * 8
+
+
 @kernel(inline="always")
-def _score_block(kt, kvh, slot, qbuf, n_rep, scale, out, j):
+def _score_block(kt, kvh, slot, qbuf, n_rows, scale, out, j):
     """out[r, j:j+16] = scale * (qbuf[r] . key) for the 16 keys in slots slot.. of kv head kvh,
-    every query row r < n_rep, four rows per intrinsic call (each call converts the keys once for
-    its rows: with n_rep = 7, two calls of 4 took less time than one of 4 and three of 1)."""
-    r = 0
-    while r + 4 <= n_rep:
-        scores16x4(kt, kvh, slot, qbuf, r, scale, out, j)
-        r += 4
-    if n_rep >= 4 and n_rep - r >= 2:  # the last 2 or 3 rows in one more call of 4 (rows before them get
-        scores16x4(kt, kvh, slot, qbuf, n_rep - 4, scale, out, j)  # the same bits again: a row's do not
-        r = n_rep  # depend on the call)
-    while r < n_rep:
-        scores16x1(kt, kvh, slot, qbuf, r, scale, out, j)
-        r += 1
+    every query row r < n_rows (`padded_rows`). A row's bits do not depend on the call."""
+    if n_rows == 1:
+        scores16x1(kt, kvh, slot, qbuf, 0, scale, out, j)
+    elif n_rows == 4:
+        scores16x4(kt, kvh, slot, qbuf, 0, scale, out, j)
+    else:
+        for r in range(0, n_rows, 8):
+            scores16x8(kt, kvh, slot, qbuf, r, scale, out, j)
 
 
-@kernel(inline="always")
-def _score_run(kt, kvh, slot, n, qbuf, n_rep, scale, scores, j, tail, tail_scores):
+@kernel
+def _score_run(kt, kvh, slot, n, qbuf, n_rows, scale, scores, j, tail, tail_scores):
     """scores[r, j:j+n] = scale * (qbuf[r] . key) for the keys in slots slot..slot+n-1 of kv head
-    kvh, every query row r < n_rep, 16 slots at a time; the last n % 16 keys are copied into
-    `tail` (1, D, 16), zero-padded, and go through the same call."""
+    kvh, every query row r < n_rows, 16 slots at a time (32 for a group of 4 rows: 8 chains); the
+    last n % 16 keys are copied into `tail` (1, D, 16), zero-padded, and go through the same call."""
     full = n - n % SCORE_LANES
-    for i in range(0, full, SCORE_LANES):
-        _score_block(kt, kvh, slot + i, qbuf, n_rep, scale, scores, j + i)
+    i = 0
+    if n_rows == 4:
+        while i + 2 * SCORE_LANES <= full:
+            scores32x4(kt, kvh, slot + i, qbuf, 0, scale, scores, j + i)
+            i += 2 * SCORE_LANES
+    while i < full:
+        _score_block(kt, kvh, slot + i, qbuf, n_rows, scale, scores, j + i)
+        i += SCORE_LANES
     m = n - full
     if m > 0:
         for d in range(kt.shape[1]):
@@ -317,10 +357,24 @@ def _score_run(kt, kvh, slot, n, qbuf, n_rep, scale, scores, j, tail, tail_score
                 tail[0, d, i] = kt[kvh, d, slot + full + i]
             for i in range(m, SCORE_LANES):
                 tail[0, d, i] = 0
-        _score_block(tail, 0, 0, qbuf, n_rep, scale, tail_scores, 0)
-        for r in range(n_rep):
+        _score_block(tail, 0, 0, qbuf, n_rows, scale, tail_scores, 0)
+        for r in range(n_rows):
             for i in range(m):
                 scores[r, j + full + i] = tail_scores[r, i]
+
+
+@kernel
+def _value_rows(vrows, col, probs, n_rep, n_rows, pj, acc):
+    """acc[:, r] += the products of probability rows r (columns pj..pj+63) with the values in
+    columns col..col+63 of vrows (D, N) (`_value_sums`): rows 0..1 for n_rep <= 2, else every one
+    of the n_rows (`padded_rows`), four per call."""
+    if n_rep == 1:
+        value_block1(vrows, col, probs, 0, pj, acc)
+    elif n_rep == 2:
+        value_block2(vrows, col, probs, 0, pj, acc)
+    else:
+        for r in range(0, n_rows, 4):
+            value_block4(vrows, col, probs, r, pj, acc)
 
 
 @kernel(fastmath=True)
@@ -339,12 +393,12 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
     fused multiply-adds over d (`_scores.scores16x4`: no horizontal sum per key, and bits that do
     not depend on the ISA or on how many tokens are computed together); position p is in slot
     p % ring (the range may wrap around the ring once).
-    vt_cache: (Hkv, D, ring), values d-major: out[h, d] is a long dot of the softmax weights with
-    one contiguous row, read once for the n_rep heads and summed in registers (with the values
-    row-major, the accumulator row would round-trip through memory for every key). A range that
-    wraps around the ring is first copied into key order (`vrun`), so that these sums see the
-    same sequence of keys however the ring lies: a window layer's rows are then equal for every
-    batch size (its ring's size, and so where it wraps, depends on the batch).
+    vt_cache: (Hkv, D, ring), values d-major: out[h, d] = sum_j p[h, j] v[d, j] in blocks of 64 keys
+    (`_value_sums`: a block's probabilities stay in registers for every d, and each converted value
+    serves four heads), summed in lanes in key order. A range that wraps around the ring is first
+    copied into key order (`vkey`), so that these sums see the same blocks however the ring lies: a
+    window layer's rows are then equal for every batch size (its ring's size, and so where it
+    wraps, depends on the batch).
     softcap > 0: cap the scores (Gemma 2). Either cache may hold f16 bits (see the module
     docstring for the rounding); q_scaled: with f16 keys, the queries are multiplied by `scale`
     before they are rounded, as the llama.cpp graphs that scale Q themselves (Gemma, Phi-3)
@@ -356,14 +410,19 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
     has_sinks = sinks.shape[0] > 0
     n_kv = kt_cache.shape[0]
     n_max = min(start_pos + n_tok, kt_cache.shape[2])
-    qbuf = np.empty((n_rep, q.shape[2]), np.float32)  # scratch: the queries as the keys are stored
-    scores = np.empty((n_rep, n_max), np.float32)
+    n_rows = padded_rows(n_rep)
+    qbuf = np.zeros((n_rows, q.shape[2]), np.float32)  # scratch: the queries as the keys are stored
+    scores = np.empty((n_rows, n_max + VALUE_BLOCK), np.float32)  # (+ room for a zero-padded last value block)
     totals = np.empty(n_rep, np.float32)
+    lanes = np.empty(SCORE_LANES, np.float32)  # row_max's running maxima
     bits = np.empty(n_max, np.int32)  # int32 scratch for _exp_shifted, and its float32 view
     fbits = bits.view(np.float32)
     tail = np.zeros((1, q.shape[2], SCORE_LANES), kt_cache.dtype)  # a run's last < 16 keys, zero-padded
-    tail_scores = np.empty((n_rep, SCORE_LANES), np.float32)
-    vrun = np.empty(n_max, vt_cache.dtype)  # a wrapped range's values in key order
+    tail_scores = np.empty((n_rows, SCORE_LANES), np.float32)
+    acc = np.empty((q.shape[2], n_rows, VALUE_LANES), np.float32)  # the value sums' lanes (see _value_sums)
+    vtail = np.zeros((q.shape[2], VALUE_BLOCK), vt_cache.dtype)  # the last < 64 keys' values, zero-padded
+    wraps = start_pos + n_tok > vt_cache.shape[2]  # (a window layer's ring: a range may wrap around it)
+    vkey = np.empty((q.shape[2], n_max if wraps else 0), vt_cache.dtype)  # a wrapped range's values in key order
     for job in range(first, n_tok * n_kv, step):
         t = job % n_tok  # (kv-head-major: one head's keys and values stay in L2 across its tokens)
         kvh = job // n_tok
@@ -379,15 +438,13 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
         for r in range(n_rep):  # the queries as the key type holds them (f16 keys: rounded, as ggml)
             for d in range(head_dim):
                 qbuf[r, d] = _as_stored(kt_cache, q[t, h0 + r, d] * q_mul)
-        _score_run(kt_cache, kvh, s0, n1, qbuf, n_rep, dot_scale, scores, 0, tail, tail_scores)
-        _score_run(kt_cache, kvh, 0, n_keys - n1, qbuf, n_rep, dot_scale, scores, n1, tail, tail_scores)
+        _score_run(kt_cache, kvh, s0, n1, qbuf, n_rows, dot_scale, scores, 0, tail, tail_scores)
+        _score_run(kt_cache, kvh, 0, n_keys - n1, qbuf, n_rows, dot_scale, scores, n1, tail, tail_scores)
         for r in range(n_rep):
             sr = scores[r]
             if softcap > _F0:
                 _softcap(sr, n_keys, softcap, bits, fbits)
-            best = _NEG_INF
-            for j in range(n_keys):
-                best = sr[j] if sr[j] > best else best
+            best = row_max(sr, n_keys, lanes)
             if has_sinks:
                 best = sinks[h0 + r] if sinks[h0 + r] > best else best
             _exp_shifted(sr, n_keys, best, bits, fbits)  # stable softmax: the largest term is exp(0)
@@ -402,33 +459,37 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
                     sr[j] = _as_stored(vt_cache, sr[j] * inv)
                 total = _F1
             totals[r] = total
-        wrapped = n_keys > n1
-        for d in range(head_dim):
-            vd = vt_cache[kvh, d]  # (ring,): component d of every value, read once for all heads
-            if wrapped:  # positions lo.. up to the wrap, then the rest from slot 0: made one run, so
-                for j in range(n1):  # that the sums below see the same sequence however the ring lies
-                    vrun[j] = vd[s0 + j]
+        vsrc = vt_cache[kvh]  # (D, ring): the values, read in key order from column vcol
+        vcol = s0
+        if n_keys > n1:  # positions lo.. up to the wrap, then the rest from slot 0, copied into key
+            for d in range(head_dim):  # order: the sums see the same blocks however the ring lies
+                for j in range(n1):
+                    vkey[d, j] = vt_cache[kvh, d, s0 + j]
                 for j in range(n_keys - n1):
-                    vrun[n1 + j] = vd[j]
-                vals = vrun[:n_keys]
-            else:
-                vals = vd[s0 : s0 + n_keys]
-            r = 0
-            while r + 1 < n_rep:  # 4 heads per pass over the row; a last group of 2 or 3 padded with
-                r1, r2, r3 = min(r + 1, n_rep - 1), min(r + 2, n_rep - 1), min(r + 3, n_rep - 1)  # its last head
-                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, scores[r], scores[r1], scores[r2], scores[r3], 0, vals, n_keys)
-                out[t, h0 + r, d] = a0 / totals[r]
-                out[t, h0 + r1, d] = a1 / totals[r1]
-                out[t, h0 + r2, d] = a2 / totals[r2]
-                out[t, h0 + r3, d] = a3 / totals[r3]
-                r += 4
-            while r < n_rep:
-                sr = scores[r]
-                a = _F0
-                for j in range(n_keys):
-                    a += sr[j] * _load(vals[j])
-                out[t, h0 + r, d] = a / totals[r]
-                r += 1
+                    vkey[d, n1 + j] = vt_cache[kvh, d, j]
+            vsrc = vkey
+            vcol = 0
+        acc[:] = _F0
+        full = n_keys - n_keys % VALUE_BLOCK
+        for r in range(n_rep, n_rows):  # the padding rows: zero probabilities (their scores are not used)
+            for j in range(full + VALUE_BLOCK):
+                scores[r, j] = _F0
+        for b in range(0, full, VALUE_BLOCK):
+            _value_rows(vsrc, vcol + b, scores, n_rep, n_rows, b, acc)
+        m = n_keys - full
+        if m > 0:  # the last < 64 keys: zero-padded values and probabilities (zero products)
+            for d in range(head_dim):
+                for i in range(m):
+                    vtail[d, i] = vsrc[d, vcol + full + i]
+                for i in range(m, VALUE_BLOCK):
+                    vtail[d, i] = 0
+            for r in range(n_rep):
+                for i in range(m, VALUE_BLOCK):
+                    scores[r, full + i] = _F0
+            _value_rows(vtail, 0, scores, n_rep, n_rows, full, acc)
+        for r in range(n_rep):
+            for d in range(head_dim):
+                out[t, h0 + r, d] = lane_sum16(acc, d, r) / totals[r]
 
 
 def _typed(start_pos, n_rep, scale, window, softcap, q_scaled) -> tuple:
