@@ -272,7 +272,8 @@ def _pack_half_legacy(builder, blks, put, kind):
     put(_rows_f16(builder, blks, 0), _D0)
     for k, v in enumerate(_transpose8(builder, rows)):
         put(v, _QUANTS0 + 32 * k)
-        if kind in ("q8_0", "iq4_nl"):  # -128 * the quad's sum (exact: pmaddubsw by ones, pmaddwd by ones)
+        if VNNI and kind in ("q8_0", "iq4_nl"):  # -128 * the quad's sum (exact: pmaddubsw by ones, pmaddwd by
+            # ones), read only by the VNNI tile
             quad_sums = _maddwd(builder, _maddubs(builder, _splat(_I8, 32, 1), builder.bitcast(v, _V32B)), _splat(_I16, 16, 1))
             put(builder.mul(quad_sums, _splat(_I32, 8, -128)), _CORR0 + 32 * k)
 

@@ -49,6 +49,7 @@ from numba.extending import overload
 from ._fp16 import HAVE_F16C, f16_bits, f16_value, f16c_load, f16c_store
 from ._scores import LANES as SCORE_LANES
 from ._scores import scores16x1, scores16x4, scores16x8, scores32x4
+from ._softmax import exp_sum16, row_max16
 from ._value_sums import BLOCK as VALUE_BLOCK
 from ._value_sums import LANES as VALUE_LANES
 from ._value_sums import lane_sum16, value_block1, value_block2, value_block4
@@ -414,7 +415,6 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
     qbuf = np.zeros((n_rows, q.shape[2]), np.float32)  # scratch: the queries as the keys are stored
     scores = np.empty((n_rows, n_max + VALUE_BLOCK), np.float32)  # (+ room for a zero-padded last value block)
     totals = np.empty(n_rep, np.float32)
-    lanes = np.empty(SCORE_LANES, np.float32)  # row_max's running maxima
     bits = np.empty(n_max, np.int32)  # int32 scratch for _exp_shifted, and its float32 view
     fbits = bits.view(np.float32)
     tail = np.zeros((1, q.shape[2], SCORE_LANES), kt_cache.dtype)  # a run's last < 16 keys, zero-padded
@@ -444,13 +444,10 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
             sr = scores[r]
             if softcap > _F0:
                 _softcap(sr, n_keys, softcap, bits, fbits)
-            best = row_max(sr, n_keys, lanes)
+            best = row_max16(scores, r, n_keys)
             if has_sinks:
                 best = sinks[h0 + r] if sinks[h0 + r] > best else best
-            _exp_shifted(sr, n_keys, best, bits, fbits)  # stable softmax: the largest term is exp(0)
-            total = _F0
-            for j in range(n_keys):
-                total += sr[j]
+            total = exp_sum16(scores, r, n_keys, best)  # stable softmax: the largest term is exp(0)
             if has_sinks:  # the sink's term joins the denominator only
                 total += np.float32(math.exp(sinks[h0 + r] - best))
             if _is_half(vt_cache):  # ggml: probabilities normalised, then rounded to f16 for the V product
