@@ -375,22 +375,6 @@ def rope_store_quant(q, k, v, start, cos_table, sin_table, k_cache, v_cache, neo
 
 # -- attention -----------------------------------------------------------------------------------
 
-@kernel(boundscheck=False)
-def _dequant_head(typ, cache, kvh, n_slots, dst, tile, vals):
-    """dst[0, :, :n_slots] = slots 0..n_slots-1 of KV head kvh of a block cache (Hkv, ring, row
-    bytes) of type typ, dequantized (ggml's to_float), d-major. Sixteen rows at a time go through
-    `tile` (16, D) and are written as 16 consecutive floats per d: writing each row's 64 values
-    straight into 64 rows of dst ran at 3.1 ns per element, this at 0.9."""
-    head_dim = dst.shape[1]
-    for s0 in range(0, n_slots, SCORE_LANES):
-        m = min(SCORE_LANES, n_slots - s0)
-        for i in range(m):
-            _to_float(typ, cache[kvh, s0 + i], tile[i], vals)
-        for d in range(head_dim):
-            for i in range(m):
-                dst[0, d, s0 + i] = tile[i, d]
-
-
 @kernel
 def chunk_jobs(n_jobs, chunk, n_chunks):
     """The jobs of chunk `chunk` of `n_chunks` (chunk >= n_chunks: none) as two contiguous runs
@@ -439,7 +423,7 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
     qsf = np.empty((n_rep, nb), np.float32)  # q8_1 s = fp16(d * sum)
     corr = np.empty((n_rep, nb), np.float32)  # q4_1/q5_1 keys: s - d * sum, the min term's correction
     vals = KVALUES_IQ4NL_F
-    tile = np.empty((SCORE_LANES, head_dim), np.float32)  # 16 key or value rows as float32
+    row = np.empty(head_dim, np.float32)  # a key or value row as float32
     kd = np.empty((1, head_dim, n_max), np.float32)  # one head's keys dequantized, d-major, by slot
     vd = np.empty((1, head_dim, n_max), np.float32)  # and its values
     scores = np.empty((n_rows, n_max + VALUE_BLOCK), np.float32)
@@ -463,8 +447,13 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
         t = job % n_tok  # (kv-head-major, as layer_ops._attend_jobs)
         kvh = job // n_tok
         if kvh != loaded:
-            _dequant_head(type_k, k_cache, kvh, n_max, kd, tile, vals)
-            _dequant_head(type_v, v_cache, kvh, n_max, vd, tile, vals)
+            for slot in range(n_max):
+                _to_float(type_k, k_cache[kvh, slot], row, vals)
+                for d in range(head_dim):
+                    kd[0, d, slot] = row[d]
+                _to_float(type_v, v_cache[kvh, slot], row, vals)
+                for d in range(head_dim):
+                    vd[0, d, slot] = row[d]
             loaded = kvh
         lo, n_keys = _key_range(start_pos + t, window)
         s0 = lo % ring
