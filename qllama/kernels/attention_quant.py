@@ -16,23 +16,20 @@ which is how llama.cpp runs a quantized cache:
 - each query head is converted to K's vec_dot type: q8_0 for q8_0/q4_0/q5_0/iq4_nl keys, q8_1
   for q4_1/q5_1 (`act_quant.q8_0_row` / `q8_1_row`, as ggml's x86 quantize_row_q8_0/q8_1), f16
   for f16 keys; a score is the type's vec_dot, d_k d_q sum(q_k q_q) (+ m_k s_q for q4_1/q5_1)
-  per block, computed as a float32 dot of the dequantized key with the dequantized query (both
-  exact in float32 but for q4_1/q5_1's q * d + m; the products and sums round: ~1e-7 relative
-  to ggml's int32 sums);
+  per block, computed as a float32 dot of the dequantized key row with the dequantized query
+  (both exact in float32 but for q4_1/q5_1's q * d + m; the products and sums round: ~1e-7
+  relative to ggml's int32 sums), four query heads per pass over a key row, as
+  `layer_ops._attend_jobs`;
 - scores times the scale (with `q_scaled`, Q was multiplied by it before the conversion, as the
   graphs that scale Q themselves have it), softcap, window mask;
-- softmax in float32 and the values dequantized to float32 (ggml's to_float) and summed with
-  weights exp(s - max), then divided by the sum.
+- softmax in float32 and the values dequantized row by row to float32 (ggml's to_float) and
+  accumulated in float32 with weights exp(s - max), then multiplied by 1 / sum.
 ggml does the softmax online (rescaling its accumulator when a new maximum appears); here the
 maximum is found first (the scores of a job are all in a buffer), so each weight is exp(s - max)
 directly, which is the same sum up to float32 rounding, and lets exp run vectorised.
 
-A KV head's keys and values are dequantized once per chunk of jobs into d-major float32 copies,
-and the jobs run `layer_ops`' kernels for an f16/f32 cache on them (the scores of 16 keys as
-one vector, value sums in blocks of 64 keys): converting each key row again for every token
-and head group took 2.7x as long as the f16 cache's attention at depth 4096.
-
-The jobs are (token, KV head) pairs, as `layer_ops._attend_jobs`, two contiguous runs per chunk.
+The jobs are (token, KV head) pairs, as `layer_ops._attend_jobs`: the n_rep query heads of a KV
+head read each key and value block once, while it is in L1.
 """
 
 from __future__ import annotations
@@ -43,10 +40,7 @@ from numba import prange
 from .act_quant import q8_0_row, q8_1_row
 from .jit import address_of, call_address, kernel
 from ._fp16 import HAVE_F16C, f16_bits, f16_value, f16c_store, f32_as_u32, u32_as_f32
-from ._scores import LANES as SCORE_LANES
-from ._value_sums import BLOCK as VALUE_BLOCK
-from ._value_sums import LANES as VALUE_LANES
-from .layer_ops import _job_softmax, _job_values, _key_range, _score_run, padded_rows, rope_heads, rope_row
+from .layer_ops import _dots4, _exp_shifted, _key_range, _softcap, rope_heads, rope_row, row_max
 
 # ggml type ids of the cache types (the `type_k` / `type_v` arguments)
 T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_IQ4_NL = 0, 1, 2, 3, 6, 7, 8, 20
@@ -375,38 +369,16 @@ def rope_store_quant(q, k, v, start, cos_table, sin_table, k_cache, v_cache, neo
 
 # -- attention -----------------------------------------------------------------------------------
 
-@kernel
-def chunk_jobs(n_jobs, chunk, n_chunks):
-    """The jobs of chunk `chunk` of `n_chunks` (chunk >= n_chunks: none) as two contiguous runs
-    (a0, la, b0, lb): pieces chunk and 2 n_chunks - 1 - chunk of the jobs cut into 2 n_chunks.
-    Contiguous, so that a chunk dequantizes one or two heads' keys and values rather than all;
-    the pairing gives every chunk a cheap (early) and a costly (late) piece of a causal batch, so
-    that equal shares of the chunks are equal shares of the work on every thread."""
-    if chunk >= n_chunks:
-        return 0, 0, 0, 0
-    n_pieces = 2 * n_chunks
-    a0 = chunk * n_jobs // n_pieces
-    la = (chunk + 1) * n_jobs // n_pieces - a0
-    b = n_pieces - 1 - chunk
-    b0 = b * n_jobs // n_pieces
-    lb = (b + 1) * n_jobs // n_pieces - b0
-    return a0, la, b0, lb
-
-
 @kernel(fastmath=True, boundscheck=False)
 def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled,
-                       out, chunk, n_chunks):
-    """Attention over a block cache for chunk `chunk` of `n_chunks` of the (token t, KV head kvh)
-    jobs, job kvh * T + t (`chunk_jobs`; see the module docstring for the arithmetic;
-    shapes as `attention_quant_serial`).
+                       out, first, step):
+    """Attention over a block cache for the jobs first, first + step, ... of (token t, KV head)
+    job t * Hkv + kvh (see the module docstring for the arithmetic; shapes as `attention_quant_serial`).
 
-    A KV head's keys and values are first dequantized (ggml's to_float of each type) into d-major
-    float32 copies of its ring, once per chunk, and its jobs then run the f16 cache's kernels on
-    them (`layer_ops`: scores as chains of fused multiply-adds over d, 16 keys per vector; softmax;
-    value sums in blocks of 64 keys). A score is the dot of the dequantized key with the
-    dequantized q8 query (fp16 d times the int8 quants, exact in float32), plus, for q4_1/q5_1
-    keys, m * (s - d * sum q) per block: ggml's vec_dot, d_k d_q sum(q_k q_q) + m_k s_q, up to
-    float32 rounding of the products (~1e-7 relative).
+    A score is computed as the dot of the dequantized key row (d * q, as ggml's to_float) with
+    the dequantized q8 query (fp16 d times the int8 quants, exact in float32), plus, for
+    q4_1/q5_1 keys, m * (s - d * sum q) per block: that is ggml's vec_dot, d_k d_q sum(q_k q_q) +
+    m_k s_q, up to float32 rounding of the products (~1e-7 relative), in long vector loops.
     """
     n_tok = q.shape[0]
     head_dim = q.shape[2]
@@ -415,46 +387,28 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
     nb = head_dim // QK
     bk = k_cache.shape[2] // nb
     n_max = min(start_pos + n_tok, ring)
-    n_rows = padded_rows(n_rep)
-    qf = np.zeros((n_rows, head_dim), np.float32)  # the queries (scaled when q_scaled), as K's vec_dot type holds them
+    qf = np.empty((n_rep, head_dim), np.float32)  # the queries (scaled when q_scaled), as K's vec_dot type holds them
     qq = np.empty((n_rep, head_dim), np.int8)  # q8_0 / q8_1 quants (quantized keys)
     qd = np.empty((n_rep, nb), np.float32)
     qsi = np.empty((n_rep, nb), np.int32)  # q8_0 sums
     qsf = np.empty((n_rep, nb), np.float32)  # q8_1 s = fp16(d * sum)
     corr = np.empty((n_rep, nb), np.float32)  # q4_1/q5_1 keys: s - d * sum, the min term's correction
     vals = KVALUES_IQ4NL_F
-    row = np.empty(head_dim, np.float32)  # a key or value row as float32
-    kd = np.empty((1, head_dim, n_max), np.float32)  # one head's keys dequantized, d-major, by slot
-    vd = np.empty((1, head_dim, n_max), np.float32)  # and its values
-    scores = np.empty((n_rows, n_max + VALUE_BLOCK), np.float32)
+    kf = np.empty(head_dim, np.float32)  # a key row as float32
+    vrow = np.empty(head_dim, np.float32)  # a value row as float32
+    acc = np.empty((n_rep, head_dim), np.float32)
+    scores = np.empty((n_rep, n_max), np.float32)
     totals = np.empty(n_rep, np.float32)
+    lanes = np.empty(16, np.float32)  # row_max's running maxima
     bits = np.empty(n_max, np.int32)
     fbits = bits.view(np.float32)
-    tail = np.zeros((1, head_dim, SCORE_LANES), np.float32)
-    tail_scores = np.empty((n_rows, SCORE_LANES), np.float32)
-    acc = np.empty((head_dim, n_rows, VALUE_LANES), np.float32)
-    vtail = np.zeros((head_dim, VALUE_BLOCK), np.float32)
-    vkey = np.empty((head_dim, n_max if start_pos + n_tok > ring else 0), np.float32)
-    no_sinks = np.zeros(0, np.float32)
     k_quant = type_k != T_F32 and type_k != T_F16
     k_min = type_k == T_Q4_1 or type_k == T_Q5_1
     q_mul = scale if q_scaled else _F1
     dot_scale = _F1 if q_scaled else scale
-    loaded = -1  # the KV head now in kd / vd
-    a0, la, b0, lb = chunk_jobs(n_tok * n_kv, chunk, n_chunks)
-    for i in range(la + lb):
-        job = a0 + i if i < la else b0 + i - la
+    for job in range(first, n_tok * n_kv, step):
         t = job % n_tok  # (kv-head-major, as layer_ops._attend_jobs)
         kvh = job // n_tok
-        if kvh != loaded:
-            for slot in range(n_max):
-                _to_float(type_k, k_cache[kvh, slot], row, vals)
-                for d in range(head_dim):
-                    kd[0, d, slot] = row[d]
-                _to_float(type_v, v_cache[kvh, slot], row, vals)
-                for d in range(head_dim):
-                    vd[0, d, slot] = row[d]
-            loaded = kvh
         lo, n_keys = _key_range(start_pos + t, window)
         s0 = lo % ring
         n1 = min(n_keys, ring - s0)
@@ -474,21 +428,57 @@ def _attend_jobs_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, sc
                         qf[r, b * QK + i] = np.float32(qq[r, b * QK + i]) * qd[r, b]
                         isum += np.int32(qq[r, b * QK + i])
                     corr[r, b] = qsf[r, b] - qd[r, b] * np.float32(isum) if k_min else _F0
-        sc = _F1 if k_min else dot_scale  # (q4_1/q5_1: scaled after the min terms)
-        _score_run(kd, 0, s0, n1, qf, n_rows, sc, scores, 0, tail, tail_scores)
-        _score_run(kd, 0, 0, n_keys - n1, qf, n_rows, sc, scores, n1, tail, tail_scores)
-        if k_min:
-            for j in range(n_keys):
-                krow = k_cache[kvh, s0 + j if j < n1 else j - n1]
+        # scores: each key row converted once, dotted with four query heads at a time (as layer_ops)
+        for j in range(n_keys):
+            slot = s0 + j if j < n1 else j - n1
+            krow = k_cache[kvh, slot]
+            _to_float(type_k, krow, kf, vals)
+            r = 0
+            while r + 4 <= n_rep:
+                a0, a1, a2, a3 = _dots4(_F0, _F0, _F0, _F0, qf[r], qf[r + 1], qf[r + 2], qf[r + 3], 0, kf, head_dim)
+                scores[r, j] = a0
+                scores[r + 1, j] = a1
+                scores[r + 2, j] = a2
+                scores[r + 3, j] = a3
+                r += 4
+            while r < n_rep:
+                qr = qf[r]
+                a = _F0
+                for d in range(head_dim):
+                    a += qr[d] * kf[d]
+                scores[r, j] = a
+                r += 1
+            if k_min:
                 for b in range(nb):
                     mk = _f16_load(krow, b * bk + 2)
                     for r in range(n_rep):
                         scores[r, j] += mk * corr[r, b]
+        for r in range(n_rep):
+            sr = scores[r]
+            for j in range(n_keys):
+                sr[j] *= dot_scale
+            if softcap > _F0:
+                _softcap(sr, n_keys, softcap, bits, fbits)
+            best = row_max(sr, n_keys, lanes)
+            _exp_shifted(sr, n_keys, best, bits, fbits)
+            total = _F0
+            for j in range(n_keys):
+                total += sr[j]
+            totals[r] = total
+            for d in range(head_dim):
+                acc[r, d] = _F0
+        # values: each row converted to float32 once, accumulated for the n_rep heads
+        for j in range(n_keys):
+            slot = s0 + j if j < n1 else j - n1
+            _to_float(type_v, v_cache[kvh, slot], vrow, vals)
             for r in range(n_rep):
-                for j in range(n_keys):
-                    scores[r, j] *= dot_scale
-        _job_softmax(scores, n_rep, n_keys, softcap, no_sinks, h0, vd, totals, bits, fbits)
-        _job_values(vd, 0, s0, n1, n_keys, scores, n_rep, n_rows, acc, vtail, vkey, totals, out, t, h0)
+                w = scores[r, j]
+                for d in range(head_dim):
+                    acc[r, d] += w * vrow[d]
+        for r in range(n_rep):
+            inv = _F1 / totals[r] if totals[r] != _F0 else _F0
+            for d in range(head_dim):
+                out[t, h0 + r, d] = acc[r, d] * inv
 
 
 def _typed(type_k, type_v, start_pos, n_rep, scale, window, softcap, q_scaled) -> tuple:
@@ -516,14 +506,14 @@ def attention_quant(q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale
     if not all(a.flags.c_contiguous and a.flags.aligned for a in (q, k_cache, v_cache, out)):
         _attend_jobs_quant(*args, np.int64(0), np.int64(1))
         return
-    no_jobs = (*args, np.int64(q.shape[0] * k_cache.shape[0] + 1), np.int64(1))  # (no chunk: only compiles it)
+    no_jobs = (*args, np.int64(q.shape[0] * k_cache.shape[0]), np.int64(1))
     _attention_quant_chunks(address_of(_attend_jobs_quant, no_jobs, lambda: _attend_jobs_quant(*no_jobs)), *args)
 
 
 @kernel(parallel=True)
 def _attention_quant_chunks(jobs_address, q, k_cache, v_cache, type_k, type_v, start_pos, n_rep, scale, window,
                             softcap, q_scaled, out):
-    """The parallel region of `attention_quant`: chunk c of ATTENTION_CHUNKS runs its jobs (`chunk_jobs`)."""
+    """The parallel region of `attention_quant`: chunk c runs every ATTENTION_CHUNKS-th job from c."""
     if jobs_address == 0:
         return
     n_jobs = q.shape[0] * k_cache.shape[0]

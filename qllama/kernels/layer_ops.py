@@ -257,6 +257,20 @@ def rope_store(q, k, v, start, cos_table, sin_table, kt_cache, vt_cache, neox):
                 vt_cache[h, d, slot] = _encode(vt_cache, v[t, h, d])
 
 
+@kernel(inline="always")
+def _dots4(a0, a1, a2, a3, u0, u1, u2, u3, uo, v, n):
+    """(a_r + sum_j u_r[uo + j] * v[j] for r = 0..3): four heads' dots with one row v (cache
+    elements, `_load`ed once for the four; float32 rows as they are). Inlined: the caller's
+    fast-math flags."""
+    for j in range(n):
+        x = _load(v[j])
+        a0 += u0[uo + j] * x
+        a1 += u1[uo + j] * x
+        a2 += u2[uo + j] * x
+        a3 += u3[uo + j] * x
+    return a0, a1, a2, a3
+
+
 @kernel(fastmath=True)
 def _softcap(x, n, cap, bits, fbits):
     """x[:n] = cap * tanh(x[:n] / cap) in place, as cap - 2 cap / (exp(2 x / cap) + 1)."""
@@ -266,6 +280,27 @@ def _softcap(x, n, cap, bits, fbits):
     _exp_shifted(x, n, _F0, bits, fbits)  # clamped: saturates to +-cap
     for i in range(n):
         x[i] = cap - _F2 * cap / (x[i] + _F1)
+
+
+@kernel(inline="always")
+def row_max(x, n, lanes):
+    """The largest of x[:n] (float32; -inf when n = 0), through 16 running maxima in `lanes` (a (16,)
+    float32 scratch): a max has the same value in any order, and the one running maximum of a
+    plain loop is a chain of compare-and-select that LLVM does not vectorise (3 ns per element
+    against ~0.3). Inlined: its caller's fast-math flags."""
+    for i in range(SCORE_LANES):
+        lanes[i] = _NEG_INF
+    full = n - n % SCORE_LANES
+    for j in range(0, full, SCORE_LANES):
+        for i in range(SCORE_LANES):
+            v = x[j + i]
+            lanes[i] = v if v > lanes[i] else lanes[i]
+    best = _NEG_INF
+    for j in range(full, n):
+        best = x[j] if x[j] > best else best
+    for i in range(SCORE_LANES):
+        best = lanes[i] if lanes[i] > best else best
+    return best
 
 
 @kernel
@@ -343,72 +378,6 @@ def _value_rows(vrows, col, probs, n_rep, n_rows, pj, acc):
             value_block4(vrows, col, probs, r, pj, acc)
 
 
-@kernel(inline="always")
-def _job_softmax(scores, n_rep, n_keys, softcap, sinks, h0, vt, totals, bits, fbits):
-    """Rows r < n_rep of scores[:, :n_keys] -> softmax numerators exp(s - max) in place (softcap
-    first when > 0; sinks: (H,) attention sinks of heads h0.., or empty), totals[r] their sum (plus
-    the sink's term). With an f16 V (`vt` holds f16 bits), the numerators are normalised and
-    rounded to f16, as ggml's V product takes them, and totals[r] = 1."""
-    has_sinks = sinks.shape[0] > 0
-    for r in range(n_rep):
-        sr = scores[r]
-        if softcap > _F0:
-            _softcap(sr, n_keys, softcap, bits, fbits)
-        best = row_max16(scores, r, n_keys)
-        if has_sinks:
-            best = sinks[h0 + r] if sinks[h0 + r] > best else best
-        total = exp_sum16(scores, r, n_keys, best)  # stable softmax: the largest term is exp(0)
-        if has_sinks:  # the sink's term joins the denominator only
-            total += np.float32(math.exp(sinks[h0 + r] - best))
-        if _is_half(vt):  # ggml: probabilities normalised, then rounded to f16 for the V product
-            inv = _F1 / total
-            for j in range(n_keys):
-                sr[j] = _as_stored(vt, sr[j] * inv)
-            total = _F1
-        totals[r] = total
-
-
-@kernel(fastmath=True)
-def _job_values(vt, kvh, s0, n1, n_keys, scores, n_rep, n_rows, acc, vtail, vkey, totals, out, t, h0):
-    """out[t, h0 + r] = sum_j scores[r, j] v_j / totals[r] for r < n_rep, the values of kv head kvh
-    of vt (Hkv, D, ring), d-major, positions from slot s0 (n1 of them before the ring's end, the
-    rest from slot 0): in blocks of 64 keys (`_value_sums`). scores: (n_rows, >= n_keys + 64), rows
-    past n_rep (`padded_rows`) are zeroed here; acc (D, n_rows, 16), vtail (D, 64) and vkey (D, >=
-    n_keys when the range wraps) are scratch of vt's element type."""
-    head_dim = vt.shape[1]
-    vsrc = vt[kvh]  # (D, ring): the values, read in key order from column vcol
-    vcol = s0
-    if n_keys > n1:  # positions lo.. up to the wrap, then the rest from slot 0, copied into key
-        for d in range(head_dim):  # order: the sums see the same blocks however the ring lies
-            for j in range(n1):
-                vkey[d, j] = vt[kvh, d, s0 + j]
-            for j in range(n_keys - n1):
-                vkey[d, n1 + j] = vt[kvh, d, j]
-        vsrc = vkey
-        vcol = 0
-    acc[:] = _F0
-    full = n_keys - n_keys % VALUE_BLOCK
-    for r in range(n_rep, n_rows):  # the padding rows: zero probabilities (their scores are not used)
-        for j in range(full + VALUE_BLOCK):
-            scores[r, j] = _F0
-    for b in range(0, full, VALUE_BLOCK):
-        _value_rows(vsrc, vcol + b, scores, n_rep, n_rows, b, acc)
-    m = n_keys - full
-    if m > 0:  # the last < 64 keys: zero-padded values and probabilities (zero products)
-        for d in range(head_dim):
-            for i in range(m):
-                vtail[d, i] = vsrc[d, vcol + full + i]
-            for i in range(m, VALUE_BLOCK):
-                vtail[d, i] = 0
-        for r in range(n_rep):
-            for i in range(m, VALUE_BLOCK):
-                scores[r, full + i] = _F0
-        _value_rows(vtail, 0, scores, n_rep, n_rows, full, acc)
-    for r in range(n_rep):
-        for d in range(head_dim):
-            out[t, h0 + r, d] = lane_sum16(acc, d, r) / totals[r]
-
-
 @kernel(fastmath=True)
 def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap, q_scaled, sinks, out, first, step):
     """Attention for the jobs first, first + step, ... of the (token t, KV head kvh) jobs, job
@@ -439,6 +408,7 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
     branches below are not taken, every other family's arithmetic is unchanged).
     """
     n_tok = q.shape[0]
+    has_sinks = sinks.shape[0] > 0
     n_kv = kt_cache.shape[0]
     n_max = min(start_pos + n_tok, kt_cache.shape[2])
     n_rows = padded_rows(n_rep)
@@ -470,8 +440,53 @@ def _attend_jobs(q, kt_cache, vt_cache, start_pos, n_rep, scale, window, softcap
                 qbuf[r, d] = _as_stored(kt_cache, q[t, h0 + r, d] * q_mul)
         _score_run(kt_cache, kvh, s0, n1, qbuf, n_rows, dot_scale, scores, 0, tail, tail_scores)
         _score_run(kt_cache, kvh, 0, n_keys - n1, qbuf, n_rows, dot_scale, scores, n1, tail, tail_scores)
-        _job_softmax(scores, n_rep, n_keys, softcap, sinks, h0, vt_cache, totals, bits, fbits)
-        _job_values(vt_cache, kvh, s0, n1, n_keys, scores, n_rep, n_rows, acc, vtail, vkey, totals, out, t, h0)
+        for r in range(n_rep):
+            sr = scores[r]
+            if softcap > _F0:
+                _softcap(sr, n_keys, softcap, bits, fbits)
+            best = row_max16(scores, r, n_keys)
+            if has_sinks:
+                best = sinks[h0 + r] if sinks[h0 + r] > best else best
+            total = exp_sum16(scores, r, n_keys, best)  # stable softmax: the largest term is exp(0)
+            if has_sinks:  # the sink's term joins the denominator only
+                total += np.float32(math.exp(sinks[h0 + r] - best))
+            if _is_half(vt_cache):  # ggml: probabilities normalised, then rounded to f16 for the V product
+                inv = _F1 / total
+                for j in range(n_keys):
+                    sr[j] = _as_stored(vt_cache, sr[j] * inv)
+                total = _F1
+            totals[r] = total
+        vsrc = vt_cache[kvh]  # (D, ring): the values, read in key order from column vcol
+        vcol = s0
+        if n_keys > n1:  # positions lo.. up to the wrap, then the rest from slot 0, copied into key
+            for d in range(head_dim):  # order: the sums see the same blocks however the ring lies
+                for j in range(n1):
+                    vkey[d, j] = vt_cache[kvh, d, s0 + j]
+                for j in range(n_keys - n1):
+                    vkey[d, n1 + j] = vt_cache[kvh, d, j]
+            vsrc = vkey
+            vcol = 0
+        acc[:] = _F0
+        full = n_keys - n_keys % VALUE_BLOCK
+        for r in range(n_rep, n_rows):  # the padding rows: zero probabilities (their scores are not used)
+            for j in range(full + VALUE_BLOCK):
+                scores[r, j] = _F0
+        for b in range(0, full, VALUE_BLOCK):
+            _value_rows(vsrc, vcol + b, scores, n_rep, n_rows, b, acc)
+        m = n_keys - full
+        if m > 0:  # the last < 64 keys: zero-padded values and probabilities (zero products)
+            for d in range(head_dim):
+                for i in range(m):
+                    vtail[d, i] = vsrc[d, vcol + full + i]
+                for i in range(m, VALUE_BLOCK):
+                    vtail[d, i] = 0
+            for r in range(n_rep):
+                for i in range(m, VALUE_BLOCK):
+                    scores[r, full + i] = _F0
+            _value_rows(vtail, 0, scores, n_rep, n_rows, full, acc)
+        for r in range(n_rep):
+            for d in range(head_dim):
+                out[t, h0 + r, d] = lane_sum16(acc, d, r) / totals[r]
 
 
 def _typed(start_pos, n_rep, scale, window, softcap, q_scaled) -> tuple:
