@@ -464,3 +464,35 @@ def test_compiling_the_attention_leaves_the_q8_quantizers_exact(tmp_path):
     env.pop("NUMBA_CACHE_DIR", None)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_1", "f16"), ("iq4_nl", "q5_0")])
+@pytest.mark.parametrize("window", [0, 150])
+def test_batch_rows_equal_tokens_alone_at_depth(tk, tv, window):
+    """Past 200 keys, a batch and a token alone give the same rows, bit for bit; with a window the
+    ring wraps at a place that depends on the batch."""
+    from qllama.kernels import attention_quant as aq
+
+    rng = np.random.default_rng(5)
+    T, start, H, Hkv, D = 6, 200, 8, 2, 64
+    n_pos = start + T
+    q = _values(rng, (T, H, D))
+    k, v = _values(rng, (Hkv, n_pos, D), 2.0), _values(rng, (Hkv, n_pos, D))
+
+    def ring_cache(ring, upto):
+        slots = np.arange(max(0, upto - ring), upto)
+        kr, vr = np.zeros((Hkv, ring, D), np.float32), np.zeros((Hkv, ring, D), np.float32)
+        kr[:, slots % ring], vr[:, slots % ring] = k[:, slots], v[:, slots]
+        return (from_f32(kr, np.zeros(1, block_dtype(tk))).view(np.uint8),
+                from_f32(vr, np.zeros(1, block_dtype(tv))).view(np.uint8))
+
+    args = (kv_type_id(tk), kv_type_id(tv))
+    tail = (H // Hkv, np.float32(0.125), window, np.float32(0.0), False)
+    kb, vb = ring_cache(window + T if window else n_pos, n_pos)
+    batch = np.empty_like(q)
+    aq.attention_quant(q, kb, vb, *args, start, *tail, batch)
+    for t in range(T):
+        kb1, vb1 = ring_cache(window + 1 if window else n_pos, start + t + 1)
+        one = np.empty_like(q[:1])
+        aq.attention_quant_serial(q[t : t + 1].copy(), kb1, vb1, *args, start + t, *tail, one)
+        np.testing.assert_array_equal(one[0], batch[t])
