@@ -29,7 +29,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._scores import _row_ptr
+from ._scores import _named, _row_ptr
 from ._x86 import _loop, _vec
 from ._x86_gemm import _c64, _fma
 
@@ -94,11 +94,6 @@ def _value_typer(n_rows):
         return types.void(vrows, col, probs, r0, pj, acc), _value_codegen(n_rows)
 
     return typer
-
-
-def _named(fn, name):
-    fn.__name__ = fn.__qualname__ = name
-    return fn
 
 
 value_block4 = intrinsic(_named(_value_typer(4), "value_block4"))
