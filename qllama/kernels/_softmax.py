@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from ._scores import _row_ptr
 from ._x86 import _loop, _vec
-from ._x86_gemm import _c64, _fma, _splat_scalar
+from ._x86_gemm import _c64, _exact, _fma, _splat_scalar
 
 LANES = 16
 _F = ir.FloatType()
@@ -45,10 +45,6 @@ def _vc(v):
     return ir.Constant(_VF, [float(np.float32(v))] * LANES)
 
 
-def _exact(builder, op, a, b):
-    return getattr(builder, op)(a, b, flags=("arcp",))  # (a flag of its own: Numba adds no fast-math ones)
-
-
 def _vexp(builder, v):
     """exp(v) lane-wise, v already clamped."""
     floor = builder.module.declare_intrinsic("llvm.floor.v16f32", fnty=ir.FunctionType(_VF, [_VF]))
@@ -59,18 +55,19 @@ def _vexp(builder, v):
     p = _vc(_P[0])
     for c in _P[1:]:
         p = _fma(builder, p, r, _vc(c))
-    e = _exact(builder, "fadd", _fma(builder, p, _exact(builder, "fmul", r, r), r), _vc(1.0))
+    e = _exact("fadd", builder, _fma(builder, p, _exact("fmul", builder, r, r), r), _vc(1.0))
     bits = builder.shl(builder.add(builder.fptosi(k, _VI), ir.Constant(_VI, [127] * LANES)), ir.Constant(_VI, [23] * LANES))
-    return _exact(builder, "fmul", e, builder.bitcast(bits, _VF))
+    return _exact("fmul", builder, e, builder.bitcast(bits, _VF))
 
 
 def _hsum(builder, x):
+    """The 16 lanes of x added as a fixed tree (halves, then quarters, ...), in this order."""
     n = LANES
     while n > 1:
         n //= 2
         lo = builder.shuffle_vector(x, x, ir.Constant(_vec(_I32, n), list(range(n))))
         hi = builder.shuffle_vector(x, x, ir.Constant(_vec(_I32, n), list(range(n, 2 * n))))
-        x = _exact(builder, "fadd", lo, hi)
+        x = _exact("fadd", builder, lo, hi)
     return builder.extract_element(x, ir.Constant(_I32, 0))
 
 
@@ -87,7 +84,7 @@ def exp_sum16(typingctx, x, r, n, shift):
 
         def exp_at(i):
             p = builder.gep(row, [i])
-            v = _exact(builder, "fsub", builder.load(p, align=4), sh)
+            v = _exact("fsub", builder, builder.load(p, align=4), sh)
             v = builder.select(builder.fcmp_ordered("<", v, lo), lo, v)
             v = builder.select(builder.fcmp_ordered(">", v, hi), hi, v)
             e = _vexp(builder, v)
@@ -95,14 +92,14 @@ def exp_sum16(typingctx, x, r, n, shift):
             return e
 
         n_full = builder.sdiv(n, _c64(LANES))
-        (acc,) = _loop(builder, _c64(0), n_full, lambda i, accs: [_exact(builder, "fadd", accs[0], exp_at(i))],
+        (acc,) = _loop(builder, _c64(0), n_full, lambda i, accs: [_exact("fadd", builder, accs[0], exp_at(i))],
                        [ir.Constant(_VF, [0.0] * LANES)])
         left = builder.trunc(builder.sub(n, builder.mul(n_full, _c64(LANES))), _I32)  # 0..15 elements
         before = builder.block
         with builder.if_then(builder.icmp_signed(">", left, ir.Constant(_I32, 0))):  # the last, partial vector
             e = exp_at(n_full)
             keep = builder.icmp_signed("<", ir.Constant(_VI, list(range(LANES))), _splat_scalar(builder, left, LANES))
-            acc_tail = _exact(builder, "fadd", acc, builder.select(keep, e, ir.Constant(_VF, [0.0] * LANES)))
+            acc_tail = _exact("fadd", builder, acc, builder.select(keep, e, ir.Constant(_VF, [0.0] * LANES)))
             tail_block = builder.block
         total = builder.phi(_VF)
         total.add_incoming(acc, before)

@@ -30,6 +30,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._scores import _named, _row_ptr
+from ._softmax import _hsum
 from ._x86 import _loop, _vec
 from ._x86_gemm import _c64, _fma
 
@@ -114,13 +115,6 @@ def lane_sum16(typingctx, acc, d, r):
                           builder.mul(r, builder.extract_value(aary.strides, 1)))
         p = builder.bitcast(builder.gep(builder.bitcast(aary.data, ir.PointerType(ir.IntType(8))), [off]),
                             ir.PointerType(_vec(ir.FloatType(), LANES)))
-        x = builder.load(p, align=4)
-        n = LANES
-        while n > 1:  # (no fast-math flags: the additions stay in this order)
-            n //= 2
-            lo = builder.shuffle_vector(x, x, ir.Constant(_vec(ir.IntType(32), n), list(range(n))))
-            hi = builder.shuffle_vector(x, x, ir.Constant(_vec(ir.IntType(32), n), list(range(n, 2 * n))))
-            x = builder.fadd(lo, hi, flags=("arcp",))
-        return builder.extract_element(x, ir.Constant(ir.IntType(32), 0))
+        return _hsum(builder, builder.load(p, align=4))
 
     return types.float32(acc, d, r), codegen
