@@ -6,8 +6,11 @@ f16; q and the attention probabilities rounded to f16 for the products).
 
 Tolerances, measured (`python -m pytest tests/test_golden.py`, values of this cache; in
 brackets the same with an f32 cache, `type_k="f32", type_v="f32"`):
-- top-10 prompt logits: f32 file 0.0015 (0.0026), Q4_K_M 0.065 (0.196). Exact float64
+- top-10 prompt logits: f32 file 0.0015 (0.0026), Q4_K_M 0.112 (0.196). Exact float64
   arithmetic on the stored weights sits 0.003 / 0.21 from llama.cpp (../shared/models/README.md).
+  On Q4_K_M the figure is a draw of which activations land on the other side of an 8-bit
+  rounding step, not a measure of accuracy: it was 0.065 with a SiLU 1 ulp off llama.cpp's in
+  57% of elements, and 0.112 with the SiLU equal to llama.cpp's bit for bit (test_layer_ops).
 - teacher-forced argmax: no mismatch at any margin on either file (f32 cache: 3 on Q4_K_M,
   at margins 0.0025, 0.064, 0.065).
 - perplexity: f32 file 1.3e-6 relative (1.4e-5), Q4_K_M 2.8e-4 (5.4e-4).
@@ -26,7 +29,7 @@ from conftest import shared_path
 FILES = {
     # name -> (top-10 logit tolerance, teacher-forced margin threshold, perplexity relative tolerance)
     "f32": (0.004, 0.005, 1e-4),  # measured 0.0015, no argmax mismatch, 1.3e-6
-    "Q4_K_M": (0.1, 0.05, 0.001),  # measured 0.065, no argmax mismatch, 2.8e-4
+    "Q4_K_M": (0.15, 0.05, 0.001),  # measured 0.112, no argmax mismatch, 2.8e-4
 }
 
 

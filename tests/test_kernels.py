@@ -379,6 +379,53 @@ def test_gemm_takes_whole_tiles_only():
     assert np.array_equal(q.matmul(xs), out)
 
 
+def _q8_k_numpy(x):
+    """ggml's quantize_row_q8_K in NumPy, float32 step for step: (quants, d) per 256-element block."""
+    xb = x.reshape(-1, 256)
+    q = np.zeros(xb.shape, np.int8)
+    d = np.zeros(len(xb), np.float32)
+    for i, blk in enumerate(xb):
+        a = np.abs(blk)
+        if not np.isfinite(blk).all():
+            d[i] = np.nan
+            continue
+        if a.max() == 0:
+            continue
+        vmax = blk[int(np.argmax(a))]  # the first of the largest magnitude
+        with np.errstate(over="ignore", invalid="ignore"):
+            iscale = np.float32(-127.0) / vmax
+            r = np.rint(iscale * blk)
+        q[i] = np.where(np.isnan(r), 0, np.clip(r, -127, 127)).astype(np.int8)
+        with np.errstate(divide="ignore"):
+            d[i] = np.float32(1.0) / iscale
+    return q.reshape(x.shape), d.reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 9])
+def test_q8_k_quants_and_scales_bit_for_bit(n_tok):
+    """The q8_K quantizer (vector code) against a float32 NumPy rendition of ggml's: the quants and
+    d bit for bit, on the calling thread (<= 4 tokens) and over the threads. Blocks where the rule's
+    details decide: +a before -a and -a before +a (the first of the largest magnitude sets the sign),
+    halves (round to even), a tiny denormal maximum (iscale overflows), NaN, Inf, all zero."""
+    rng = np.random.default_rng(32)
+    x = (rng.standard_normal((n_tok, 2048)) * rng.choice([1e-3, 1.0, 50.0], (n_tok, 2048))).astype(np.float32)
+    x[0, 10], x[0, 200] = 9.0, -9.0  # block 0: +9 first
+    x[0, 256 + 3], x[0, 256 + 100] = -9.0, 9.0  # block 1: -9 first
+    x[0, 512:768] = np.arange(256, dtype=np.float32) - 127.5  # |x| 127.5 at both ends: halves everywhere
+    x[0, 768:1024] = 0.0
+    x[0, 800] = np.float32(1e-39)  # a denormal maximum: -127 / vmax overflows to -inf
+    x[0, 801] = np.float32(-5e-40)
+    x[0, 1024 + 7] = np.nan
+    x[0, 1280 + 255] = -np.inf
+    x[0, 1536:1792] = 0.0
+    xq, xd, xs = quantize_activation(x).quantized("q8_K")
+    q_ref, d_ref = _q8_k_numpy(x)
+    np.testing.assert_array_equal(xq, q_ref)
+    np.testing.assert_array_equal(xd.view(np.int32), d_ref.view(np.int32))
+    b16 = xq.astype(np.int64).reshape(n_tok, -1, 16, 16).sum(-1)
+    np.testing.assert_array_equal(xs.reshape(n_tok, -1, 16)[..., :8], b16[..., 0::2] + b16[..., 1::2])
+
+
 def test_q8_k_sum_slots():
     """q8_K's 16 sum slots per block (act_quant.Q8K_SUMS), against sums of the quants in NumPy:
     slots 0-7 the sums of 32 (b_2l + b_2l+1), slots 8-15 the int16 pairs (b_l low, b_l+8 high),

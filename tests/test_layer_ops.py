@@ -278,6 +278,73 @@ def test_swiglu_matches_float64_in_place():
     np.testing.assert_allclose(gate, ref, rtol=2e-6, atol=1e-30)
 
 
+def _ggml_swiglu():
+    """ggml_vec_swiglu_f32 from llama-cpp-python's own libggml-cpu (None without it)."""
+    import ctypes
+    import os
+
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so")
+    if not os.path.exists(path):
+        return None
+    fn = getattr(ctypes.CDLL(path), "ggml_vec_swiglu_f32", None)
+    if fn is not None:
+        p = ctypes.POINTER(ctypes.c_float)
+        fn.argtypes = [ctypes.c_int, p, p, p]
+    return fn
+
+
+@pytest.mark.oracle
+def test_swiglu_equals_ggml_bit_for_bit():
+    """SiLU(gate) * up against ggml's own ggml_vec_swiglu_f32 (called in llama.cpp's library):
+    the same bits where llama.cpp runs its AVX-512 code; one rounding of the last step apart
+    (<= 1 ulp) where it was built for AVX2 (k + k j instead of (1 + j) 2^n)."""
+    import ctypes
+
+    from qllama.kernels._x86 import _target_features
+
+    fn = _ggml_swiglu()
+    if fn is None:
+        pytest.skip("llama-cpp-python's libggml-cpu (the [oracle] extra) is not installed")
+    rng = np.random.default_rng(4)
+    n = 1 << 18
+    x = (rng.standard_normal(n) * rng.choice([0.01, 1.0, 6.0, 40.0], n)).astype(np.float32)
+    x[:10] = [0.0, -0.0, 88.0, -88.0, 100.0, -100.0, 150.0, -150.0, 1e-30, -1e-30]
+    g = rng.standard_normal(n).astype(np.float32)
+    want = np.empty_like(x)
+    p = ctypes.POINTER(ctypes.c_float)
+    fn(n, want.ctypes.data_as(p), x.ctypes.data_as(p), g.ctypes.data_as(p))
+    got = np.empty((1, n), np.float32)
+    ops.glu(x[None].copy(), g[None].copy(), got, ops.ACT_SILU)
+    if {"+avx512f", "+avx512dq"} <= _target_features():
+        np.testing.assert_array_equal(got[0].view(np.int32), want.view(np.int32))
+    else:
+        np.testing.assert_array_max_ulp(got[0], want, maxulp=1)
+
+@pytest.mark.parametrize("act", [0, 1])
+def test_glu_element_bits_do_not_depend_on_position(act):
+    """An element's result is the same bits in a row's tail (n_ff % 16) as in a whole vector, in
+    any row of any batch: decode and a prompt batch must agree. NaN stays NaN."""
+    rng = np.random.default_rng(3)
+    vals = (6 * rng.standard_normal(37)).astype(np.float32)
+    vals[5] = np.nan
+    up = rng.standard_normal(37).astype(np.float32)
+    short = np.stack([vals, vals[::-1]])  # (2, 37): 2 vectors and a tail of 5
+    out_short = np.empty_like(short)
+    ops.glu(short, np.stack([up, up[::-1]]), out_short, act)
+    wide = np.zeros((3, 64), np.float32)  # the same values at other offsets of longer rows
+    wide_up = np.zeros((3, 64), np.float32)
+    wide[2, 27:64], wide_up[2, 27:64] = vals, up
+    out_wide = np.empty_like(wide)
+    ops.glu(wide, wide_up, out_wide, act)
+    np.testing.assert_array_equal(out_short[0].view(np.int32), out_wide[2, 27:].view(np.int32))
+    np.testing.assert_array_equal(out_short[1][::-1].view(np.int32), out_wide[2, 27:].view(np.int32))
+    assert np.isnan(out_short[0, 5]) and np.isfinite(np.delete(out_short[0], 5)).all()
+
+
 @njit
 def _exp_sum_row(x, r, n, shift):
     m = row_max16(x, r, n)

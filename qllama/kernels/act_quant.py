@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
+from ._act_q8k import q8k_block
 from .jit import address_of, call_address, kernel
 from .quantize_k import fp16_round
 
@@ -46,56 +47,14 @@ def _to_int8(v):
 
 @kernel(**_NOPY)
 def q8_k_row(x, t, xq, xd, xs):
-    """Token t (int64) of x in q8_K form (shapes as `quantize_q8_k`), on the calling thread.
+    """Token t (int64) of x in q8_K form (shapes as `quantize_q8_k`), on the calling thread, one
+    256-element block at a time in vector code (`_act_q8k.q8k_block`).
 
     fused.py's one-token step calls it too. A block holding NaN/Inf gets d = NaN (so results
     are NaN, not garbage).
     """
-    n = x.shape[1]
-    for b in range(n // QK_K):
-        o = b * QK_K
-        amax = np.float32(0.0)
-        vmax = np.float32(0.0)
-        finite = True
-        for j in range(QK_K):
-            v = x[t, o + j]
-            a = abs(v)
-            if not (a <= _FLT_MAX):
-                finite = False
-            if a > amax:
-                amax = a
-                vmax = v
-        if not finite or amax == 0:
-            xd[t, b] = np.float32(np.nan) if not finite else np.float32(0.0)
-            for j in range(QK_K):
-                xq[t, o + j] = 0
-            for k in range(Q8K_SUMS):
-                xs[t, b * Q8K_SUMS + k] = 0
-            continue
-        iscale = np.float32(-127.0) / vmax
-        so = b * Q8K_SUMS
-        for k in range(QK_K // 16):
-            s = 0
-            for j in range(16):
-                q = _to_int8(np.rint(iscale * x[t, o + 16 * k + j]))
-                xq[t, o + 16 * k + j] = q
-                s += q
-            if k % 2 == 0:  # slot k // 2: the sum of 32, b_k + b_k+1
-                xs[t, so + k // 2] = s
-            else:
-                xs[t, so + k // 2] += s
-            if k < 8:  # slot 8 + k: b_k in the low half for now, b_k+8 joins it at k + 8
-                xs[t, so + 8 + k] = s & 0xFFFF
-            else:
-                xs[t, so + k] = _pair16(xs[t, so + k], s)
-        xd[t, b] = np.float32(1.0) / iscale
-
-
-@kernel(inline="always", **_NOPY)
-def _pair16(lo, hi):
-    """The int32 whose low half is lo's low 16 bits and high half hi (|hi| < 2**15)."""
-    v = (np.int64(lo) & 0xFFFF) | ((np.int64(hi) & 0xFFFF) << 16)
-    return np.int32(v - (np.int64(1) << 32) if v >= (np.int64(1) << 31) else v)
+    for b in range(x.shape[1] // QK_K):
+        q8k_block(x, t, b, xq, xd, xs)
 
 
 @kernel(inline="always", **_NOPY)
