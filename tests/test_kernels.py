@@ -426,6 +426,39 @@ def test_q8_k_quants_and_scales_bit_for_bit(n_tok):
     np.testing.assert_array_equal(xs.reshape(n_tok, -1, 16)[..., :8], b16[..., 0::2] + b16[..., 1::2])
 
 
+@pytest.mark.parametrize("form", ["q8_0", "q8_1"])
+def test_q8_0_and_q8_1_bit_for_bit(form):
+    """The 32-element activation forms (vector code) against NumPy, step for step: d = fp16(amax /
+    127), q = round-half-even(x * (127 / amax)), the sum of q (q8_0) or fp16(d * sum) (q8_1); a
+    block with NaN or Inf: d NaN, quants 0; an all-zero block; halves; 1 to 9 tokens."""
+    rng = np.random.default_rng(33)
+    for n_tok in (1, 5, 9):
+        x = (rng.standard_normal((n_tok, 320)) * rng.choice([1e-3, 1.0, 60.0], (n_tok, 320))).astype(np.float32)
+        x[0, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # halves
+        x[0, 64:96] = 0.0
+        x[0, 96 + 5] = np.nan
+        x[0, 128 + 31] = np.inf
+        x[0, 160 + 2] = np.float32(1e-39)  # a denormal block
+        x[0, 161:192] = 0.0
+        xq, xd, xs = quantize_activation(x).quantized(form)
+        xb = x.reshape(-1, 32)
+        finite = np.isfinite(xb).all(1)
+        amax = np.where(finite[:, None], np.abs(xb), 0).max(1).astype(np.float32)
+        d = np.where(finite, amax / np.float32(127), np.float32(np.nan)).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            idv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+            r = np.rint(np.where(finite[:, None], xb, 0) * idv[:, None])
+        q = np.clip(np.nan_to_num(r, nan=0.0), -127, 127).astype(np.int8)
+        np.testing.assert_array_equal(xq.reshape(-1, 32), q)
+        d16 = d.astype(np.float16).astype(np.float32)
+        np.testing.assert_array_equal(xd.reshape(-1), d16)
+        s = q.astype(np.int64).sum(1)
+        if form == "q8_0":
+            np.testing.assert_array_equal(xs.reshape(-1), s)
+        else:
+            np.testing.assert_array_equal(xs.reshape(-1), (d * s.astype(np.float32)).astype(np.float16).astype(np.float32))
+
+
 def test_q8_k_sum_slots():
     """q8_K's 16 sum slots per block (act_quant.Q8K_SUMS), against sums of the quants in NumPy:
     slots 0-7 the sums of 32 (b_2l + b_2l+1), slots 8-15 the int16 pairs (b_l low, b_l+8 high),

@@ -1,4 +1,5 @@
-"""One 256-element block of an activation in q8_K form: the intrinsic `q8k_block`.
+"""Activations rounded to 8 bits, one block at a time: the intrinsics `q8k_block` (256 elements,
+q8_K) and `q8_0_block` (32 elements, q8_0 / q8_1).
 
 The same function as ggml's quantize_row_q8_K (and as `act_quant`'s docstring states): vmax = the
 first element of largest magnitude, iscale = -127 / vmax, q = clamp(round-half-even(iscale x),
@@ -67,6 +68,33 @@ def _sums_of_16(builder, vs):
     return vs[0]
 
 
+def _max_lanes(builder, m):
+    """The largest of the 16 signed int32 lanes of m."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        lo = builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, width), list(range(width))))
+        hi = builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, width), list(range(width, 2 * width))))
+        m = builder.select(builder.icmp_signed(">", hi, lo), hi, lo)
+    return builder.extract_element(m, _ci(0))
+
+
+def _quants(builder, vx, scale, pvq):
+    """clamp(round-half-even(scale x), -127, 127), NaN -> 0, for each <16 x float> of vx: stored as
+    int8 at pvq (<16 x i8>*, one vector after another) and returned as <16 x i32> vectors. NaN is
+    found from the bits, so that no fast-math flag of a caller can fold the test away."""
+    out = []
+    for k, v in enumerate(vx):
+        r = _call(builder, "llvm.rint.v16f32", _VF, [_exact("fmul", builder, scale, v)])
+        nan = builder.icmp_signed(">", builder.and_(builder.bitcast(r, _VI), _vi(0x7FFFFFFF)), _vi(0x7F800000))
+        r = builder.select(builder.fcmp_ordered("<", r, _vf(-127.0)), _vf(-127.0), r)
+        r = builder.select(builder.fcmp_ordered(">", r, _vf(127.0)), _vf(127.0), r)
+        q = builder.select(nan, _vi(0), builder.fptosi(r, _VI))
+        builder.store(builder.trunc(q, _vec(_I8, LANES)), builder.gep(pvq, [_ci(k)]), align=1)
+        out.append(q)
+    return out
+
+
 def _is(t, dtype, ndim=2):
     return isinstance(t, types.Array) and t.ndim == ndim and t.dtype == dtype and t.layout == "C"
 
@@ -91,13 +119,7 @@ def q8k_block(typingctx, x, t, b, xq, xd, xs):
         m = mag[0]
         for v in mag[1:]:
             m = builder.select(builder.icmp_signed(">", v, m), v, m)
-        width = LANES
-        while width > 1:
-            width //= 2
-            lo = builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, width), list(range(width))))
-            hi = builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, width), list(range(width, 2 * width))))
-            m = builder.select(builder.icmp_signed(">", hi, lo), hi, lo)
-        amax = builder.extract_element(m, _ci(0))
+        amax = _max_lanes(builder, m)
         # the first element of that magnitude: vector k's equality mask, the lowest k that has one
         first = _ci(0)
         splat = _splat_scalar(builder, amax, LANES)
@@ -114,17 +136,8 @@ def q8k_block(typingctx, x, t, b, xq, xd, xs):
         d = builder.fdiv(ir.Constant(_F, 1.0), iscale, flags=("nsz",))
         d = builder.select(finite, builder.select(nonzero, d, ir.Constant(_F, 0.0)), ir.Constant(_F, float("nan")))
         builder.store(d, pd, align=4)
-        vs = _splat_scalar(builder, iscale, LANES)
         pvq = builder.bitcast(pq, ir.PointerType(_vec(_I8, LANES)))
-        quants = []
-        for k, v in enumerate(vx):
-            r = _call(builder, "llvm.rint.v16f32", _VF, [_exact("fmul", builder, vs, v)])
-            r = builder.select(builder.fcmp_ordered("<", r, _vf(-127.0)), _vf(-127.0), r)
-            r = builder.select(builder.fcmp_ordered(">", r, _vf(127.0)), _vf(127.0), r)
-            r = builder.select(builder.fcmp_unordered("uno", r, r), _vf(0.0), r)
-            q = builder.fptosi(r, _VI)
-            builder.store(builder.trunc(q, _vec(_I8, LANES)), builder.gep(pvq, [_ci(k)]), align=1)
-            quants.append(q)
+        quants = _quants(builder, vx, _splat_scalar(builder, iscale, LANES), pvq)
         s = _sums_of_16(builder, quants)  # b_0 .. b_15
         even = builder.shuffle_vector(s, s, ir.Constant(_vec(_I32, 8), list(range(0, 16, 2))))
         odd = builder.shuffle_vector(s, s, ir.Constant(_vec(_I32, 8), list(range(1, 16, 2))))
@@ -137,3 +150,38 @@ def q8k_block(typingctx, x, t, b, xq, xd, xs):
         return context.get_dummy_value()
 
     return types.void(x, t, b, xq, xd, xs), codegen
+
+
+QK8_0 = 32
+
+
+@intrinsic
+def q8_0_block(typingctx, x, t, o, xq):
+    """(d, s) of the 32 elements x[t, o:o+32] in q8_0 / q8_1 form, the quants stored in xq[t, o:o+32]:
+    d = amax / 127 (NaN if the block holds NaN or Inf), q = clamp(round-half-even(x 127/amax),
+    -127, 127) (0 for an all-zero or non-finite block), s the sum of the quants (int64)."""
+    if not (_is(x, types.float32) and _is(xq, types.int8)):
+        return None
+    ret = types.Tuple((types.float32, types.int64))
+
+    def codegen(context, builder, sig, args):
+        x, t, o, xq = args
+        xty, _, _, qty = sig.args
+        pvx = builder.bitcast(_row_ptr(context, builder, xty, x, t, o), ir.PointerType(_VF))
+        pvq = builder.bitcast(_row_ptr(context, builder, qty, xq, t, o), ir.PointerType(_vec(_I8, LANES)))
+        vx = [builder.load(builder.gep(pvx, [_ci(k)]), align=4) for k in range(QK8_0 // LANES)]
+        mag = [builder.and_(builder.bitcast(v, _VI), _vi(0x7FFFFFFF)) for v in vx]
+        m = builder.select(builder.icmp_signed(">", mag[1], mag[0]), mag[1], mag[0])
+        amax_bits = _max_lanes(builder, m)
+        finite = builder.icmp_signed("<=", amax_bits, _ci(0x7F7FFFFF))
+        amax = builder.bitcast(amax_bits, _F)
+        d = builder.fdiv(amax, ir.Constant(_F, 127.0), flags=("nsz",))
+        d = builder.select(finite, d, ir.Constant(_F, float("nan")))
+        nonzero = builder.icmp_signed("!=", amax_bits, _ci(0))
+        idv = builder.fdiv(ir.Constant(_F, 127.0), builder.select(nonzero, amax, ir.Constant(_F, 1.0)), flags=("nsz",))
+        idv = builder.select(builder.and_(finite, nonzero), idv, ir.Constant(_F, 0.0))
+        q = _quants(builder, vx, _splat_scalar(builder, idv, LANES), pvq)
+        total = _call(builder, "llvm.vector.reduce.add.v16i32", _I32, [builder.add(q[0], q[1])])
+        return context.make_tuple(builder, sig.return_type, [d, builder.sext(total, _I64)])
+
+    return ret(x, t, o, xq), codegen

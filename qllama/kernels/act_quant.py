@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._act_q8k import q8k_block
+from ._act_q8k import q8_0_block, q8k_block
 from .jit import address_of, call_address, kernel
 from .quantize_k import fp16_round
 
@@ -29,21 +29,6 @@ QK_K = 256
 QK8_0 = 32
 # q8_K's 16 int32 sum slots per block: [0, 8) sums of 32 quants, [8, 16) int16 pairs (b_l, b_l+8)
 Q8K_SUMS = 16
-
-_FLT_MAX = np.float32(3.4028234663852886e38)
-
-
-@kernel(inline="always", **_NOPY)
-def _to_int8(v):
-    """A rounded float to an int in [-127, 127]; NaN (from a 0 * inf scale) gives 0.
-
-    Tiny blocks can make the inverse scale overflow to inf; clamping keeps the quants defined
-    (their scale d is then ~0, as is the true product).
-    """
-    if not (v == v):
-        return 0
-    return int(min(np.float32(127.0), max(np.float32(-127.0), v)))
-
 
 @kernel(**_NOPY)
 def q8_k_row(x, t, xq, xd, xs):
@@ -76,22 +61,9 @@ def _as_fp16(v):
 @kernel(**_NOPY)
 def _q8_block(x, t, o, xq):
     """One 32-element block as llama.cpp's AVX2 quantize_row_q8_0/q8_1: d = amax/127,
-    q = round-half-even(x * 127/amax). Returns (d unrounded, sum of q); d NaN if x is not finite."""
-    amax = np.float32(0.0)
-    finite = True
-    for j in range(QK8_0):
-        a = abs(x[t, o + j])
-        if not (a <= _FLT_MAX):
-            finite = False
-        amax = max(amax, a)
-    d = amax / np.float32(127.0)
-    idv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-    s = 0
-    for j in range(QK8_0):
-        q = _to_int8(np.rint(x[t, o + j] * idv)) if finite else 0
-        xq[t, o + j] = q
-        s += q
-    return (d if finite else np.float32(np.nan)), s
+    q = round-half-even(x * 127/amax). Returns (d unrounded, sum of q); d NaN if x is not finite.
+    In vector code (`_act_q8k.q8_0_block`)."""
+    return q8_0_block(x, t, o, xq)
 
 
 @kernel(**_NOPY)

@@ -559,7 +559,7 @@ def attention_parallel_pays(n_tok: int, start_pos: int, n_head: int, n_threads: 
     return n_threads > 1 and n_dots >= ATTENTION_PARALLEL_MIN
 
 
-@kernel(fastmath=True)
+@kernel(fastmath=False)  # explicit: a callee without the option compiles with its caller's flags
 def glu(gate, up, out, act):
     """out = act(gate) * up, all (T, n_ff) float32 (out may be gate); act ACT_SILU or ACT_GELU.
 
