@@ -26,6 +26,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._scores import _row_ptr
+from ._softmax import lane_tree
 from ._x86 import _call, _vec
 from ._x86_gemm import _exact, _splat_scalar
 
@@ -70,13 +71,7 @@ def _sums_of_16(builder, vs):
 
 def _max_lanes(builder, m):
     """The largest of the 16 signed int32 lanes of m."""
-    width = LANES
-    while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, width), list(range(width))))
-        hi = builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, width), list(range(width, 2 * width))))
-        m = builder.select(builder.icmp_signed(">", hi, lo), hi, lo)
-    return builder.extract_element(m, _ci(0))
+    return lane_tree(builder, m, lambda lo, hi: builder.select(builder.icmp_signed(">", hi, lo), hi, lo))
 
 
 def _quants(builder, vx, scale, pvq):

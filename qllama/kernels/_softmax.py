@@ -60,15 +60,21 @@ def _vexp(builder, v):
     return _exact("fmul", builder, e, builder.bitcast(bits, _VF))
 
 
-def _hsum(builder, x):
-    """The 16 lanes of x added as a fixed tree (halves, then quarters, ...), in this order."""
+def lane_tree(builder, x, combine):
+    """The 16 lanes of x folded as a fixed tree: combine(low half, high half), then again on the
+    result's halves, down to one lane, returned as a scalar."""
     n = LANES
     while n > 1:
         n //= 2
         lo = builder.shuffle_vector(x, x, ir.Constant(_vec(_I32, n), list(range(n))))
         hi = builder.shuffle_vector(x, x, ir.Constant(_vec(_I32, n), list(range(n, 2 * n))))
-        x = _exact("fadd", builder, lo, hi)
+        x = combine(lo, hi)
     return builder.extract_element(x, ir.Constant(_I32, 0))
+
+
+def _hsum(builder, x):
+    """The 16 lanes of x added as a fixed tree (halves, then quarters, ...), in this order."""
+    return lane_tree(builder, x, lambda lo, hi: _exact("fadd", builder, lo, hi))
 
 
 @intrinsic
@@ -131,12 +137,6 @@ def row_max16(typingctx, x, r, n):
             return [builder.select(builder.fcmp_ordered(">", v, accs[0]), v, accs[0])]
 
         (m,) = _loop(builder, _c64(0), n_vec, step, [ninf])
-        width = LANES
-        while width > 1:
-            width //= 2
-            lo = builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, width), list(range(width))))
-            hi = builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, width), list(range(width, 2 * width))))
-            m = builder.select(builder.fcmp_ordered(">", hi, lo), hi, lo)
-        return builder.extract_element(m, ir.Constant(_I32, 0))
+        return lane_tree(builder, m, lambda lo, hi: builder.select(builder.fcmp_ordered(">", hi, lo), hi, lo))
 
     return types.float32(x, r, n), codegen
