@@ -91,21 +91,32 @@ def glu16(typingctx, gate, up, out, t, n_vec, gelu):
                       for ty, a in zip(sig.args[:3], (gate, up, out)))
         lo, hi, one = _vc(_EXP_MIN), _vc(_EXP_MAX), _vc(1.0)
 
-        def step(i, _):
-            g = builder.load(builder.gep(pg, [i]), align=4)
-            u = builder.load(builder.gep(pu, [i]), align=4)
-            # GELU: z = (K g) (1 + (A g) g), Cephes exp; SiLU: ggml's exp(0 - g)
-            zg = _exact("fmul", builder, _exact("fmul", builder, _vc(_GELU_K), g),
-                        _fma(builder, _exact("fmul", builder, _vc(_GELU_A), g), g, one))
-            zg = builder.select(builder.fcmp_ordered("<", zg, lo), lo, zg)
-            zg = builder.select(builder.fcmp_ordered(">", zg, hi), hi, zg)
-            e = builder.select(gelu, _vexp(builder, zg), _exp_ggml(builder, _exact("fsub", builder, _vc(0.0), g)))
-            # an IEEE division ("nsz" only keeps Numba from adding its fast-math flags)
-            a = builder.fdiv(g, _exact("fadd", builder, one, e), flags=("nsz",))
-            builder.store(_exact("fmul", builder, a, u), builder.gep(po, [i]), align=4)
-            return []
+        def exp_gelu(g):  # z = (K g) (1 + (A g) g), Cephes exp
+            z = _exact("fmul", builder, _exact("fmul", builder, _vc(_GELU_K), g),
+                       _fma(builder, _exact("fmul", builder, _vc(_GELU_A), g), g, one))
+            z = builder.select(builder.fcmp_ordered("<", z, lo), lo, z)
+            z = builder.select(builder.fcmp_ordered(">", z, hi), hi, z)
+            return _vexp(builder, z)
 
-        _loop(builder, _c64(0), n_vec, step, [])
+        def exp_silu(g):  # ggml's exp(0 - g)
+            return _exp_ggml(builder, _exact("fsub", builder, _vc(0.0), g))
+
+        def row(exp):
+            def step(i, _):
+                g = builder.load(builder.gep(pg, [i]), align=4)
+                u = builder.load(builder.gep(pu, [i]), align=4)
+                # an IEEE division ("nsz" only keeps Numba from adding its fast-math flags)
+                a = builder.fdiv(g, _exact("fadd", builder, one, exp(g)), flags=("nsz",))
+                builder.store(_exact("fmul", builder, a, u), builder.gep(po, [i]), align=4)
+                return []
+
+            _loop(builder, _c64(0), n_vec, step, [])
+
+        with builder.if_else(gelu) as (then, otherwise):  # one loop per activation: only its exp runs
+            with then:
+                row(exp_gelu)
+            with otherwise:
+                row(exp_silu)
         return context.get_dummy_value()
 
     return types.void(gate, up, out, t, n_vec, gelu), codegen
