@@ -205,8 +205,50 @@ def _fold(builder, acc):
     return builder.add(_lanes(builder, acc, range(8)), _lanes(builder, acc, range(8, 16)))
 
 
+def _token_pairs(builder, accs):
+    """Per-token lane sums (<8 x i32> each, or the 512-bit cores' unfolded <16 x i32>) -> two
+    tokens per <16 x i32> (token 2i in lanes 0-7, 2i+1 in lanes 8-15; an odd last one alone in
+    an <8 x i32>), each lane the value `_fold` gives. Why: a token's float steps after its integer
+    sums (convert, scale, accumulate) then run on two tokens per instruction, lane for lane the
+    same operations as on one token's eight lanes, so the same bits."""
+    out = []
+    for i in range(0, len(accs) - 1, 2):
+        a, b = accs[i], accs[i + 1]
+        if a.type.count == 16:  # [a0..7 | b0..7] + [a8..15 | b8..15]
+            lo = builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 16), list(range(8)) + list(range(16, 24))))
+            hi = builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 16), list(range(8, 16)) + list(range(24, 32))))
+            out.append(builder.add(lo, hi))
+        else:
+            out.append(_concat(builder, a, b))
+    if len(accs) % 2:
+        last = accs[-1]
+        out.append(_fold(builder, last) if last.type.count == 16 else last)
+    return out
+
+
+def _per_pair(builder, vals):
+    """Scalars, one per token -> per pair of tokens a <16 x float> (token 2i's value in lanes
+    0-7, 2i+1's in lanes 8-15), an odd last one splatted to <8 x float> (as `_token_pairs`)."""
+    out = []
+    for i in range(0, len(vals) - 1, 2):
+        v = ir.Constant(_vec(ir.FloatType(), 16), None)
+        v = builder.insert_element(v, vals[i], ir.Constant(_I32, 0))
+        v = builder.insert_element(v, vals[i + 1], ir.Constant(_I32, 8))
+        out.append(_lanes(builder, v, [0] * 8 + [8] * 8))
+    if len(vals) % 2:
+        out.append(_splat_f(builder, vals[-1]))
+    return out
+
+
+def _pairs_of(builder, vecs):
+    """Per-token vectors -> per pair their concatenation (an odd last one as it is)."""
+    out = [_concat(builder, vecs[i], vecs[i + 1]) for i in range(0, len(vecs) - 1, 2)]
+    return out + ([vecs[-1]] if len(vecs) % 2 else [])
+
+
 def _nibbles_core(builder, qp, xps, sc, qh_off):
-    """Per token, <8 x i32> partial sums of sum_j sc[j] * nib . x over one q4_K/q5_K super-block.
+    """Per token, <8 x i32> partial sums of sum_j sc[j] * nib . x over one q4_K/q5_K super-block
+    (on a 512-bit ISA <16 x i32> whose `_fold` they are).
 
     qp: <32 x i8>* to the 128 quant bytes; xps: one <32 x i8>* per token to its 256 int8
     activations (the weights are unpacked once for all of them); sc: <8 x i16>.
@@ -242,7 +284,7 @@ def _nibbles_core(builder, qp, xps, sc, qh_off):
 def _nibbles_core_zmm(builder, qp, xps, sc, qh_off):
     """_nibbles_core on 512-bit vectors: the 32 bytes of group j hold its low nibbles (elements
     64j..64j+31) and high ones (64j+32..64j+63), so one vector takes both, against the 64
-    consecutive activations; the lanes' sums are those of the 256-bit form, folded at the end."""
+    consecutive activations; the lanes' sums, folded (`_token_pairs`), are those of the 256-bit form."""
     m15 = _splat(_I8, 64, 15)
     qh = None
     if qh_off is not None:
@@ -260,11 +302,12 @@ def _nibbles_core_zmm(builder, qp, xps, sc, qh_off):
         for i, xp in enumerate(xps):
             x = builder.load(builder.gep(builder.bitcast(xp, ir.PointerType(_vec(_I8, 64))), [ir.Constant(_I32, j)]), align=1)
             accs[i] = _madd_add(builder, accs[i], _maddubs(builder, q, x), scl)
-    return [_fold(builder, a) for a in accs]
+    return accs
 
 
 def _q6_core(builder, base, xps, sc):
-    """Per token, <8 x i32> partial sums of sum_k sc[k] * sum_l q * x over one q6_K block at i8* base.
+    """Per token, <8 x i32> partial sums of sum_k sc[k] * sum_l q * x over one q6_K block at i8* base
+    (on a 512-bit ISA <16 x i32> whose `_fold` they are).
 
     q unsigned 0..63 (unpacked once for all tokens); xps: one <32 x i8>* per token to its 256
     activations; sc: <16 x i16> the block's scales.
@@ -311,7 +354,7 @@ def _q6_core_zmm(builder, base, xps, sc):
             for i, xp in enumerate(xps):
                 x = builder.load(builder.bitcast(_gep8(builder, builder.bitcast(xp, ir.PointerType(_I8)), 128 * n + 64 * p), v64), align=1)
                 accs[i] = _madd_add(builder, accs[i], _maddubs(builder, q, x), scl)
-    return [_fold(builder, a) for a in accs]
+    return accs
 
 
 def _two_bit_codegen(context, builder, signature, args, kind):
@@ -384,10 +427,10 @@ def _gep8(builder, p, off):
     return builder.gep(p, [off if isinstance(off, ir.Value) else ir.Constant(_I64, off)])
 
 
-def _splat_f(builder, v):
-    v8f = _vec(ir.FloatType(), 8)
-    return builder.shuffle_vector(builder.insert_element(ir.Constant(v8f, None), v, ir.Constant(_I32, 0)),
-                                  ir.Constant(v8f, None), ir.Constant(_vec(_I32, 8), [0] * 8))
+def _splat_f(builder, v, n=8):
+    vf = _vec(ir.FloatType(), n)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(vf, None), v, ir.Constant(_I32, 0)),
+                                  ir.Constant(vf, None), ir.Constant(_vec(_I32, n), [0] * n))
 
 
 def _loop(builder, lo, hi, body, inits):
@@ -420,21 +463,25 @@ def _loop(builder, lo, hi, body, inits):
 
 
 def _row_loop(builder, nb, body, n_acc, n_scalar=0):
-    """Emit `for b in range(nb): accs = body(b, accs)` over n_acc <8 x float> accumulators (then
-    n_scalar float ones); return the vector ones' lane sums, then the scalar ones.
+    """Emit `for b in range(nb): accs = body(b, accs)` over vector float accumulators (then
+    n_scalar float ones); return the vector ones' 8-lane groups' sums, then the scalar ones.
 
-    Keeping the partial sums in vector registers for the whole row (one horizontal sum per row,
-    not per block) is what makes these row kernels fast.
+    n_acc: how many <8 x float> accumulators, or a list of their widths (8 or 16: a 16-lane one
+    holds two tokens' eight lanes, summed as two 8-lane ones). Keeping the partial sums in vector
+    registers for the whole row (one horizontal sum per row, not per block) is what makes these
+    row kernels fast.
     """
-    v8f = _vec(ir.FloatType(), 8)
-    zeros = [ir.Constant(v8f, [0.0] * 8)] * n_acc + [ir.Constant(ir.FloatType(), 0.0)] * n_scalar
+    widths = [8] * n_acc if isinstance(n_acc, int) else list(n_acc)
+    zeros = [ir.Constant(_vec(ir.FloatType(), w), [0.0] * w) for w in widths] + [ir.Constant(ir.FloatType(), 0.0)] * n_scalar
     phis = _loop(builder, ir.Constant(_I64, 0), nb, body, zeros)
     sums = []
-    for v in phis[:n_acc]:
-        for n in (4, 2, 1):  # pairwise horizontal sum
-            v = builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
-        sums.append(builder.extract_element(v, ir.Constant(_I32, 0)))
-    return sums + phis[n_acc:]
+    for acc in phis[:len(widths)]:
+        for h in range(acc.type.count // 8):
+            v = _lanes(builder, acc, range(8 * h, 8 * h + 8)) if acc.type.count > 8 else acc
+            for n in (4, 2, 1):  # pairwise horizontal sum, in this order (as the gemms' tiles)
+                v = _exact("fadd", builder, _lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
+            sums.append(builder.extract_element(v, ir.Constant(_I32, 0)))
+    return sums + phis[len(widths):]
 
 
 def _row_ptrs(context, builder, signature, args):
@@ -471,7 +518,6 @@ def _row_kquant45(context, builder, signature, args, kind):
     args: row (u8[]), nb, xq (i8), xd (f32), xs (i32 16-element sums) [, t0: see _row_ptrs].
     """
     bsz, qoff, qh_off = (144, 16, None) if kind == "q4" else (176, 48, -32)
-    v8f = _vec(ir.FloatType(), 8)
     rowp, toks = _row_ptrs(context, builder, signature, args)
 
     def c(v):
@@ -498,23 +544,35 @@ def _row_kquant45(context, builder, signature, args, kind):
         qp = builder.bitcast(_gep8(builder, blk, qoff), ir.PointerType(_vec(_I8, 32)))
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
                for xq, _, _ in toks]
-        isums = _nibbles_core(builder, qp, xps, sc, qh_off)
+        isums = _token_pairs(builder, _nibbles_core(builder, qp, xps, sc, qh_off))
+        xds = _per_pair(builder, [builder.load(builder.gep(xd, [b]), align=4) for _, xd, _ in toks])
+        # (slots 0-7 of each token's 16 sums: the sums of 32, act_quant.Q8K_SUMS)
+        sums32 = _pairs_of(builder, [builder.load(builder.bitcast(builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))]),
+                                                                  ir.PointerType(_vec(_I16, 16))), align=4) for _, _, xs in toks])
         out = []
-        for acc, isum, (_, xd, xs) in zip(accs, isums, toks):
-            xdb = builder.load(builder.gep(xd, [b]), align=4)
-            bsp = builder.gep(xs, [builder.mul(b, ir.Constant(_I64, 16))])  # (slots 0-7: the sums of 32, act_quant.Q8K_SUMS)
-            pairs = builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I16, 16))), align=4)
-            msum = _maddwd(builder, pairs, mn16)  # m_l * (sum of 32): each sum's high half meets a 0
-            acc = builder.fadd(acc, builder.fmul(_splat_f(builder, builder.fmul(d, xdb)), builder.sitofp(isum, v8f)))
-            out.append(builder.fsub(acc, builder.fmul(_splat_f(builder, builder.fmul(dmin, xdb)), builder.sitofp(msum, v8f))))
+        for acc, isum, xdb, pairs in zip(accs, isums, xds, sums32):
+            n = isum.type.count  # 8 lanes per token: one token, or two
+            vf = _vec(ir.FloatType(), n)
+            mins = mn16 if n == 8 else _concat(builder, mn16, mn16)
+            msum = _maddwd(builder, pairs, mins)  # m_l * (sum of 32): each sum's high half meets a 0
+            # acc = fma(-dmin*dx, msum, fma(d*dx, isum, acc)), written out: with the fast-math
+            # freedom the kernels compile with, LLVM factored dx out of the pair form (other bits)
+            dx = _exact("fmul", builder, _splat_f(builder, d, n), xdb)
+            neg_mx = _exact("fmul", builder, _splat_f(builder, builder.fneg(dmin), n), xdb)
+            acc = _fma(builder, dx, builder.sitofp(isum, vf), acc)
+            out.append(_fma(builder, neg_mx, builder.sitofp(msum, vf), acc))
         return out
 
-    return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
+    return _pack(context, builder, signature, _row_loop(builder, args[1], body, _widths(len(toks))))
+
+
+def _widths(n_tok):
+    """The accumulators' widths for n_tok tokens paired as `_token_pairs` pairs them."""
+    return [16] * (n_tok // 2) + [8] * (n_tok % 2)
 
 
 def _row_q6_k(context, builder, signature, args):
     """q6_K row(s) times q8_K activation(s): sum_b d_b*dx_b*(sum_k sc_k*(sum q x - 32*bsum_k))."""
-    v8f = _vec(ir.FloatType(), 8)
     rowp, toks = _row_ptrs(context, builder, signature, args)
 
     def body(b, accs):
@@ -524,17 +582,21 @@ def _row_q6_k(context, builder, signature, args):
         sc_pairs = _lanes(builder, sc, [k // 2 + 8 * (k % 2) for k in range(16)])  # (s_l, s_l+8), as the q8_K sums' slots 8-15
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), ir.PointerType(_vec(_I8, 32)))
                for xq, _, _ in toks]
-        isums = _q6_core(builder, blk, xps, sc)
+        isums = _token_pairs(builder, _q6_core(builder, blk, xps, sc))
+        xds = _per_pair(builder, [builder.load(builder.gep(xd, [b]), align=4) for _, xd, _ in toks])
+        sums16 = _pairs_of(builder, [builder.load(builder.bitcast(builder.gep(xs, [builder.add(builder.mul(b, ir.Constant(_I64, 16)), ir.Constant(_I64, 8))]),
+                                                                  ir.PointerType(_vec(_I16, 16))), align=4) for _, _, xs in toks])
         out = []
-        for acc, isum, (_, xd, xs) in zip(accs, isums, toks):
-            bsp = builder.gep(xs, [builder.add(builder.mul(b, ir.Constant(_I64, 16)), ir.Constant(_I64, 8))])
-            corr = _maddwd(builder, builder.load(builder.bitcast(bsp, ir.PointerType(_vec(_I16, 16))), align=4), sc_pairs)
-            isum = builder.sub(isum, builder.shl(corr, ir.Constant(_vec(_I32, 8), [5] * 8)))
-            db = builder.fmul(d, builder.load(builder.gep(xd, [b]), align=4))
-            out.append(builder.fadd(acc, builder.fmul(_splat_f(builder, db), builder.sitofp(isum, v8f))))
+        for acc, isum, xdb, pairs in zip(accs, isums, xds, sums16):
+            n = isum.type.count  # 8 lanes per token: one token, or two
+            scs = sc_pairs if n == 8 else _concat(builder, sc_pairs, sc_pairs)
+            corr = _maddwd(builder, pairs, scs)
+            isum = builder.sub(isum, builder.shl(corr, ir.Constant(_vec(_I32, n), [5] * n)))
+            db = _exact("fmul", builder, _splat_f(builder, d, n), xdb)
+            out.append(_fma(builder, db, builder.sitofp(isum, _vec(ir.FloatType(), n)), acc))
         return out
 
-    return _pack(context, builder, signature, _row_loop(builder, args[1], body, len(toks)))
+    return _pack(context, builder, signature, _row_loop(builder, args[1], body, _widths(len(toks))))
 
 
 # 32-element blocks: kind -> (block bytes, offset of the quants, of the 32 fifth bits (or None),
@@ -569,9 +631,16 @@ def _fifth_bits(builder, p):
 
 
 def _fma(builder, a, b, c):
-    """a * b + c rounded once (vfmadd), float32."""
-    fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
+    """a * b + c rounded once (vfmadd), float32 or lane-wise on a float32 vector."""
+    name = f"llvm.fma.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
+    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(a.type, [a.type] * 3))
     return builder.call(fn, [a, b, c])
+
+
+def _exact(op, builder, a, b):
+    """a op b with no fast-math freedom (the kernels compile with fastmath; Numba adds its flags
+    only to float instructions that have none, and `arcp` changes nothing here)."""
+    return getattr(builder, op)(a, b, flags=("arcp",))
 
 
 def _row_legacy(context, builder, signature, args, kind):

@@ -56,7 +56,9 @@ from ._x86 import (
     VNNI,
     ZMM,
     _dot4,
+    _exact,
     _fifth_bits,
+    _fma,
     _gep8,
     _lanes,
     _loop,
@@ -317,22 +319,11 @@ def _abs(builder, v):
     return builder.call(fn, [v, ir.Constant(ir.IntType(1), 0)])
 
 
-def _fma(builder, a, b, c):
-    fn = builder.module.declare_intrinsic(f"llvm.fma.v{a.type.count}f32", fnty=ir.FunctionType(a.type, [a.type] * 3))
-    return builder.call(fn, [a, b, c])
-
-
 def _token_ptr(context, builder, aty, aval, t, elty):
     """elty* to row t of the 2-D C array aval."""
     ary = context.make_array(aty)(context, builder, aval)
     p = builder.gep(builder.bitcast(ary.data, ir.PointerType(_I8)), [builder.mul(t, builder.extract_value(ary.strides, 0))])
     return builder.bitcast(p, ir.PointerType(elty))
-
-
-def _exact(op, builder, a, b):
-    """a op b with no fast-math freedom (the kernels compile with fastmath; Numba adds its flags
-    only to float instructions that have none, and `arcp` changes nothing here)."""
-    return getattr(builder, op)(a, b, flags=("arcp",))
 
 
 def _splat_scalar(builder, x, n=None):
