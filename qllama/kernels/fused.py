@@ -41,7 +41,7 @@ from . import (
 )
 from ._x86_iq import row_dot_iq2_xxs, row_dot_iq3_s, row_dot_iq4_nl, row_dot_iq4_xs, tail_iq4_nl
 from .act_quant import q8_0_row, q8_1_row, q8_k_row
-from .int8 import FASTMATH, prefetch_ahead
+from .int8 import FASTMATH
 from .jit import address_of, call_address, kernel
 from .layer_ops import glu
 
@@ -94,18 +94,15 @@ def _rows_impl(type_id, raw, out, lo, hi, xq, xd, xs):
     def int_sums(type_id, raw, out, lo, hi, xq, xd, xs):  # q8_K (k-quants) or q8_0 (q8_0, q4_0, q5_0)
         if type_id == Q4_K:
             nb = raw.shape[1] // 144
-            for r in range(lo, hi):
-                prefetch_ahead(raw, r, hi)  # (as int8's row kernels: more lines in flight from memory)
+            for r in range(lo, hi):  # (the intrinsic prefetches ahead, per block)
                 out[0, r] = _x86.row_dot_q4_k(raw[r], nb, xq, xd, xs)
         elif type_id == Q5_K:
             nb = raw.shape[1] // 176
-            for r in range(lo, hi):
-                prefetch_ahead(raw, r, hi)  # (as int8's row kernels: more lines in flight from memory)
+            for r in range(lo, hi):  # (the intrinsic prefetches ahead, per block)
                 out[0, r] = _x86.row_dot_q5_k(raw[r], nb, xq, xd, xs)
         elif type_id == Q6_K:
             nb = raw.shape[1] // 210
-            for r in range(lo, hi):
-                prefetch_ahead(raw, r, hi)  # (as int8's row kernels: more lines in flight from memory)
+            for r in range(lo, hi):  # (the intrinsic prefetches ahead, per block)
                 out[0, r] = _x86.row_dot_q6_k(raw[r], nb, xq, xd, xs)
         elif type_id == Q8_0:
             _rows_q8_0(raw, raw.shape[1] // 34, out, lo, hi, xq, xd, xs)

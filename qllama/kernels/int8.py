@@ -30,6 +30,7 @@ from .jit import Variants, address_of, call_address, kernel
 
 from ..gguf.types import GGML_TYPES, IQ4_NL, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._fp16 import f16_at
+from . import _x86
 from ._x86 import (
     dot_q2_k,
     dot_q3_k,
@@ -58,10 +59,11 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 QK_K = 256
 QK8_0 = 32
 TOKEN_TILE = 64  # 64 tokens x ne0 int8 activations stay in L2
-# The row kernels ask for the row ~8 KiB ahead of the one they read (software prefetch): one
-# thread's rows from memory went 7.5 -> 10 GB/s (q4_K, q6_K, one token; the hardware prefetcher
-# alone kept fewer lines in flight), the same bits.
-PREFETCH_BYTES = 8192
+# The row kernels of the types below ask for the row ~8 KiB ahead of the one they read (software
+# prefetch, `prefetch_ahead`): one thread's rows from memory went 7.5 -> 10 GB/s (q4_K, q6_K, one
+# token, before those moved to a prefetch per block inside the row intrinsic: _x86.PREFETCH_BYTES),
+# the same bits.
+PREFETCH_BYTES = _x86.PREFETCH_BYTES
 
 
 @kernel(**_NOPY)
@@ -192,7 +194,8 @@ def _rows_of(type_id: int):
         n_tok, nb = xq.shape[0], raw.shape[1] // bb
         for t0 in range(0, n_tok, TOKEN_TILE):
             for r in range(r0, r1):
-                prefetch_ahead(raw, r, r1)
+                if not (q4k or q5k or q6k):  # (the k-quant intrinsics prefetch per block)
+                    prefetch_ahead(raw, r, r1)
                 row = raw[r]
                 t1 = min(n_tok, t0 + TOKEN_TILE)
                 t = t0
