@@ -509,12 +509,13 @@ def _row_ptrs(context, builder, signature, args):
     return rowp, toks
 
 
-# The k-quant row kernels ask, at every block, for the lines PREFETCH_BYTES ahead of it (the rows
-# of a thread's chunk lie end to end, so this runs on into the next rows). Asking once per row for
-# a whole row further ahead (int8.prefetch_ahead, which the other types keep) issued a burst of up
-# to ~100 prefetches at each row start, too many to keep in flight: on Zen 5 the 1B shape's
-# ffn_down (rows of 4.6-6.7 KB) read at 20 GB/s from memory at one thread, 37 GB/s this way; four
-# tokens' rows 9 -> 22 GB/s (the same bits: a prefetch computes nothing).
+# The row kernels (k-quants and the 32-element types) ask, at every block, for the lines
+# PREFETCH_BYTES ahead of it (the rows of a thread's chunk lie end to end, so this runs on into the
+# next rows). Asking once per row for a whole row further ahead (int8.prefetch_ahead, which the
+# i-quants keep) issued a burst of up to ~100 prefetches at each row start, too many to keep in
+# flight: on Zen 5 the 1B shape's ffn_down (rows of 4.6-6.7 KB) read at 20 GB/s from memory at one
+# thread, 37 GB/s this way; four tokens' rows 9 -> 22 GB/s; q8_0 rows of 8192, one token, 14 -> 34
+# GB/s (the same bits: a prefetch computes nothing).
 PREFETCH_BYTES = 8192
 
 
@@ -689,6 +690,7 @@ def _row_legacy(context, builder, signature, args, kind):
 
     def row_body(rowp, b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
+        _prefetch_block(builder, blk, 1)  # (blocks of 18-34 bytes: one line ahead per block covers every line)
         d = _splat_f16(builder, blk)
         qp = _gep8(builder, blk, qoff)
         if kind == "q8_0":

@@ -59,10 +59,10 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 QK_K = 256
 QK8_0 = 32
 TOKEN_TILE = 64  # 64 tokens x ne0 int8 activations stay in L2
-# The row kernels of the types below ask for the row ~8 KiB ahead of the one they read (software
-# prefetch, `prefetch_ahead`): one thread's rows from memory went 7.5 -> 10 GB/s (q4_K, q6_K, one
-# token, before those moved to a prefetch per block inside the row intrinsic: _x86.PREFETCH_BYTES),
-# the same bits.
+# Row kernels without a prefetch of their own (the i-quants') ask for the row ~8 KiB ahead of the
+# one they read (`prefetch_ahead`): one thread's q4_K / q6_K rows from memory went 7.5 -> 10 GB/s
+# this way on Ice Lake, before those moved to a prefetch per block inside the row intrinsic
+# (_x86.PREFETCH_BYTES, better still); the same bits.
 PREFETCH_BYTES = _x86.PREFETCH_BYTES
 
 
@@ -193,9 +193,7 @@ def _rows_of(type_id: int):
     def rows(raw, xq, xd, xs, tab, out, r0, r1):
         n_tok, nb = xq.shape[0], raw.shape[1] // bb
         for t0 in range(0, n_tok, TOKEN_TILE):
-            for r in range(r0, r1):
-                if not (q4k or q5k or q6k):  # (the k-quant intrinsics prefetch per block)
-                    prefetch_ahead(raw, r, r1)
+            for r in range(r0, r1):  # (the row intrinsics prefetch ahead, per block)
                 row = raw[r]
                 t1 = min(n_tok, t0 + TOKEN_TILE)
                 t = t0
