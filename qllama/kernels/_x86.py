@@ -509,11 +509,11 @@ def _row_ptrs(context, builder, signature, args):
     return rowp, toks
 
 
-# The row kernels (k-quants and the 32-element types) ask, at every block, for the lines
-# PREFETCH_BYTES ahead of it (the rows of a thread's chunk lie end to end, so this runs on into the
-# next rows). Asking once per row for a whole row further ahead (int8.prefetch_ahead, which the
-# i-quants keep) issued a burst of up to ~100 prefetches at each row start, too many to keep in
-# flight: on Zen 5 the 1B shape's ffn_down (rows of 4.6-6.7 KB) read at 20 GB/s from memory at one
+# The row kernels (every int8 row intrinsic: k-quants, 32-element types, i-quants, mxfp4) ask, at
+# every block, for the lines PREFETCH_BYTES ahead of it (the rows of a thread's chunk lie end to
+# end, so this runs on into the next rows). Asking once per row for a whole row further ahead (as
+# the row loops did before) issued a burst of up to ~100 prefetches at each row start, too many to
+# keep in flight: on Zen 5 the 1B shape's ffn_down (rows of 4.6-6.7 KB) read at 20 GB/s from memory at one
 # thread, 37 GB/s this way; four tokens' rows 9 -> 22 GB/s; q8_0 rows of 8192, one token, 14 -> 34
 # GB/s (the same bits: a prefetch computes nothing).
 PREFETCH_BYTES = 8192
@@ -859,24 +859,6 @@ def row_dot4_q4_legacy(typingctx, row, nb, xq, xd, xs, t0):
 def row_dot4_q5_legacy(typingctx, row, nb, xq, xd, xs, t0):
     """row_dot_q5_legacy for tokens t0..t0+3 of 2-D activations -> 4 float32."""
     return _legacy_sig(5, row, nb, xq, xd, xs, t0)
-
-
-@intrinsic
-def prefetch(typingctx, arr, off):
-    """A hint to bring the cache line holding byte `off` of arr's data into the caches
-    (`llvm.prefetch`, read, high locality): it computes nothing and never faults, whatever
-    the address."""
-    if not (isinstance(arr, types.Array) and isinstance(off, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        p = builder.gep(builder.bitcast(data, ir.PointerType(_I8)), [args[1]])
-        _call(builder, "llvm.prefetch", ir.VoidType(), [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                                                         ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-
-    return types.void(arr, off), codegen
 
 
 _TAIL_KINDS = {Q4_K: "q4", Q5_K: "q5", Q6_K: "q6", Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0",

@@ -37,6 +37,7 @@ from ._x86 import (
     _dot4,
     _gep8,
     _hsum,
+    _prefetch_block,
     _is_arr,
     _lanes,
     _loop,
@@ -143,6 +144,7 @@ def _row_pairs(context, builder, signature, args, kind):
         for h in range(2):
             b = builder.add(builder.shl(i, ir.Constant(_I64, 1)), ir.Constant(_I64, h))
             blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, kind.block_bytes)))
+            _prefetch_block(builder, blk, 1)  # (blocks of 17-18 bytes: one line ahead per block covers every line)
             d = kind.scale(builder, blk)
             q, aq = nibble_lookup_abs(builder, _gep8(builder, blk, kind.qs), kind.table)  # q, |q|
             for t, (xq, xd, _) in enumerate(toks):
@@ -224,6 +226,7 @@ def _row_iq4_xs(context, builder, signature, args):
 
     def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, 136)))
+        _prefetch_block(builder, blk, 136)
         d = _load_f16(builder, blk)
         ls = _xs_scales(builder, blk)
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), v32) for xq, _, _ in toks]
@@ -398,6 +401,7 @@ def _row_grid(context, builder, signature, args, type_id):
 
     def body(b, accs):
         blk = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bb)))
+        _prefetch_block(builder, blk, bb)
         xps = [builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 256))), v32) for xq, _, _ in toks]
         isums = [ir.Constant(_vec(_I32, 8), [0] * 8)] * len(toks)
         for c in range(8):

@@ -30,11 +30,9 @@ from .jit import Variants, address_of, call_address, kernel
 
 from ..gguf.types import GGML_TYPES, IQ4_NL, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ._fp16 import f16_at
-from . import _x86
 from ._x86 import (
     dot_q2_k,
     dot_q3_k,
-    prefetch,
     row_dot4_q4_k,
     row_dot4_q4_legacy,
     row_dot4_q5_k,
@@ -59,24 +57,6 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 QK_K = 256
 QK8_0 = 32
 TOKEN_TILE = 64  # 64 tokens x ne0 int8 activations stay in L2
-# Row kernels without a prefetch of their own (the i-quants') ask for the row ~8 KiB ahead of the
-# one they read (`prefetch_ahead`): one thread's q4_K / q6_K rows from memory went 7.5 -> 10 GB/s
-# this way on Ice Lake, before those moved to a prefetch per block inside the row intrinsic
-# (_x86.PREFETCH_BYTES, better still); the same bits.
-PREFETCH_BYTES = _x86.PREFETCH_BYTES
-
-
-@kernel(**_NOPY)
-def prefetch_ahead(raw, r, r1):
-    """Ask for the lines of the row PREFETCH_BYTES ahead of row r of raw (uint8 (n_rows, row
-    bytes), C order), when it is below r1 (the rows this call reads)."""
-    rb = raw.shape[1]
-    ahead = r + (PREFETCH_BYTES + rb - 1) // rb
-    if ahead < r1:
-        for o in range(ahead * rb, (ahead + 1) * rb, 64):
-            prefetch(raw, o)
-
-
 @kernel(**_NOPY)
 def _chunks(n_rows, n_threads):
     """Split rows into one contiguous chunk per thread: (n_chunks, rows per chunk).

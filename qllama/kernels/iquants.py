@@ -32,7 +32,7 @@ from ._x86_iq import (
     tail_iq4_nl,
 )
 from ._x86_mxfp4 import row_dot4_mxfp4, row_dot_mxfp4, tail_mxfp4
-from .int8 import _over_threads, gemm, prefetch_ahead
+from .int8 import _over_threads, gemm
 from .jit import Variants, kernel
 
 IQ4_NL, IQ4_XS, IQ3_S, IQ2_XXS, MXFP4 = 20, 23, 21, 16, 39
@@ -125,8 +125,7 @@ def _int8_rows_of(type_id: int):
         nbe = nb - 1 if odd else nb  # blocks the intrinsic takes (iq4_nl: pairs)
         for t0 in range(0, n_tok, TOKEN_TILE):
             t1 = min(n_tok, t0 + TOKEN_TILE)
-            for r in range(r0, r1):
-                prefetch_ahead(raw, r, r1)
+            for r in range(r0, r1):  # (the row intrinsics prefetch ahead, per block)
                 row = raw[r]
                 t = t0
                 while t + 4 <= t1:  # 4 tokens per call: the weights are unpacked once for them
