@@ -513,9 +513,9 @@ def _row_ptrs(context, builder, signature, args):
 # every block, for the lines PREFETCH_BYTES ahead of it (the rows of a thread's chunk lie end to
 # end, so this runs on into the next rows). Asking once per row for a whole row further ahead (as
 # the row loops did before) issued a burst of up to ~100 prefetches at each row start, too many to
-# keep in flight: on Zen 5 the 1B shape's ffn_down (rows of 4.6-6.7 KB) read at 20 GB/s from memory at one
-# thread, 37 GB/s this way; four tokens' rows 9 -> 22 GB/s; q8_0 rows of 8192, one token, 14 -> 34
-# GB/s (the same bits: a prefetch computes nothing).
+# keep in flight: on Zen 5 the 1B shape's ffn_down (rows of 4.6-6.7 KB) read at 20 GB/s from
+# memory at one thread, 37 GB/s this way; four tokens' rows 9 -> 22 GB/s; q8_0 rows of 8192, one
+# token, 14 -> 34 GB/s (the same bits: a prefetch computes nothing).
 PREFETCH_BYTES = 8192
 
 
