@@ -22,7 +22,7 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("terminal")
     plain, chat = d / "plain.gguf", d / "chat.gguf"
     write_model(plain, ModelSpec(seed=31, n_ctx=4096))
-    write_model(chat, ModelSpec(seed=32, n_ctx=4096, chat_template=TEMPLATE))
+    write_model(chat, ModelSpec(seed=32, n_ctx=65536, chat_template=TEMPLATE))
     return {"plain": plain, "chat": chat, "dir": d}
 
 
@@ -99,10 +99,11 @@ def test_a_long_prompt_shows_progress_on_a_terminal(models):
 
 
 def test_ctrl_c_stops_the_answer_not_the_chat_and_typing_is_not_echoed(models):
-    child = spawn("chat", models["chat"], "-t", "1", "--ignore-eos", "-n", "-1", "--temp", "0")
+    # a context the answer cannot fill before the Ctrl-C below (the default 4096 tokens took 0.5 s on a Zen 5 host)
+    child = spawn("chat", models["chat"], "-c", "65536", "-t", "1", "--ignore-eos", "-n", "-1", "--temp", "0")
     child.expect_exact("> ")
     child.sendline("tell me everything")
-    time.sleep(1.0)  # the answer streams (a 4096-token context, end of sequence never sampled)
+    time.sleep(1.0)  # the answer streams (a 65536-token context, end of sequence never sampled)
     child.send("zzz")  # typed while it streams
     time.sleep(0.3)
     child.sendintr()
