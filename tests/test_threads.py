@@ -251,6 +251,52 @@ def test_first_step_starts_low_when_other_processes_hold_a_cpu(others, start):
         assert used[1] == 1  # the usual immediate comparison
 
 
+def test_a_new_request_follows_load_that_arrived_between_requests():
+    """A persistent session (a chat, a library caller): the load arrives after a request at two
+    threads; the next request's first step reads the meter and runs at one thread, with no probe
+    of two (a short request would pay for it); when the load is gone, the next one is back at two."""
+    meter = FakeMeter(0.0)
+    a = ThreadAdapter([2, 1], idle=meter)
+    drive(a, IDLE, 50)
+    assert a.current == 2
+    meter.others = 1.0
+    a.new_request()
+    assert drive(a, BUSY, 8, start=50) == [1] * 8
+    meter.others = 0.0
+    a.new_request()
+    assert drive(a, IDLE, 3, start=58)[0] == 2
+    without = ThreadAdapter([2, 1], idle=FakeMeter(0.0))  # the same load, no new request: 2 threads first
+    drive(without, IDLE, 50)
+    without.idle.others = 1.0
+    assert drive(without, BUSY, 1, start=50) == [2]
+
+
+class PausedMeter(FakeMeter):
+    """A meter whose window reached back over a long pause (others_cpus: None) and whose instant
+    reading says what runs now."""
+
+    def __init__(self, now: float):
+        super().__init__(None)
+        self.now = now
+
+    def others_now(self):
+        return self.now
+
+
+def test_a_later_request_after_a_pause_reads_the_load_at_this_instant():
+    """The windowed reading is stale after a pause between requests (other work came and went):
+    a later request starts from what runs at this instant, both ways."""
+    meter = PausedMeter(0.0)
+    a = ThreadAdapter([2, 1], idle=meter)
+    drive(a, IDLE, 50)
+    meter.now = 1.0
+    a.new_request()
+    assert drive(a, BUSY, 4, start=50) == [1] * 4
+    meter.now = 0.0
+    a.new_request()
+    assert drive(a, IDLE, 1, start=54) == [2]
+
+
 def _meter_on_fake_stat(tmp_path, monkeypatch):
     """(stat file, IdleMeter reading it, the clock dict its own CPU and wall time come from): 2 CPUs,
     first reading 100 busy + 100 idle ticks at CPU 0 s, wall 0 s."""
@@ -508,6 +554,23 @@ def test_idle_meter_others_now_counts_running_threads_of_other_processes(tmp_pat
     assert m.others_now() == 0.0  # the reader itself is running
     stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\n")
     assert m.others_now() is None
+
+
+def test_idle_meter_others_now_ignores_a_process_that_is_just_finishing(tmp_path, monkeypatch):
+    """Another process runnable at the first look but gone a millisecond later (its threads' last
+    spin) does not count; one that stays runnable at every look does."""
+    import qllama.runtime.threads as threads_module
+
+    stat, m, clock = _meter_on_fake_stat(tmp_path, monkeypatch)
+    monkeypatch.setattr(IdleMeter, "_own_running", staticmethod(lambda: 1))
+    stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\nprocs_running 2\n")
+    looks = []
+    monkeypatch.setattr(threads_module.time, "sleep", lambda s: looks.append(s))
+    assert m.others_now() == 1.0 and len(looks) == 3  # stays: 4 looks, 1 ms apart
+    looks.clear()
+    monkeypatch.setattr(threads_module.time, "sleep",
+                        lambda s: stat.write_text("cpu  100 0 0 100 0 0 0 0 0 0\nprocs_running 1\n"))
+    assert m.others_now() == 0.0  # gone at the second look
 
 
 def test_a_meter_just_made_falls_back_to_the_running_count():

@@ -136,6 +136,8 @@ class Session:
             raise ContextOverflowError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}"
             )
+        if self.threads is not None:  # a new request: its first step reads the machine's load again
+            self.threads.new_request()
         common = min(common_prefix(self.tokens, ids), len(ids) - 1)  # re-evaluate at least one token to get its logits
         common = self.cache.rewind(common)  # 0 when a sliding-window layer no longer holds what it needs
         self.tokens = list(ids[:common])

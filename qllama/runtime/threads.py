@@ -71,17 +71,28 @@ class IdleMeter:
         t = os.times()
         return t.user + t.system, time.monotonic()  # this process's CPU seconds (every thread), wall
 
-    def others_now(self) -> float | None:
+    def others_now(self, samples: int = 4, gap: float = 0.001) -> float | None:
         """CPUs other processes want right now: the machine's runnable threads (`procs_running`)
         less this process's running ones, at most every CPU (None: unknown). No window, so it
-        answers when `others_cpus` cannot yet (a meter just made); one instant, so it is noisier."""
-        try:
-            with open(self.path) as f:
-                running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
-            own = self._own_running()
-        except (OSError, ValueError, IndexError, StopIteration):
-            return None
-        return float(min(self.n_cpu, max(0, running - max(1, own))))
+        answers when `others_cpus` cannot yet (a meter just made, or a window that would reach back
+        over a pause). While it sees others it looks again, up to `samples` times `gap` seconds
+        apart, and keeps the fewest: a process that has just finished (its threads still spinning
+        for a millisecond) does not count, a busy one does."""
+        fewest = None
+        for i in range(samples):
+            if i:
+                time.sleep(gap)
+            try:
+                with open(self.path) as f:
+                    running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+                own = self._own_running()
+            except (OSError, ValueError, IndexError, StopIteration):
+                return fewest
+            now = float(min(self.n_cpu, max(0, running - max(1, own))))
+            fewest = now if fewest is None else min(fewest, now)
+            if fewest < 0.5:
+                break
+        return fewest
 
     @staticmethod
     def _own_running() -> int:
@@ -189,6 +200,8 @@ class ThreadAdapter:
         self._low_start = False  # started below the largest count by the meter, no switch since
         self._idle_misses = 0  # idle-started probes lost since the last switch
         self._best = 0.0  # the current count's fastest median since it was chosen
+        self._later = False  # a request after the first (`new_request`)
+        self.recent_seconds = 1.0  # a later request's start reads a window at most this long (`_start_fit`)
 
     # -- the decision (pure: no clock, no Numba) ---------------------------------------------
 
@@ -259,25 +272,46 @@ class ThreadAdapter:
         return False
 
     def _check_start(self) -> None:
-        """Once, before the first step or short prompt batch: the start count from the meter."""
+        """Once per request, before its first step or short prompt batch: the start count from
+        the meter (at the first request of a session only fewer threads than the largest count)."""
         if not self._checked_start:
             self._checked_start = True
-            if self._start_low():  # others hold CPUs: start with fewer threads, probe more when CPU is idle
-                self._started = True
-                self._gap, self._low_start = self.max_gap, True
+            fit = self._start_fit()
+            if fit is None or fit == self.current:
+                return
+            self._probe, self._probe_times, self._idle_probe = None, [], False  # (a later request's: dropped)
+            if fit > self.current:  # a later request on a machine that has room again
+                self._switch(fit, [])
+                return
+            if self._recent:  # a later request: this count's times say nothing of the new one
+                self._switch(fit, [])
+            self.current = fit  # others hold CPUs: start with fewer threads, probe more when CPU is idle
+            self._started = True
+            self._gap, self._low_start = self.max_gap, True
 
-    def _start_low(self) -> bool:
-        """At the first step: if other processes kept CPUs busy since the meter started (model
-        load, warm-up, prompt), start at the largest count that fits beside them."""
-        busy = self._others()
+    def new_request(self) -> None:
+        """A new request (a prompt, a chat turn) begins: its first step reads the meter again, so a
+        load that arrived or left between requests is followed from its first token, not after a
+        probe or a slowdown within it (a short request would pay for either)."""
+        self._checked_start = False
+        self._later = True
+
+    def _start_fit(self) -> int | None:
+        """The largest count that fits beside the CPUs other processes kept busy since the meter's
+        last reading (model load, warm-up, prompt), or None: unknown. For a later request, over at
+        most the last `recent_seconds`, else at this instant: a window reaching back over the pause
+        between requests would count load that has since gone (or miss load that just came)."""
+        if self._later and hasattr(self.idle, "others_now"):
+            busy = self.idle.others_cpus(max_seconds=self.recent_seconds)
+            if busy is None:  # the pause was longer (or too short to tell): this instant
+                busy = self.idle.others_now()
+        else:
+            busy = self._others()
         if busy is None:
-            return False
+            return None
         room = max(1, int(self.idle.n_cpu - busy + 0.5))
         fits = [c for c in self.candidates if c <= room]
-        if not fits or fits[0] >= self.current:
-            return False
-        self.current = fits[0]
-        return True
+        return fits[0] if fits else self.candidates[-1]
 
     def _spare_cpu(self) -> bool:
         """Whether the machine had idle CPU since the last reading (read at most every idle_every s)."""
