@@ -374,10 +374,6 @@ def ggml_matvec(tid: int, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     return _ggml_rows(tid, raw, x, x.size)[0]
 
 
-def _b(v) -> int:
-    return int(np.float32(v).view(np.uint32))
-
-
 def ggml_products(tid: int, raw: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(what qllama must give, what this llama.cpp build gives), float32 (n_rows,) each.
 
@@ -403,7 +399,7 @@ def ggml_products(tid: int, raw: np.ndarray, x: np.ndarray) -> tuple[np.ndarray,
         d = np.float32(wb[:2].view(np.float16)[0]) * np.float32(yb[:2].view(np.float16)[0])  # as ggml: x.d * y.d
         fused = np.float32(np.longdouble(d) * sumi + np.longdouble(pairs[r]))  # one rounding (exact in 64 bits)
         split = np.float32(pairs[r] + np.float32(d * np.float32(sumi)))
-        assert _b(ref[r]) in (_b(fused), _b(split)), r
+        assert bits(ref[r])[0] in (bits(fused)[0], bits(split)[0]), r
         want[r] = fused
     return want, ref
 

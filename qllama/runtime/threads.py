@@ -148,6 +148,8 @@ class ThreadAdapter:
     small_batch: prompt batches up to this many tokens run at the decode count (`batch_threads`);
         longer ones at the count that fits beside other processes, a CPU being free while they
         hold less than `batch_slack` of it.
+    recent_seconds: a later request's first step (`new_request`) reads the meter over at most
+        this many seconds, else the processes running at that instant.
     idle: an `IdleMeter` (or anything with `idle_cpus() -> float | None`), read at most every
         `idle_every` seconds of decoding while below the largest count, and, if it also has
         `others_cpus` and `n_cpu`, as often at the largest count; None: not used.
@@ -169,6 +171,7 @@ class ThreadAdapter:
         idle_cpus: float = 0.5,
         small_batch: int = 16,
         batch_slack: float = 0.25,
+        recent_seconds: float = 1.0,
     ):
         cands = sorted({int(c) for c in candidates}, reverse=True)
         if not cands or cands[-1] < 1:
@@ -201,7 +204,7 @@ class ThreadAdapter:
         self._idle_misses = 0  # idle-started probes lost since the last switch
         self._best = 0.0  # the current count's fastest median since it was chosen
         self._later = False  # a request after the first (`new_request`)
-        self.recent_seconds = 1.0  # a later request's start reads a window at most this long (`_start_fit`)
+        self.recent_seconds = recent_seconds
 
     # -- the decision (pure: no clock, no Numba) ---------------------------------------------
 
@@ -307,11 +310,7 @@ class ThreadAdapter:
                 busy = self.idle.others_now()
         else:
             busy = self._others()
-        if busy is None:
-            return None
-        room = max(1, int(self.idle.n_cpu - busy + 0.5))
-        fits = [c for c in self.candidates if c <= room]
-        return fits[0] if fits else self.candidates[-1]
+        return None if busy is None else self._fit(int(self.idle.n_cpu - busy + 0.5))
 
     def _spare_cpu(self) -> bool:
         """Whether the machine had idle CPU since the last reading (read at most every idle_every s)."""
