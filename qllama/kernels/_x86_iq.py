@@ -50,6 +50,9 @@ from ._x86 import (
     _row_sig,
     _splat,
     _vec,
+    ZMM,
+    _exact,
+    _fma,
 )
 
 _V8F = ir.VectorType(ir.FloatType(), 8)
@@ -122,13 +125,14 @@ class Pairs(NamedTuple):
     qs: int  # offset of the 16 packed bytes in a block
     scale: Callable  # (builder, i8* block) -> its float32 scale
     table: np.ndarray  # (16,) int8: the values the 4-bit codes index
+    f16_scale: bool = False  # the scale is the fp16 at the block's start (`_row_pairs_zmm` converts two at once)
 
     def values(self, builder, p):
         """<32 x i8> the signed values of the 32 elements packed at i8* p."""
         return nibble_lookup(builder, p, self.table)
 
 
-IQ4_NL_PAIRS = Pairs(18, 2, lambda builder, blk: _load_f16(builder, blk), KVALUES_IQ4NL)
+IQ4_NL_PAIRS = Pairs(18, 2, lambda builder, blk: _load_f16(builder, blk), KVALUES_IQ4NL, f16_scale=True)
 
 
 def _row_pairs(context, builder, signature, args, kind):
@@ -154,10 +158,71 @@ def _row_pairs(context, builder, signature, args, kind):
                 out[h * n + t] = _fma8(builder, _splat8(builder, db), builder.sitofp(isum, _V8F), accs[h * n + t])
         return out
 
+    if ZMM:
+        return _pack(context, builder, signature, _row_pairs_zmm(builder, rowp, toks, pairs, kind))
     zero = ir.Constant(_V8F, [0.0] * 8)
     accs = _loop(builder, ir.Constant(_I64, 0), pairs, body, [zero] * (2 * n))
     sums = [_hsum8(builder, builder.fadd(accs[t], accs[n + t])) for t in range(n)]
     return _pack(context, builder, signature, sums)
+
+
+def _row_pairs_zmm(builder, rowp, toks, pairs, kind):
+    """`_row_pairs` on a 512-bit ISA: a pair of blocks per vector, block 2i in lanes 0-7 and 2i+1
+    in lanes 8-15, so one 16-lane accumulator per token holds ggml's two (lanes 0-7 its
+    accumulator of even blocks, 8-15 of odd ones). Lane for lane the same integer sums and float
+    steps as the 256-bit form (dx * d rounded, one fma), so the same bits; the final sum as
+    ggml's: the two accumulators added, then `_hsum8`'s order. Why: half the instructions per
+    block (one 64-byte `vpdpbusd`, convert, multiply and fma per pair, not two of each)."""
+    v64 = _vec(_I8, 64)
+    v16f = _vec(ir.FloatType(), 16)
+    bsz = kind.block_bytes
+
+    def body(i, accs):
+        b = builder.shl(i, ir.Constant(_I64, 1))
+        blk0 = _gep8(builder, rowp, builder.mul(b, ir.Constant(_I64, bsz)))
+        blk1 = _gep8(builder, blk0, bsz)
+        _prefetch_block(builder, blk0, 1)  # (pairs of 34-36 bytes: one line ahead per pair covers every line)
+        # the pair's 2 * bsz bytes as two overlapping 32-byte loads (lo: bytes 0-31, hi: the last 32),
+        # then its 16 packed bytes of each block, each in two 128-bit lanes (low nibbles, then high:
+        # a block's elements 0-15, 16-31), indices looked up in both tables (`vpshufb` per 128 bits)
+        v32 = ir.PointerType(_vec(_I8, 32))
+        lo = builder.load(builder.bitcast(blk0, v32), align=1)
+        hi = builder.load(builder.bitcast(_gep8(builder, blk0, 2 * bsz - 32), v32), align=1)
+        q1 = 32 + kind.qs + 32 - bsz  # block 2i+1's packed bytes in hi, as an index into (lo, hi)
+        both = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 64), list(range(kind.qs, kind.qs + 16)) * 2
+                                                          + list(range(q1, q1 + 16)) * 2))
+        shifted = builder.lshr(builder.bitcast(both, _vec(_I16, 32)), ir.Constant(_vec(_I16, 32), ([0] * 8 + [4] * 8) * 2))
+        idx = builder.and_(builder.bitcast(shifted, v64), _splat(_I8, 64, 15))
+        q = _call(builder, "llvm.x86.avx512.pshuf.b.512", v64, [ir.Constant(v64, [int(k) for k in kind.table] * 4), idx])
+        aq = _call(builder, "llvm.x86.avx512.pshuf.b.512", v64, [ir.Constant(v64, [abs(int(k)) for k in kind.table] * 4), idx])
+        negative = builder.icmp_signed("<", q, ir.Constant(v64, [0] * 64))
+        if kind.f16_scale:  # [d_2i x 8 | d_2i+1 x 8]: their fp16 bytes from lo, one vcvtph2ps
+            h = builder.shuffle_vector(lo, lo, ir.Constant(_vec(_I32, 32), [0, 1] * 8 + [bsz, bsz + 1] * 8))
+            d = builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), 16)), v16f)
+        else:
+            d = builder.insert_element(ir.Constant(v16f, None), kind.scale(builder, blk0), ir.Constant(_I32, 0))
+            d = builder.insert_element(d, kind.scale(builder, blk1), ir.Constant(_I32, 8))
+            d = _lanes(builder, d, [0] * 8 + [8] * 8)
+        out = []
+        for (xq, xd, _), acc in zip(toks, accs):
+            x = builder.load(builder.bitcast(_gep8(builder, xq, builder.mul(b, ir.Constant(_I64, 32))), ir.PointerType(v64)), align=1)
+            x = builder.select(negative, builder.sub(ir.Constant(v64, [0] * 64), x), x)  # sign(x, q) (where q = 0, |q| = 0)
+            isum = _dot4(builder, aq, x)  # (16,) i32: 4 products per lane
+            dx = builder.load(builder.bitcast(builder.gep(xd, [b]), ir.PointerType(_vec(ir.FloatType(), 2))), align=4)
+            dx = builder.shuffle_vector(dx, dx, ir.Constant(_vec(_I32, 16), [0] * 8 + [1] * 8))
+            db = _exact("fmul", builder, dx, d)  # dx * d, as ggml
+            out.append(_fma(builder, db, builder.sitofp(isum, v16f), acc))
+        return out
+
+    zero = ir.Constant(v16f, [0.0] * 16)
+    accs = _loop(builder, ir.Constant(_I64, 0), pairs, body, [zero] * len(toks))
+    sums = []
+    for acc in accs:
+        v = _exact("fadd", builder, _lanes(builder, acc, range(8)), _lanes(builder, acc, range(8, 16)))
+        for m in (4, 2, 1):
+            v = _exact("fadd", builder, _lanes(builder, v, range(m)), _lanes(builder, v, range(m, 2 * m)))
+        sums.append(builder.extract_element(v, ir.Constant(_I32, 0)))
+    return sums
 
 
 def row_intrinsics(codegen, name: str, what: str):
