@@ -176,6 +176,10 @@ def _row_pairs_zmm(builder, rowp, toks, pairs, kind):
     v64 = _vec(_I8, 64)
     v16f = _vec(ir.FloatType(), 16)
     bsz = kind.block_bytes
+    # the tables' negative values are codes 0-7 (iq4_nl) or 8-15 (mxfp4, whose 8 is -0: |q| = 0 there)
+    low_negative = "<" if int(kind.table[0]) < 0 else ">="
+    masked = [(c < 8) == (low_negative == "<") for c in range(16)]  # the codes whose x the kernel negates
+    assert all(m if k < 0 else (not m or k == 0) for m, k in zip(masked, map(int, kind.table))), kind.table
 
     def body(i, accs):
         b = builder.shl(i, ir.Constant(_I64, 1))
@@ -193,9 +197,8 @@ def _row_pairs_zmm(builder, rowp, toks, pairs, kind):
                                                           + list(range(q1, q1 + 16)) * 2))
         shifted = builder.lshr(builder.bitcast(both, _vec(_I16, 32)), ir.Constant(_vec(_I16, 32), ([0] * 8 + [4] * 8) * 2))
         idx = builder.and_(builder.bitcast(shifted, v64), _splat(_I8, 64, 15))
-        q = _call(builder, "llvm.x86.avx512.pshuf.b.512", v64, [ir.Constant(v64, [int(k) for k in kind.table] * 4), idx])
         aq = _call(builder, "llvm.x86.avx512.pshuf.b.512", v64, [ir.Constant(v64, [abs(int(k)) for k in kind.table] * 4), idx])
-        negative = builder.icmp_signed("<", q, ir.Constant(v64, [0] * 64))
+        negative = builder.icmp_unsigned(low_negative, idx, _splat(_I8, 64, 8))  # q < 0 (one compare, no second lookup)
         if kind.f16_scale:  # [d_2i x 8 | d_2i+1 x 8]: their fp16 bytes from lo, one vcvtph2ps
             h = builder.shuffle_vector(lo, lo, ir.Constant(_vec(_I32, 32), [0, 1] * 8 + [bsz, bsz + 1] * 8))
             d = builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), 16)), v16f)
