@@ -13,7 +13,8 @@ most 2 * 127 * 127: no saturation), lanes of 4 products each summed exactly in i
   lanes), then one fma of d * dx into one accumulator; the horizontal sum at the end.
 
 Every ISA runs these 256-bit shapes (integer lanes exact, float steps the same instructions), so
-every ISA gives the same bits. Signatures follow `_x86._row_sig`: one token (1-D activations) ->
+every ISA gives the same bits; on a 512-bit ISA iq4_nl (and MXFP4) take two blocks per vector,
+ggml's two accumulators side by side in one (`_row_pairs_zmm`), lane for lane the same steps. Signatures follow `_x86._row_sig`: one token (1-D activations) ->
 float32, or 2-D activations and a first token -> `N_TILE` float32s (weights unpacked once).
 """
 
