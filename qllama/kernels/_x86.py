@@ -462,6 +462,14 @@ def _loop(builder, lo, hi, body, inits):
     return finals
 
 
+def _hsum8(builder, v):
+    """The pairwise horizontal sum of <8 x float> v in this order, rounded as written (ggml's
+    hsum_float_8, and the gemms' tiles): (lanes 0-3 + 4-7), then (0-1 + 2-3), then 0 + 1."""
+    for n in (4, 2, 1):
+        v = _exact("fadd", builder, _lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
 def _row_loop(builder, nb, body, n_acc, n_scalar=0):
     """Emit `for b in range(nb): accs = body(b, accs)` over vector float accumulators (then
     n_scalar float ones); return the vector ones' 8-lane groups' sums, then the scalar ones.
@@ -477,10 +485,7 @@ def _row_loop(builder, nb, body, n_acc, n_scalar=0):
     sums = []
     for acc in phis[:len(widths)]:
         for h in range(acc.type.count // 8):
-            v = _lanes(builder, acc, range(8 * h, 8 * h + 8)) if acc.type.count > 8 else acc
-            for n in (4, 2, 1):  # pairwise horizontal sum, in this order (as the gemms' tiles)
-                v = _exact("fadd", builder, _lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
-            sums.append(builder.extract_element(v, ir.Constant(_I32, 0)))
+            sums.append(_hsum8(builder, _lanes(builder, acc, range(8 * h, 8 * h + 8)) if acc.type.count > 8 else acc))
     return sums + phis[len(widths):]
 
 

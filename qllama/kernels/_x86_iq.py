@@ -54,6 +54,7 @@ from ._x86 import (
     ZMM,
     _exact,
     _fma,
+    _hsum8,
 )
 
 _V8F = ir.VectorType(ir.FloatType(), 8)
@@ -112,13 +113,6 @@ def _iq4_values(builder, p):
     return nibble_lookup(builder, p, KVALUES_IQ4NL)
 
 
-def _hsum8(builder, v):
-    """hsum_float_8: (lanes 0-3 + 4-7), then (0-1 + 2-3), then 0 + 1."""
-    for n in (4, 2, 1):
-        v = builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
-    return builder.extract_element(v, ir.Constant(_I32, 0))
-
-
 class Pairs(NamedTuple):
     """A 32-element type whose row kernel takes blocks in pairs (ggml's two accumulators): iq4_nl, mxfp4."""
 
@@ -140,9 +134,11 @@ def _row_pairs(context, builder, signature, args, kind):
     """Row(s) of nb blocks (nb even: the caller adds ggml's tail block) times q8_0 activation(s):
     block b's 8 lane sums times dx_b * d_b (rounded once) added with one fma into accumulator b % 2."""
     rowp, toks = _row_ptrs(context, builder, signature, args)
+    pairs = builder.ashr(args[1], ir.Constant(_I64, 1))
+    if ZMM:
+        return _pack(context, builder, signature, _row_pairs_zmm(builder, rowp, toks, pairs, kind))
     n = len(toks)
     v32 = ir.PointerType(_vec(_I8, 32))
-    pairs = builder.ashr(args[1], ir.Constant(_I64, 1))
 
     def body(i, accs):  # accs: per token accumulator 1 (even blocks), then per token accumulator 2 (odd)
         out = list(accs)
@@ -159,8 +155,6 @@ def _row_pairs(context, builder, signature, args, kind):
                 out[h * n + t] = _fma8(builder, _splat8(builder, db), builder.sitofp(isum, _V8F), accs[h * n + t])
         return out
 
-    if ZMM:
-        return _pack(context, builder, signature, _row_pairs_zmm(builder, rowp, toks, pairs, kind))
     zero = ir.Constant(_V8F, [0.0] * 8)
     accs = _loop(builder, ir.Constant(_I64, 0), pairs, body, [zero] * (2 * n))
     sums = [_hsum8(builder, builder.fadd(accs[t], accs[n + t])) for t in range(n)]
@@ -180,7 +174,7 @@ def _row_pairs_zmm(builder, rowp, toks, pairs, kind):
     # the tables' negative values are codes 0-7 (iq4_nl) or 8-15 (mxfp4, whose 8 is -0: |q| = 0 there)
     low_negative = "<" if int(kind.table[0]) < 0 else ">="
     masked = [(c < 8) == (low_negative == "<") for c in range(16)]  # the codes whose x the kernel negates
-    assert all(m if k < 0 else (not m or k == 0) for m, k in zip(masked, map(int, kind.table))), kind.table
+    assert all((k < 0 and m) or (k > 0 and not m) or k == 0 for m, k in zip(masked, map(int, kind.table))), kind.table
 
     def body(i, accs):
         b = builder.shl(i, ir.Constant(_I64, 1))
@@ -220,13 +214,8 @@ def _row_pairs_zmm(builder, rowp, toks, pairs, kind):
 
     zero = ir.Constant(v16f, [0.0] * 16)
     accs = _loop(builder, ir.Constant(_I64, 0), pairs, body, [zero] * len(toks))
-    sums = []
-    for acc in accs:
-        v = _exact("fadd", builder, _lanes(builder, acc, range(8)), _lanes(builder, acc, range(8, 16)))
-        for m in (4, 2, 1):
-            v = _exact("fadd", builder, _lanes(builder, v, range(m)), _lanes(builder, v, range(m, 2 * m)))
-        sums.append(builder.extract_element(v, ir.Constant(_I32, 0)))
-    return sums
+    return [_hsum8(builder, _exact("fadd", builder, _lanes(builder, acc, range(8)), _lanes(builder, acc, range(8, 16))))
+            for acc in accs]
 
 
 def row_intrinsics(codegen, name: str, what: str):
