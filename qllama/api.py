@@ -13,7 +13,7 @@ from .generation.sampling import Sampler, SamplingParams, sampling_params
 from .generation.session import Chunk, Session, Timings, stream_generate
 from .gguf.reader import GGUFFile
 from .models import build_model, read_args
-from .qtensor import resolve_threads
+from .qtensor import PROMPT_MIN_TOKENS, resolve_threads
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported where used: the chat package is not needed to load a model
@@ -153,7 +153,9 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits at every position of `ids`, float32 (len(ids), n_vocab), from an empty cache.
 
-        Uses a cache of its own, so a generation in progress is not disturbed.
+        Uses a cache of its own, so a generation in progress is not disturbed. The tokens are
+        evaluated as a prompt (`forward(prompt=...)`: as llama.cpp evaluates a prompt or a
+        perplexity chunk).
         """
         ids = [int(i) for i in ids]
         if not ids:
@@ -162,9 +164,9 @@ class Model:
             raise QllamaError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
         cache = self._model.new_cache()
         out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
-        bs = self.session.batch_size
+        bs, prompt = self.session.batch_size, len(ids) >= PROMPT_MIN_TOKENS
         for start in range(0, len(ids), bs):
-            out[start : start + bs] = self._model.forward(ids[start : start + bs], cache, all_logits=True)
+            out[start : start + bs] = self._model.forward(ids[start : start + bs], cache, all_logits=True, prompt=prompt)
         return out
 
     # -- inside the forward pass: named points (qllama.models.points) ----------------------

@@ -72,6 +72,10 @@ FLOAT_MATMUL_TILE_BYTES = 1 << 20  # decoded rows per step of the float mat-mat 
 # row kernel is cheaper: its 4-token intrinsic unpacks each row once for them, with no packing pass
 # (1B Q4_K_M, 1 thread, CPU time per step: 4 streams 224 ms against the gemm's 289, 2: 199 vs 230)
 GEMM_MIN_TOKENS = 5
+# prompts of this many tokens or more take llama.cpp's prompt arithmetic where it has its own
+# (`QTensor.matmul(prompt=...)`: its ggml-cpu/tiled kernels take batches of 8 tokens and more). The
+# caller decides once per prompt, so that every chunk of it rounds alike
+PROMPT_MIN_TOKENS = 8
 
 
 # -- the per-type table ------------------------------------------------------------------------
@@ -87,6 +91,8 @@ class TypeOps(NamedTuple):
     matmul: Callable  # float path: (q, x (n_tok, ne0), out (n_tok, ne1), n_threads) -> None
     dequantize: Callable  # (q, row ids int64 (n,)) -> (n, ne0)
     int8: Callable | None  # int8 path: (q, Activation, out (n_tok, ne1), n_threads) -> None; None: float only
+    # a prompt's rows as llama.cpp's prompt kernels round them (iquants.PROMPT_TYPES), same arguments; None: int8's
+    int8_prompt: Callable | None = None
 
 
 class TensorType(NamedTuple):
@@ -212,7 +218,8 @@ def _iquant_ops(type_id: int) -> TypeOps:
     (`dequant/iq_rows.py`); iq4_nl / iq4_xs have Numba decoders for the float path's tiles and an
     int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid and ternary types an
     int8 kernel (`kernels/iquants_grid.py`, also ggml's bits) and a float path on NumPy-decoded
-    tiles."""
+    tiles. iq4_xs, iq3_s and iq2_xxs prompts take llama.cpp's prompt arithmetic (`int8_prompt`,
+    `iquants.prompt_matmul_int8`)."""
     from .dequant import iq_rows as numpy_rows
     from .kernels import floats
     from .kernels._x86 import HAVE_AVX2
@@ -257,11 +264,17 @@ def _iquant_ops(type_id: int) -> TypeOps:
     if int8_kernel is not None and HAVE_AVX2:
         form = TYPES[type_id].int8_form
 
-        def int8_matmul(q, act, out, nt):
-            xq, xd, xs = act.quantized(form)
-            int8_kernel(type_id, q.raw, xq, xd, xs, tab, out, nt)
+        def int8_with(kernel):
+            def int8_matmul(q, act, out, nt):
+                xq, xd, xs = act.quantized(form)
+                kernel(type_id, q.raw, xq, xd, xs, tab, out, nt)
+            return int8_matmul
 
-        ops = ops._replace(int8=int8_matmul)
+        ops = ops._replace(int8=int8_with(int8_kernel))
+        from .kernels import iquants
+
+        if type_id in iquants.PROMPT_TYPES:
+            ops = ops._replace(int8_prompt=int8_with(iquants.prompt_matmul_int8))
     return ops
 
 
@@ -413,6 +426,12 @@ class Activation:
     def n(self) -> int:
         return self.x.shape[1]
 
+    def rows(self, ids: np.ndarray) -> "Activation":
+        """The activations of rows ids (int64), with the int8 forms already made (the same bytes)."""
+        sub = Activation(self.x[ids])
+        sub._forms = {f: tuple(np.ascontiguousarray(a[ids]) for a in q) for f, q in self._forms.items()}
+        return sub
+
     def quantized(self, form: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """x in an int8 form (computed once): (xq int8 (n_tok, n), d float32, int32 sums).
 
@@ -550,8 +569,13 @@ class QTensor:
             ops.matvec(self, act.x[0] if act is not None else x, out)
         return out
 
-    def matmul(self, x: "np.ndarray | Activation", out: np.ndarray | None = None, n_threads: int | None = None) -> np.ndarray:
-        """Y = X W^T. x: float32 (n_tok, ne0) (or an `Activation`) -> float32 (n_tok, ne1)."""
+    def matmul(self, x: "np.ndarray | Activation", out: np.ndarray | None = None, n_threads: int | None = None,
+               prompt: "bool | np.ndarray" = False) -> np.ndarray:
+        """Y = X W^T. x: float32 (n_tok, ne0) (or an `Activation`) -> float32 (n_tok, ne1).
+
+        prompt: whether the rows are a prompt's (all, or a bool mask (n_tok,)); the types whose
+        prompts llama.cpp rounds differently from its decode (`TypeOps.int8_prompt`) round those
+        rows as it does, the others as one-token decode."""
         act = x if isinstance(x, Activation) else None
         if act is None:
             x = _check_x(x, 2, self.n_cols)
@@ -565,7 +589,17 @@ class QTensor:
             return out
         ops = self._ops or self._bind()
         if ops.int8 is not None and _state["int8"]:
-            ops.int8(self, act if act is not None else Activation(x), out, n_threads or get_threads())
+            act = act if act is not None else Activation(x)
+            nt = n_threads or get_threads()
+            if ops.int8_prompt is None or not np.any(prompt):
+                ops.int8(self, act, out, nt)
+            elif np.all(prompt):
+                ops.int8_prompt(self, act, out, nt)
+            else:  # a step of prompt rows and decode rows (the server's): each kind by its own kernel
+                for rows, op in ((np.flatnonzero(prompt), ops.int8_prompt), (np.flatnonzero(~np.asarray(prompt)), ops.int8)):
+                    part = np.empty((rows.size, self.n_rows), np.float32)  # (rows, ne1)
+                    op(self, act.rows(rows), part, nt)
+                    out[rows] = part
         else:
             ops.matmul(self, act.x if act is not None else x, out, n_threads or get_threads())
         return out

@@ -94,6 +94,8 @@ def main(out: str | None, workdir: str) -> None:
         for n_tok in (1, 2, 3, 4, 5, 9, 33):  # one token, the 4-token tiles and tails, the gemm (q4_K), odd ends
             x = activations(n_tok, rng)
             res[f"{gt.type_name(tid)}/{n_tok}"] = q.matvec(x[0]) if n_tok == 1 else q.matmul(x)
+            if n_tok >= 9:  # a prompt's rows (iq4_xs, iq3_s, iq2_xxs: llama.cpp's prompt arithmetic)
+                res[f"{gt.type_name(tid)}/{n_tok}/prompt"] = q.matmul(x, prompt=True)
         res[f"{gt.type_name(tid)}/act"] = q.matvec(quantize_activation(activations(1, rng)[0]))
     model = probe_model(workdir)
     model.n_threads = 2

@@ -446,6 +446,45 @@ def test_tiny_model_matches_float64_reference(tmp_path, wtype, int8_mode):
         np.testing.assert_allclose(steps, full, rtol=0, atol=1e-4 * np.abs(full).max())
 
 
+def test_a_prompts_rows_take_the_prompt_arithmetic_and_decode_rows_keep_decodes(tmp_path, int8_mode):
+    """Model.forward(prompt=True) rounds an iq4_xs prompt as llama.cpp's prompt kernels (not as
+    decode: the logits differ, by what flipping some activations' int8 rounding makes of a last-bit
+    difference, within the int8 path's 3e-2 of test_tiny_model...); in one round of a prompt and a
+    decode step (a server step, forward_many with a flag per segment) the prompt's rows equal the
+    prompt run alone and the decode row equals the one-token step run alone, bit for bit."""
+    from qllama.gguf.reader import GGUFFile
+    from qllama.models import build_model, read_args
+    from test_model import rel_err
+    from tools.make_model import ModelSpec, write_model
+
+    int8_mode(True)
+    spec = ModelSpec(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2, weight_type="iq4_xs", seed=5,
+                     types={"token_embd": "iq4_xs", "output": "iq4_xs"})
+    path = tmp_path / "iq4_xs.gguf"
+    write_model(path, spec)
+    gf = GGUFFile(path)
+    model = build_model(gf, read_args(gf.metadata), n_ctx=64)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, model.args.n_vocab, size=12).tolist()
+    other = rng.integers(0, model.args.n_vocab, size=5).tolist()
+    as_prompt = model.forward(prompt, model.new_cache(), all_logits=True, prompt=True)
+    as_steps = model.forward(prompt, model.new_cache(), all_logits=True)
+    assert not np.array_equal(bits(as_prompt), bits(as_steps))
+    assert rel_err(as_prompt, as_steps) <= 3e-2
+
+    def decoded():  # a cache holding `other` from one-token steps
+        cache = model.new_cache()
+        for t in other[:-1]:
+            model.forward([t], cache)
+        return cache
+
+    alone = model.forward([other[-1]], decoded())
+    together = model.forward_many([(prompt, model.new_cache()), ([other[-1]], decoded())], all_logits=True,
+                                  prompt=[True, False])
+    np.testing.assert_array_equal(bits(together[0]), bits(as_prompt))
+    np.testing.assert_array_equal(bits(together[1]), bits(alone))
+
+
 def GGML_TYPES_BY(name: str) -> int:
     from qllama.gguf.types import type_by_name
 

@@ -141,10 +141,11 @@ def test_batches_are_whole_token_groups_and_no_match_takes_the_decode_step(model
         s, fm = model.session, model.forward_model
         decode, forward = s.decode, fm.forward
 
-        def verify(toks, cache, all_logits=False, n_threads=None):  # the prompt and decode steps want the last row only
+        def verify(toks, cache, all_logits=False, n_threads=None, prompt=False):  # the prompt and decode steps want the last row only
             if all_logits:
+                assert not prompt  # (drafts to verify are not a prompt: their rows must equal decode's)
                 batches.append(len(toks))
-            return forward(toks, cache, all_logits, n_threads)
+            return forward(toks, cache, all_logits, n_threads, prompt)
 
         monkeypatch.setattr(s, "decode", lambda t: decodes.append(t) or decode(t))
         monkeypatch.setattr(fm, "forward", verify)

@@ -37,12 +37,12 @@ def main() -> None:
     ids = np.random.default_rng(0).integers(3, 3000, size=n + a.tg).tolist()
     for rep in range(a.reps):
         model = qllama.load(a.model, n_ctx=n + a.tg + 64, n_threads=a.threads, type_k=kv, type_v=kv)._model
-        model.forward(ids[:8], model.new_cache())  # (compiles or loads the kernels, untimed)
+        model.forward(ids[:8], model.new_cache(), prompt=True)  # (compiles or loads the kernels, untimed)
         cache = model.new_cache()
         t0 = time.perf_counter()
         marks = []
         for i in range(0, n, 512):
-            model.forward(ids[i:i + 512], cache)
+            model.forward(ids[i:i + 512], cache, prompt=True)
             marks.append(time.perf_counter() - t0)
         ours = n / marks[-1]
         last = min(512, n) / (marks[-1] - (marks[-2] if len(marks) > 1 else 0.0))

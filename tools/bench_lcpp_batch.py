@@ -94,7 +94,7 @@ class Qllama:
         self.model, self.depth, self.threads = self.llm._model, depth, threads
         self.caches = [self.model.new_cache() for _ in range(n_seq)]
         for s, c in enumerate(self.caches):  # each prompt once; every repetition rewinds to it
-            self.model.forward(prompt_tokens(s, depth), c, n_threads=threads)
+            self.model.forward(prompt_tokens(s, depth), c, n_threads=threads, prompt=True)
 
     def prepare(self, k: int) -> None:
         for c in self.caches[:k]:

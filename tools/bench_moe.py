@@ -45,7 +45,7 @@ def run_qllama(model, ids, pp: int, tg: int) -> tuple[float, float]:
     tr = model._model  # the Transformer
     cache = tr.new_cache()
     t0 = CLOCK()
-    tr.forward(ids[:pp], cache)
+    tr.forward(ids[:pp], cache, prompt=True)
     t_pp = CLOCK() - t0
     t0 = CLOCK()
     for tok in ids[pp : pp + tg]:

@@ -109,13 +109,15 @@ class BenchRunner:
     # -- primitives ------------------------------------------------------------------------
 
     def _eval(self, ids: Sequence[int]) -> None:
-        a = self.threads
+        from ..qtensor import PROMPT_MIN_TOKENS
+
+        a, prompt = self.threads, len(ids) >= PROMPT_MIN_TOKENS  # (a prompt, as `Session.prefill` runs it)
         for start in range(0, len(ids), self.batch_size):
             batch = ids[start : start + self.batch_size]
             if a is None:
-                self.model.forward(batch, self.cache)
+                self.model.forward(batch, self.cache, prompt=prompt)
             else:
-                a.run_batch(len(batch), lambda n: self.model.forward(batch, self.cache, n_threads=n))
+                a.run_batch(len(batch), lambda n: self.model.forward(batch, self.cache, n_threads=n, prompt=prompt))
 
     def _ensure_prefix(self, depth: int) -> None:
         """Make the cache hold `depth` prefix tokens (evaluating only the missing ones)."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError, QllamaError
 from ..models import KVCache, Transformer
+from ..qtensor import PROMPT_MIN_TOKENS
 from ..runtime.threads import ThreadAdapter, adapter_for
 from .sampling import Sampler
 from .text import TextOutput
@@ -145,12 +146,14 @@ class Session:
         progress = self.progress
         if progress is not None:
             progress(0, len(ids) - common)
+        prompt = len(ids) - common >= PROMPT_MIN_TOKENS  # (llama.cpp's prompt arithmetic, every chunk alike)
         for start in range(common, len(ids), self.batch_size):
             batch = ids[start : start + self.batch_size]
             if self.threads is None:
-                logits = self.model.forward(batch, self.cache)
+                logits = self.model.forward(batch, self.cache, prompt=prompt)
             else:  # a short batch's regions are as short as a decode step's: it runs at decode's count
-                logits = self.threads.run_batch(len(batch), lambda n: self.model.forward(batch, self.cache, n_threads=n))
+                logits = self.threads.run_batch(len(batch), lambda n: self.model.forward(batch, self.cache, n_threads=n,
+                                                                                          prompt=prompt))
             self.tokens.extend(batch)
             if progress is not None:
                 progress(start + len(batch) - common, len(ids) - common)

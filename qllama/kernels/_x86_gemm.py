@@ -1,4 +1,5 @@
-"""x86 mat-mat for batches (`int8.gemm`: q4_K, q6_K, q4_0, q5_0, q8_0): TILE_ROWS rows per pass, rows in the lanes.
+"""x86 mat-mat for batches (`int8.gemm`: q4_K, q6_K, q4_0, q5_0, q8_0; the i-quants' in `_x86_gemm_iq.py`, on
+the machinery here; each type's pair of intrinsics in `_x86_gemms.py`): TILE_ROWS rows per pass, rows in the lanes.
 
 The row intrinsics of `_x86.py` hold 32 consecutive quants of one row per vector and read each
 token's activations once per row; with many tokens that activation traffic (L2) is what bounds
@@ -32,15 +33,11 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..gguf.types import (
     GGML_TYPES,
-    IQ2_XXS,
-    IQ3_S,
     IQ4_NL,
-    IQ4_XS,
     Q4_0,
     Q4_K,
     Q5_0,
@@ -69,7 +66,7 @@ from ._x86 import (
     _splat,
     _vec,
 )
-from ._x86_iq import GRID_ROWS, _iq4_values, _xs_scales, odd_scale
+from ._x86_iq import _iq4_values
 
 HALVES = 2 if ZMM else 1  # 8-row layouts per pass, one per 256 bits of a vector
 TILE_ROWS = 8 * HALVES  # rows per pass (lane r of a vector: row r)
@@ -92,16 +89,6 @@ _LEGACY_BYTES = 544  # (the layout above, with the correction vectors)
 # type id -> scratch bytes per block of TILE_ROWS rows (the 8-row layouts above, HALVES times)
 PACKED_BYTES = {Q4_K: 2624 * HALVES, Q6_K: 2592 * HALVES, Q4_0: 288 * HALVES, Q5_0: 288 * HALVES,
                 Q8_0: _LEGACY_BYTES * HALVES}
-# scratch bytes per iq4_xs super-block of 8 rows: d (8 f32), 8 scale vectors (lane r = ls_rj - 32
-# as an i16 in both halves), 8 x 8 sign masks (512-bit ISA: sub-block j, quad k: an i32, bit 4r + i
-# set where byte i of row r's quad is negative; the two halves' side by side, one kmovq), then
-# 64 vectors of transposed kvalues (sub-blocks j, byte quads k; on a 512-bit ISA their absolute values)
-_DX4, _SCALESX4, _MASKSX4, _QUANTSX4 = 0, 32, 288, 544
-# the i-quants' gemms (`kernels/iquants.py` drives them); iq4_nl's unit is a pair of blocks, each
-# laid out as q4_0's (d, 8 quad vectors of signed kvalues); iq3_s and iq2_xxs as iq4_xs (their
-# 32-element chunks' scales 2s + 1, the grid values with their signs)
-IQ_PACKED_BYTES = {IQ4_XS: 2592 * HALVES, IQ4_NL: 2 * _LEGACY_BYTES * HALVES, IQ3_S: 2592 * HALVES, IQ2_XXS: 2592 * HALVES}
-
 _V8F = _vec(ir.FloatType(), 8)
 _V8I = _vec(_I32, 8)
 _V32B = _vec(_I8, 32)
@@ -290,8 +277,9 @@ def _pack_sig(raw, r0, nb, pack):
     return types.none(raw, r0, nb, pack)
 
 
-def _pack_intrinsic(type_id, pack_half):
-    packed_bytes, kind = {**PACKED_BYTES, **IQ_PACKED_BYTES}[type_id], type_name(type_id)
+def _pack_intrinsic(type_id, pack_half, packed_bytes=None, kind=None):
+    packed_bytes = packed_bytes or PACKED_BYTES[type_id]
+    kind = kind or type_name(type_id)
     block_bytes = GGML_TYPES[type_id].type_size * (2 if type_id == IQ4_NL else 1)  # (iq4_nl: pairs of blocks)
 
     def pack(typingctx, raw, r0, nb, pack):
@@ -569,159 +557,3 @@ tile_q6_k = _tile_intrinsic(_q6_k_block, "q6_K", "q8_K")
 tile_q4_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q4_0"), "q4_0", "q8_0")
 tile_q5_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q5_0"), "q5_0", "q8_0")
 tile_q8_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q8_0"), "q8_0", "q8_0")
-
-
-# -- i-quants: iq4_xs and iq4_nl (rows equal to `_x86_iq`'s row kernels bit for bit) --
-
-
-def _put_signed_quads(builder, rows, put, j):
-    """Sub-block j's signed values of 8 rows (rows: 8 x <8 x i32>, 32 int8 each) transposed into its
-    8 quad vectors; on a 512-bit ISA as |w| and the sign masks the tile negates x by (`_iq4_xs_block`:
-    the sign test and vpabsb paid once here, not per token)."""
-    for k, v in enumerate(_transpose8(builder, rows)):
-        if HALVES > 1:
-            v = builder.bitcast(v, _V32B)
-            neg = builder.icmp_signed("<", v, ir.Constant(_V32B, [0] * 32))
-            put(builder.bitcast(neg, _I32), builder.add(builder.mul(j, _c64(32)), _c64(_MASKSX4 + 4 * k)), step=4)
-            v = _abs(builder, v)
-        put(v, builder.add(builder.mul(j, _c64(256)), _c64(_QUANTSX4 + 32 * k)))
-
-
-def _pack_half_iq4_xs(builder, blks, put):
-    put(_rows_f16(builder, blks, 0), _DX4)
-    scales = [builder.sext(_xs_scales(builder, p), _V8I) for p in blks]  # row r: its 8 scales - 32
-    for j, v in enumerate(_transpose8(builder, scales)):  # sub-block j: lane r = ls_rj in both i16 halves
-        put(builder.or_(builder.and_(v, ir.Constant(_V8I, [0xFFFF] * 8)), builder.shl(v, ir.Constant(_V8I, [16] * 8))),
-            _SCALESX4 + 32 * j)
-
-    def sub_block(j, _):
-        rows = [builder.bitcast(_iq4_values(builder, _gep8(builder, p, builder.add(builder.mul(j, _c64(16)), _c64(8)))), _V8I)
-                for p in blks]
-        _put_signed_quads(builder, rows, put, j)
-        return []
-
-    _loop(builder, _c64(0), _c64(8), sub_block, [])
-
-
-def _pack_half_iq4_nl(builder, blks, put):
-    for h in range(2):  # the pair's even block, then its odd one, each as q4_0's layout
-        _pack_half_legacy(builder, [_gep8(builder, p, 18 * h) for p in blks], lambda v, off, h=h: put(v, _LEGACY_BYTES * h + off), "iq4_nl")
-
-
-def _pack_half_grid(builder, blks, put, type_id):
-    """iq3_s / iq2_xxs as iq4_xs's layout, the quads always signed, and in the masks' place the
-    correction `_iq4_xs_block(grid=True)` subtracts: quad k, lane r = 128 * sum over chunks c of
-    (2s + 1)_rc * (the sum of row r's 4 values of quad k in chunk c)."""
-    chunk = GRID_ROWS[type_id][1]
-    put(_rows_f16(builder, blks, 0), _DX4)
-    corr = [ir.Constant(_V8I, [0] * 8)] * 8
-    for c in range(8):  # 32-element chunk c of each row: grid values signed, its scale
-        rows, scales = [], ir.Constant(_V8I, None)
-        for r, p in enumerate(blks):
-            q, m, s = chunk(builder, p, c)  # (m: -1 where negative)
-            rows.append(builder.bitcast(builder.sub(builder.xor(q, m), m), _V8I))
-            scales = builder.insert_element(scales, odd_scale(builder, s), ir.Constant(_I32, r))
-        pair = builder.or_(scales, builder.shl(scales, ir.Constant(_V8I, [16] * 8)))
-        put(pair, _SCALESX4 + 32 * c)
-        for k, v in enumerate(_transpose8(builder, rows)):
-            put(v, _QUANTSX4 + 256 * c + 32 * k)  # lane r += (2s+1) * row r's 4 values' sum (pmaddubsw by ones, pmaddwd)
-            corr[k] = _madd_add(builder, corr[k], _maddubs(builder, _splat(_I8, 32, 1), builder.bitcast(v, _V32B)),
-                                builder.bitcast(pair, _V16H))
-    for k in range(8):
-        put(builder.shl(corr[k], ir.Constant(_V8I, [7] * 8)), _MASKSX4 + 32 * k)
-
-
-def _iq4_xs_block(tile, b, accs, grid=False):
-    """iq4_xs (and iq3_s, iq2_xxs, packed alike): per super-block acc_l = fma(d*dx, isum_l, acc_l),
-    isum_l = sum over the 8 sub-blocks of their scale * (4 products |q| . sign(x, q)), exact in
-    int32, as `_x86_iq._row_iq4_xs` (`_row_grid`). The grid types (|q| <= 43) as
-    `pmaddubsw(x + 128, q)` instead (pair sums at most 2 * 255 * 43: no saturation; x + 128 made
-    once per super-block and token), less the pack's correction: the same exact isum_l with no
-    sign step per product."""
-    builder = tile.b
-    vi = _vec(_I32, TILE_ROWS)
-    src = tile.src(b, IQ_PACKED_BYTES[IQ4_XS])  # (= iq3_s's, iq2_xxs's)
-    xq_off = builder.mul(b, _c64(256))
-    if grid:  # the super-block's x + 128 (x ^ 0x80) in a stack buffer the products broadcast from
-        n = 4 * TILE_ROWS
-        xu = cgutils.alloca_once(builder, ir.ArrayType(_vec(_I8, n), 256 // n))
-        for i in range(256 // n):
-            v = _load(builder, _vec(_I8, n), tile.xq, builder.add(xq_off, _c64(n * i)))
-            builder.store(builder.xor(v, _splat(_I8, n, -128)), builder.gep(xu, [ir.Constant(_I32, 0), ir.Constant(_I32, i)]))
-        tile, xq_off = _Tile(builder, tile.pbase, builder.bitcast(xu, ir.PointerType(_I8)), tile.xd, tile.xs), _c64(0)
-
-    def sub_block(j, isums):
-        scale = tile.load(_V16H, src, builder.add(builder.mul(j, _c64(32)), _c64(_SCALESX4)))
-        wj = builder.add(builder.mul(j, _c64(256)), _c64(_QUANTSX4))
-        mj = _in_half(builder, builder.add(builder.mul(j, _c64(32)), _c64(_MASKSX4)))
-
-        def neg(k):  # quad k's sign masks, rows 0-15: one kmovq
-            return builder.bitcast(_load(builder, _I64, src, builder.add(mj, _c64(8 * k))), _vec(ir.IntType(1), 64))
-
-        return tile.dot_quads(isums, lambda k: tile.load(_V32B, src, builder.add(wj, _c64(32 * k))),
-                              builder.add(xq_off, builder.mul(j, _c64(32))), lambda k: scale, signed=not grid,
-                              neg_at=neg if HALVES > 1 and not grid else None, x_unsigned=grid)
-
-    isums = _loop(builder, _c64(0), _c64(8), sub_block, [ir.Constant(vi, [0] * TILE_ROWS)] * 8)
-    if grid:
-        isums = [builder.sub(isum, tile.load(_V8I, src, _MASKSX4 + 32 * k)) for k, isum in enumerate(isums)]
-    db = _exact("fmul", builder, tile.load(_V8F, src, _DX4), tile.dx(b))
-    return [_fma(builder, db, builder.sitofp(isum, _vec(ir.FloatType(), TILE_ROWS)), acc) for isum, acc in zip(isums, accs)]
-
-
-def _iq4_nl_pair(tile, pair, accs):
-    """iq4_nl: blocks 2p (accumulators 0-7) and 2p+1 (8-15), each acc_l = fma(d*dx, isum_l, acc_l)
-    with isum_l the 4 products of quad l, as `_x86_iq._row_iq4_nl`'s two accumulators."""
-    builder = tile.b
-    src = tile.src(pair, IQ_PACKED_BYTES[IQ4_NL])
-    out = []
-    for h in range(2):
-        b = builder.add(builder.mul(pair, _c64(2)), _c64(h))
-        isums = _signed_quads(tile, src, _LEGACY_BYTES * h, b)
-        db = _exact("fmul", builder, tile.load(_V8F, src, _LEGACY_BYTES * h + _D0), tile.dx(b))
-        out += [_fma(builder, db, builder.sitofp(isum, _vec(ir.FloatType(), TILE_ROWS)), acc)
-                for isum, acc in zip(isums, accs[8 * h:8 * h + 8])]
-    return out
-
-
-pack_iq4_xs = _pack_intrinsic(IQ4_XS, _pack_half_iq4_xs)
-pack_iq4_nl = _pack_intrinsic(IQ4_NL, _pack_half_iq4_nl)
-tile_iq4_xs = _tile_intrinsic(_iq4_xs_block, "iq4_xs", "q8_K")
-tile_iq4_nl = _tile_intrinsic(_iq4_nl_pair, "iq4_nl", "q8_0", n_acc=16)
-pack_iq3_s = _pack_intrinsic(IQ3_S, lambda b, blks, put: _pack_half_grid(b, blks, put, IQ3_S))
-pack_iq2_xxs = _pack_intrinsic(IQ2_XXS, lambda b, blks, put: _pack_half_grid(b, blks, put, IQ2_XXS))
-tile_iq3_s = _tile_intrinsic(lambda t, blk, accs: _iq4_xs_block(t, blk, accs, grid=True), "iq3_s", "q8_K")
-tile_iq2_xxs = _tile_intrinsic(lambda t, blk, accs: _iq4_xs_block(t, blk, accs, grid=True), "iq2_xxs", "q8_K",
-                               factor=GRID_ROWS[IQ2_XXS][2])
-
-# type id -> (pack, tile) of the batch kernels, chosen by `pack_rows` / `tile_rows` at compile time
-GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0: (pack_q4_0, tile_q4_0),
-                Q5_0: (pack_q5_0, tile_q5_0), Q8_0: (pack_q8_0, tile_q8_0), IQ4_NL: (pack_iq4_nl, tile_iq4_nl),
-                IQ4_XS: (pack_iq4_xs, tile_iq4_xs), IQ3_S: (pack_iq3_s, tile_iq3_s), IQ2_XXS: (pack_iq2_xxs, tile_iq2_xxs)}
-
-
-def _of_type(which, typingctx, type_id, args):
-    """(signature, codegen) of `GEMM_KERNELS[type_id][which](*args)` emitted in place, for a call
-    with the type id first; None unless type_id is a literal (a closure constant of the caller) of
-    a type that has a gemm."""
-    if not (isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in GEMM_KERNELS):
-        return None
-    found = GEMM_KERNELS[type_id.literal_value][which]._defn(typingctx, *args)
-    if found is None:
-        return None
-    sig, codegen = found
-    return types.none(type_id, *sig.args), lambda c, b, _, a: codegen(c, b, sig, a[1:])
-
-
-# Intrinsics rather than overloads: an overload's implementation compiles as a function of its own
-# before it is inlined, which cost ~1 s of every cold compile of the gemm driver.
-@intrinsic(prefer_literal=True)
-def pack_rows(typingctx, type_id, raw, r0, nb, pack):
-    """`pack_<type>(raw, r0, nb, pack)` of the type type_id (a compile-time constant in a kernel)."""
-    return _of_type(0, typingctx, type_id, (raw, r0, nb, pack))
-
-
-@intrinsic(prefer_literal=True)
-def tile_rows(typingctx, type_id, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
-    """`tile_<type>(pack, nb, ..., acc)` of the type type_id (a compile-time constant in a kernel)."""
-    return _of_type(1, typingctx, type_id, (pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc))

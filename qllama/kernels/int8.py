@@ -15,7 +15,9 @@ intrinsics (vector accumulators, one horizontal sum per row) and a 4-token varia
 the weights once for 4 tokens and computes, per token, exactly what the one-token intrinsic
 computes (so prefill rows equal decode bit for bit); q2_K/q3_K call a per-block intrinsic.
 q4_K, q6_K, q4_0, q5_0 and q8_0 batches take `gemm` (TILE_ROWS = 8 or, on a 512-bit ISA, 16 rows per
-pass; the same values: `_x86_gemm.py`).
+pass; the same values: `_x86_gemm.py`), and so do the i-quants' (`iquants.py`, `_x86_gemm_iq.py`),
+whose prompts of 8+ tokens also have a gemm in llama.cpp's prompt arithmetic (`gemm(SUMS | type)`,
+`_x86_gemm_iq.py`), which is not vec_dot's.
 
 Numba's cache key covers every qllama/kernels/*.py (`jit.py`), so a change to an intrinsic in
 `_x86.py` recompiles the kernels that inline it.
@@ -26,11 +28,22 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .jit import Variants, address_of, call_address, kernel
-
-from ..gguf.types import GGML_TYPES, IQ4_NL, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from ..gguf.types import (
+    GGML_TYPES,
+    IQ4_NL,
+    Q2_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+)
 from ._fp16 import f16_at
 from ._x86 import (
+    VNNI,
     dot_q2_k,
     dot_q3_k,
     row_dot4_q4_k,
@@ -47,9 +60,12 @@ from ._x86 import (
     row_dot_q8_0,
     row_dotn,
 )
-from ._x86_gemm import IQ_PACKED_BYTES, L1_BLOCK_BYTES, PACKED_BYTES, TILE_ROWS, pack_rows, tile_rows
+from ._x86_gemm import L1_BLOCK_BYTES, PACKED_BYTES, TILE_ROWS
+from ._x86_gemm_iq import SUMS
+from ._x86_gemms import ALL_PACKED_BYTES, pack_rows, tile_rows
 from ._x86_iq import tail_iq4_nl
 from .act_quant import bsum16
+from .jit import Variants, address_of, call_address, kernel
 from .kquants import scale_q3_k
 
 _NOPY = dict(boundscheck=False)
@@ -119,9 +135,10 @@ def _gemm_rows_of(type_id: int):
     (`tile_*`). Also the i-quants' (`iquants.matmul_int8` calls it): iq4_nl's unit is a pair of
     blocks, with 16 accumulators and ggml's scalar tail block after an odd count."""
     nl = type_id == IQ4_NL
-    bb = GGML_TYPES[type_id].type_size * (2 if nl else 1)  # bytes per unit (a block, or iq4_nl's pair)
-    packed = {**PACKED_BYTES, **IQ_PACKED_BYTES}[type_id]
-    n_acc = 16 if nl else 8
+    sums = bool(type_id & SUMS)  # (the key of an i-quant's super-block sums kernels: one accumulator)
+    bb = GGML_TYPES[type_id & ~SUMS].type_size * (2 if nl else 1)  # bytes per unit (a block, or iq4_nl's pair)
+    packed = ALL_PACKED_BYTES[type_id]
+    n_acc = 1 if sums else 16 if nl else 8
 
     def gemm_rows(raw, xq, xd, xs, tab, out, g0, g1):
         nb, n_tok = raw.shape[1] // bb, xq.shape[0]
@@ -145,10 +162,13 @@ def _gemm_rows_of(type_id: int):
 
 def gemm(type_id, raw, xq, xd, xs, tab, out, n_threads):
     """matmul_rows(type_id, ...) (the same values, bit for bit) for batches of 2+ tokens, when
-    n_rows is a multiple of TILE_ROWS (type_id in GEMM_TYPES): groups of TILE_ROWS rows over the
-    threads."""
+    n_rows is a multiple of TILE_ROWS (type_id in GEMM_TYPES, or an i-quant's): groups of
+    TILE_ROWS rows over the threads. type_id = SUMS | an i-quant: its prompt gemm (llama.cpp's
+    prompt arithmetic, `_x86_gemm_iq.py`)."""
     if raw.shape[0] % TILE_ROWS:
         raise ValueError(f"gemm needs a multiple of {TILE_ROWS} rows, not {raw.shape[0]}")
+    if type_id & SUMS and VNNI:  # (the super-block sums' products run against x + 128, read from memory)
+        xq = (xq.view(np.uint8) ^ np.uint8(0x80)).view(np.int8)
     _over_threads(GEMM_ROWS[type_id], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
 
 

@@ -281,16 +281,20 @@ class Transformer:
         windows = [a.n_swa if a.is_swa(il) else 0 for il in range(a.n_layer)]
         return KVCache(a.n_layer, a.n_head_kv, a.head_dim, self.n_ctx, windows, self.batch, *self.kv_types)
 
-    def forward(self, tokens, cache: KVCache, all_logits: bool = False, n_threads: int | None = None) -> np.ndarray:
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False, n_threads: int | None = None,
+                prompt: bool = False) -> np.ndarray:
         """Run `tokens` at positions cache.n_past.. and append them to the cache, on `n_threads`
-        threads (None: `self.n_threads`).
+        threads (None: `self.n_threads`). prompt: the tokens are (part of) a prompt of
+        qtensor.PROMPT_MIN_TOKENS or more, whose rows take llama.cpp's prompt arithmetic where it
+        differs from its decode (`step.project`); else (generated tokens, drafts to verify, short
+        prompts) each row equals a one-token step's bit for bit.
 
         Returns logits float32: (T, n_vocab) if all_logits, else (1, n_vocab) for the last token.
         """
         tokens = self._check(tokens, cache)
         if tokens.shape[0] <= cache.max_batch:  # the common case, without forward_many's bookkeeping
-            return self._forward_round([(tokens, cache)], [True], all_logits, n_threads)[0]
-        return self.forward_many([(tokens, cache)], all_logits, n_threads)[0]
+            return self._forward_round([(tokens, cache)], [True], all_logits, n_threads, prompt)[0]
+        return self.forward_many([(tokens, cache)], all_logits, n_threads, prompt)[0]
 
     def _check(self, tokens, cache: KVCache) -> np.ndarray:
         """Token ids as an int64 array, checked against the vocabulary and the cache's room."""
@@ -304,8 +308,9 @@ class Transformer:
         return tokens
 
     def forward_many(self, segments: Sequence[tuple[Sequence[int], KVCache]], all_logits: bool = False,
-                     n_threads: int | None = None) -> list[np.ndarray]:
+                     n_threads: int | None = None, prompt: "bool | Sequence[bool]" = False) -> list[np.ndarray]:
         """Run several token runs, each at its own cache's n_past, in one pass over the weights.
+        prompt: whether the runs are prompts' (all, or one flag per segment; see `forward`).
 
         Returns one logits array per segment: (T_i, n_vocab) if all_logits, else (1, n_vocab).
         Runs longer than a cache's max_batch are evaluated in rounds.
@@ -317,6 +322,9 @@ class Transformer:
         stream's one-token step bit for bit (tests/test_multi_sequence.py).
         """
         runs = [(self._check(tokens, cache), cache) for tokens, cache in segments]
+        prompts = [bool(prompt)] * len(runs) if isinstance(prompt, bool) else [bool(p) for p in prompt]
+        if len(prompts) != len(runs):
+            raise QllamaError(f"{len(prompts)} prompt flags for {len(runs)} segments")
         if len({id(c) for _, c in runs}) != len(runs):
             raise QllamaError("each segment of a forward pass needs its own cache")
 
@@ -327,18 +335,23 @@ class Transformer:
             if not part:
                 break
             want = [all_logits or done[i] + len(t) == len(runs[i][0]) for i, t, _ in part]
-            logits = self._forward_round([(t, c) for _, t, c in part], want, all_logits, n_threads)
+            flags = [prompts[i] for i, _, _ in part]
+            logits = self._forward_round([(t, c) for _, t, c in part], want, all_logits, n_threads,
+                                         flags[0] if len(set(flags)) == 1 else flags)
             for (i, t, _), lg in zip(part, logits):
                 done[i] += len(t)
                 if lg is not None:
                     outs[i].append(lg)
         return [o[0] if len(o) == 1 else np.concatenate(o) for o in outs]
 
-    def _forward_round(self, runs, want: list[bool], all_logits: bool, n_threads: int | None) -> list[np.ndarray | None]:
+    def _forward_round(self, runs, want: list[bool], all_logits: bool, n_threads: int | None,
+                       prompt: "bool | list[bool]" = False) -> list[np.ndarray | None]:
         n_rows = sum(t.shape[0] for t, _ in runs)
+        if not isinstance(prompt, bool):  # one flag per run -> one per row
+            prompt = np.repeat(np.array(prompt, bool), [t.shape[0] for t, _ in runs])
         n_threads = n_threads or self.n_threads
         set_threads(n_threads)  # Numba's count for this calling thread; kernels also receive it explicitly
-        step = self.execution.step(self, n_threads, n_rows)  # the way this round runs
+        step = self.execution.step(self, n_threads, n_rows, prompt)  # the way this round runs
         self.step = step
         try:
             return self._round(runs, want, all_logits, step)

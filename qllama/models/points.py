@@ -226,8 +226,8 @@ class Probe(Execution):
         self.traces: list[Trace] = []
         self._route: dict[tuple[str, int | None], tuple[list, list, str]] = {}
 
-    def step(self, model, n_threads: int, n_rows: int) -> Step:
-        return ProbedStep(self, n_threads, None, self.checks)
+    def step(self, model, n_threads: int, n_rows: int, prompt: "bool | np.ndarray" = False) -> Step:
+        return ProbedStep(self, n_threads, None, self.checks, prompt=prompt)
 
     # -- registry --
 

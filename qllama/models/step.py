@@ -5,7 +5,7 @@ one call per step and never asks which mode is on, as llama.cpp's graph builders
 `cb(cur, "attn_norm", il)` after each op:
 
     step.op(kind, fn, *args)        a kernel call                      fn(*args)
-    step.project(kind, w, act)      a weight matrix times activations  project(w, act)
+    step.project(kind, w, act)      a weight matrix times activations  project(w, act, prompt=step.prompt)
     step.point(name, x)             a named point (hooks, traces)      x
     step.wants(name)                whether a point is read            False
     step.attention_inputs(q, ...)   attn_q/k/v of one segment          q
@@ -35,12 +35,13 @@ if TYPE_CHECKING:
     from .decode import DecodeState, KernelClock
 
 
-def project(w: QTensor, act, n_threads: int | None = None) -> np.ndarray:
+def project(w: QTensor, act, n_threads: int | None = None, prompt: "bool | np.ndarray" = False) -> np.ndarray:
     """(T, in) activations (an Activation, quantized once when shared) -> (T, out) float32.
-    One token takes the mat-vec (decode) kernel, a batch the mat-mat (prefill) kernel."""
-    if act.n_tok == 1:
+    One token takes the mat-vec (decode) kernel, a batch the mat-mat (prefill) kernel; a prompt's
+    rows (prompt: all, or a bool mask (T,)) as llama.cpp's prompt kernels round them (`QTensor.matmul`)."""
+    if act.n_tok == 1 and not np.any(prompt):
         return w.matvec(act, n_threads=n_threads).reshape(1, -1)
-    return w.matmul(act, n_threads=n_threads)
+    return w.matmul(act, n_threads=n_threads, prompt=prompt)
 
 
 class Step:
@@ -50,8 +51,9 @@ class Step:
     probe = None  # the hooks and traces of a probed step (models/points.py)
 
     def __init__(self, n_threads: int, fused: "DecodeState | None" = None, checks: bool = True,
-                 release: Callable[["DecodeState"], None] | None = None):
+                 release: Callable[["DecodeState"], None] | None = None, prompt: "bool | np.ndarray" = False):
         self.n_threads = n_threads  # threads of this round's kernels
+        self.prompt = prompt  # which of the round's rows are a prompt's: all, none, or a bool mask (`project`)
         self.fused = fused  # the fused kernels of this round (its row count), or None
         self.checks = checks  # whether the round checks its logits for NaN/Inf
         self.il: int | None = None  # the block being run
@@ -61,7 +63,7 @@ class Step:
         return fn(*args)
 
     def project(self, kind: str, w: QTensor, act) -> np.ndarray:
-        return project(w, act, self.n_threads)
+        return project(w, act, self.n_threads, self.prompt)
 
     def point(self, name: str, x: np.ndarray) -> np.ndarray:
         return x
@@ -94,7 +96,7 @@ class TimedStep(Step):
         form = TYPES[w.type_id].int8_form
         if int8_enabled() and w.type_id in INT8_TYPES and form not in act._forms:  # once per shared activation
             self.clock.run("quantize x", self.il, act.quantized, form)
-        return self.clock.run(kind, self.il, project, w, act, self.n_threads)
+        return self.clock.run(kind, self.il, project, w, act, self.n_threads, self.prompt)
 
 
 # steps of 1 to decode.MAX_ROWS tokens on the int8 path use the fused kernels (models/decode.py);
@@ -111,13 +113,14 @@ class Execution:
     def __init__(self, *, fused: bool = FUSED_DEFAULT, checks: bool = True, fused_rows: int | None = FUSED_ROWS_DEFAULT):
         self.fused, self.checks, self.fused_rows = fused, checks, fused_rows
 
-    def step(self, model, n_threads: int, n_rows: int) -> Step:
-        """The Step of a round of n_rows tokens (all segments together)."""
-        fused = model.fused_state(n_rows, self.fused_rows) if self.fused else None
-        return self._make(n_threads, fused, model.release_fused)
+    def step(self, model, n_threads: int, n_rows: int, prompt: "bool | np.ndarray" = False) -> Step:
+        """The Step of a round of n_rows tokens (all segments together; prompt: which rows are a
+        prompt's, to take llama.cpp's prompt arithmetic: a round with any takes the unfused calls)."""
+        fused = model.fused_state(n_rows, self.fused_rows) if self.fused and not np.any(prompt) else None
+        return self._make(n_threads, fused, model.release_fused, prompt)
 
-    def _make(self, n_threads: int, fused, release) -> Step:
-        return Step(n_threads, fused, self.checks, release)
+    def _make(self, n_threads: int, fused, release, prompt: "bool | np.ndarray" = False) -> Step:
+        return Step(n_threads, fused, self.checks, release, prompt)
 
 
 class Plain(Execution):
@@ -131,8 +134,8 @@ class Timed(Execution):
         super().__init__(fused=fused, fused_rows=fused_rows)
         self.clock = clock
 
-    def _make(self, n_threads: int, fused, release) -> Step:
-        return TimedStep(self.clock, n_threads, fused, self.checks, release)
+    def _make(self, n_threads: int, fused, release, prompt: "bool | np.ndarray" = False) -> Step:
+        return TimedStep(self.clock, n_threads, fused, self.checks, release, prompt)
 
 
 PLAIN = Plain()

@@ -22,8 +22,11 @@ import hashlib
 import time
 from pathlib import Path
 
+from ..qtensor import PROMPT_MIN_TOKENS
+
 # the prompt pass: more tokens than a fused step takes (models/decode.MAX_ROWS), so the unfused
-# batch kernels (the gemm) compile; >= 4: the int8 row kernels work on groups of 4 tokens plus a remainder
+# batch kernels (the gemm) compile; >= 4: the int8 row kernels work on groups of 4 tokens plus a remainder;
+# >= qtensor.PROMPT_MIN_TOKENS: the prompt kernels (llama.cpp's prompt arithmetic) compile too
 PREFILL_TOKENS = 10
 # a step of this many tokens runs the fused calls with each type's n-token row kernel (a server
 # step of 2 streams, prompt lookup's verify batch, a short prompt such as the demo's)
@@ -82,7 +85,7 @@ def _forward_passes(model, tokens: int) -> list:
     first = min(tokens, max(n_ctx - 1, 1))
 
     def prompt():
-        model.forward([0] * first, cache)  # token 0 exists in every vocabulary
+        model.forward([0] * first, cache, prompt=first >= PROMPT_MIN_TOKENS)  # token 0 exists in every vocabulary
 
     def decode():
         cache.n_past = first
@@ -94,7 +97,8 @@ def _forward_passes(model, tokens: int) -> list:
         if cache.n_past + SHORT_TOKENS <= n_ctx:
             model.forward([0] * SHORT_TOKENS, cache)
 
-    def far():  # a batch deep enough into the context for attention to run in parallel
+    def far():  # a batch deep enough into the context for attention to run in parallel (not a prompt's:
+        # the kernels of long verify batches and many-stream steps)
         depth = min(n_ctx - tokens, FAR_DEPTH)
         if depth > first + 1:
             cache.n_past = depth

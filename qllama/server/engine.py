@@ -9,6 +9,8 @@ A model loaded with the default thread count gets a `forward` that takes each st
 (`forward(segments, n_threads)`) and carries `forward.threads`, a `StepThreads` that the
 scheduler asks for that count (qllama/runtime/threads.py): so the server's steps adapt to a busy
 machine as `run`'s decoding does. With an explicit count, `forward.threads` is None: fixed.
+`forward.takes_prompt`: it takes `prompt=` (one flag per segment: the segment is a prompt's chunk,
+`Model.forward`'s prompt), which the scheduler then passes.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ def model_forward(llm) -> tuple[Callable[[Sequence[tuple]], list[np.ndarray]], C
     adaptive = getattr(session, "threads", None) is not None  # default threads (adapt_threads)
     threads = step_threads_for(net.n_threads) if adaptive else None
     if many is not None:
-        def forward(segments, n_threads=None):
-            return [np.asarray(lg)[-1] for lg in many(list(segments), n_threads=n_threads)]
-        forward.threads = threads
+        def forward(segments, n_threads=None, prompt=False):
+            return [np.asarray(lg)[-1] for lg in many(list(segments), n_threads=n_threads, prompt=prompt)]
+        forward.threads, forward.takes_prompt = threads, True
         return forward, net.new_cache, True
 
-    def forward_each(segments, n_threads=None):
-        return [net.forward(ids, cache, n_threads=n_threads)[-1] for ids, cache in segments]
-    forward_each.threads = threads
+    def forward_each(segments, n_threads=None, prompt=False):
+        flags = [prompt] * len(segments) if isinstance(prompt, bool) else prompt
+        return [net.forward(ids, cache, n_threads=n_threads, prompt=p)[-1] for (ids, cache), p in zip(segments, flags)]
+    forward_each.threads, forward_each.takes_prompt = threads, True
     return forward_each, net.new_cache, False

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..generation.constrained import constrained_sampler
 from ..generation.session import common_prefix
+from ..qtensor import PROMPT_MIN_TOKENS
 from .schemas import GenParams
 from ..generation.text import TextOutput
 from .logprobs import TokenLogprob, token_logprob
@@ -297,7 +298,7 @@ class Scheduler:
         self._clock += 1
         # decoding slots take one token each; prompts share `chunk` tokens, oldest job first
         budget = self.chunk
-        step, segments = [], []
+        step, segments, prompts = [], [], []
         for slot in sorted(busy, key=lambda s: s.run.seq):
             run = slot.run
             if run.prefilling:
@@ -309,15 +310,18 @@ class Scheduler:
                 ids = [run.next_token]
             step.append(slot)
             segments.append((ids, slot.cache))
+            # a prompt's rows as `Session.prefill` runs them (decided per prompt: every chunk alike)
+            prompts.append(run.prefilling and len(run.job.prompt) - run.cached >= PROMPT_MIN_TOKENS)
         busy = step
         self.max_busy = max(self.max_busy, len(busy))
+        kw = {"prompt": prompts} if getattr(self.forward, "takes_prompt", False) else {}
         t0 = time.perf_counter()
         try:
             if self.threads is None:
-                logits = self.forward(segments)
+                logits = self.forward(segments, **kw)
             else:
                 n_tok = sum(len(ids) for ids, _ in segments)
-                logits = self.threads.run(len(segments), n_tok, lambda n: self.forward(segments, n_threads=n))
+                logits = self.threads.run(len(segments), n_tok, lambda n: self.forward(segments, n_threads=n, **kw))
         except Exception as e:  # noqa: BLE001 - reported to the clients of this step, the loop goes on
             for slot in busy:
                 _send(slot.run.job, Event("error", message=f"evaluation failed: {e}"))
