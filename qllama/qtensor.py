@@ -210,6 +210,14 @@ def _block_ops(type_id: int, int8_kernel: str, takes_type: bool, gemm: str | Non
             k(q.raw, xq, xd, xs, tab, out, nt)
 
         ops = ops._replace(int8=int8_matmul)
+        if type_id in int8.PROMPT_TYPES:  # (q4_K, q6_K: llama.cpp's prompt arithmetic, `int8.gemm(SUMS | type)`)
+            def int8_prompt(q, act, out, nt):
+                if q.n_rows % int8.TILE_ROWS:
+                    return int8_matmul(q, act, out, nt)
+                xq, xd, xs = act.quantized(form)
+                int8.gemm(int8.SUMS | type_id, q.raw, xq, xd, xs, tab, out, nt)
+
+            ops = ops._replace(int8_prompt=int8_prompt)
     return ops
 
 
@@ -585,6 +593,8 @@ class QTensor:
                 raise ValueError(f"activation of shape {act.x.shape} does not fit ne0={self.n_cols}")
             n_tok = act.n_tok
         out = _check_out(out, (n_tok, self.n_rows))
+        if isinstance(prompt, np.ndarray) and prompt.shape != (n_tok,):
+            raise ValueError(f"a prompt mask of shape {prompt.shape} for {n_tok} rows")
         if n_tok == 0:
             return out
         ops = self._ops or self._bind()

@@ -483,6 +483,9 @@ def test_a_prompts_rows_take_the_prompt_arithmetic_and_decode_rows_keep_decodes(
                                   prompt=[True, False])
     np.testing.assert_array_equal(bits(together[0]), bits(as_prompt))
     np.testing.assert_array_equal(bits(together[1]), bits(alone))
+    last = model.forward_many([(prompt, model.new_cache()), ([other[-1]], decoded())], prompt=[True, False])  # (last rows)
+    np.testing.assert_array_equal(bits(last[0]), bits(as_prompt[-1:]))
+    np.testing.assert_array_equal(bits(last[1]), bits(alone))
 
 
 def GGML_TYPES_BY(name: str) -> int:

@@ -180,7 +180,7 @@ class ToyModel:
     def new_cache(self):
         return ToyCache()
 
-    def forward(self, ids, cache):
+    def forward(self, ids, cache, prompt=False):
         x = np.arange(len(ids) + 1, dtype=np.float64)
         self.mod.scale(x, 2.0)
         self.mod.scale(x.astype(np.float32), 2.0)

@@ -106,7 +106,10 @@ def _experts(ref: MoeReference, ids) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("name", ["qwen3moe-q4k", "qwen2moe-q4k", "llama-f32"])
 def test_prefill_equals_token_by_token_bit_for_bit(files, name, kv, int8_mode):
-    """Tokens grouped by expert (a batch) get exactly the one-token values (int8 path)."""
+    """Tokens grouped by expert (a batch) get exactly the one-token values (int8 path): a prompt
+    in chunks of 1, 7 or all its tokens gives the same logits (its rows take llama.cpp's prompt
+    arithmetic in every chunk, the experts decode's), and a batch of generated tokens (drafts to
+    verify: not a prompt) equals its tokens decoded one by one."""
     int8_mode(True)
     path = files(name)
     kw = dict(type_k=kv, type_v=kv)
@@ -117,11 +120,16 @@ def test_prefill_equals_token_by_token_bit_for_bit(files, name, kv, int8_mode):
         m = qllama.load(path, n_ctx=128, batch_size=bs, **kw)
         got = m.logits(ids)
         np.testing.assert_array_equal(got, full, err_msg=f"batch {bs}")
-        if name.endswith("q4k"):  # every step took the one-call expert kernel (kernels/experts.py)
-            layers = _transformer(m).weights.layers
-            assert all(lw.moe._plan for lw in layers)
-            if bs == 1 and layers[0].moe.shared is None:  # decoded tokens: router and experts in moe_decode
-                assert all(lw.moe._decode for lw in layers)
+        if name.endswith("q4k") and bs == 7:  # every step took the one-call expert kernel (kernels/experts.py)
+            assert all(lw.moe._plan for lw in _transformer(m).weights.layers)
+    tr = _transformer(qllama.load(path, n_ctx=128, **kw))
+    batch = tr.forward(ids, tr.new_cache(), all_logits=True)
+    cache = tr.new_cache()
+    steps = np.concatenate([tr.forward([t], cache) for t in ids])
+    np.testing.assert_array_equal(steps, batch)
+    layers = tr.weights.layers
+    if name.endswith("q4k") and layers[0].moe.shared is None:  # decoded tokens: router and experts in moe_decode
+        assert all(lw.moe._decode for lw in layers)
 
 
 def test_forward_many_equals_separate_forwards(files, int8_mode):

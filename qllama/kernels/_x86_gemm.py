@@ -77,6 +77,10 @@ L1_BLOCK_BYTES = 32768  # packed bytes that every token reads before the next ra
 # (16 x i16), 8 min vectors (8 f32), then 64 vectors of transposed quants (groups of 64
 # elements j, low/high nibbles, byte quads k)
 _D, _DMIN, _SCALES, _MINS, _QUANTS = 0, 32, 64, 320, 576
+# the prompt kernels' q4_K pack (`_pack_half_q4_k(sums=True)`): then 8 correction vectors and 4 vectors of
+# the mins in int16 pairs (lane r = m_r,2i | m_r,2i+1 << 16)
+_CORR4, _MINPAIRS4 = 2624, 2880
+Q4_K_SUMS_BYTES = (2880 + 128) * HALVES
 # scratch bytes per q6_K block of 8 rows: d (8 f32), 16 scale vectors (lane r = s_rj as an i16 in
 # both halves), then 64 vectors of transposed quants (32-element groups g, byte quads k) as 0..63
 _D6, _SCALES6, _QUANTS6 = 0, 32, 544
@@ -181,7 +185,9 @@ def _rows_f16(builder, blks, off):
     return builder.fpext(d, _V8F)
 
 
-def _pack_half_q4_k(builder, blks, put):
+def _pack_half_q4_k(builder, blks, put, sums=False):
+    """q4_K's layout above; with sums (its prompt kernels on a VNNI ISA, `_sums_block_q4_k`) also
+    the 8 correction vectors at _CORR4: sub-block s, lane r = -128 * row r's sum of its 32 quants."""
     def c32(v):
         return ir.Constant(_V8I, [v] * 8)
 
@@ -201,17 +207,25 @@ def _pack_half_q4_k(builder, blks, put):
     for k in range(8):  # sub-block k: lane r = s_rk in both int16 halves (the pmaddwd operand)
         v = builder.and_(builder.lshr(sc_lo if k < 4 else sc_hi, c32(8 * (k % 4))), c32(0xFF))
         put(builder.or_(v, builder.shl(v, c32(16))), _SCALES + 32 * k)
+    mins = []
     for k in range(8):  # sub-block k: lane r = m_rk as a float (m * a 32-element sum is exact in float32)
-        v = builder.and_(builder.lshr(mn_lo if k < 4 else mn_hi, c32(8 * (k % 4))), c32(0xFF))
-        put(builder.sitofp(v, _V8F), _MINS + 32 * k)
+        mins.append(builder.and_(builder.lshr(mn_lo if k < 4 else mn_hi, c32(8 * (k % 4))), c32(0xFF)))
+        put(builder.sitofp(mins[k], _V8F), _MINS + 32 * k)
+    for i in range(4 if sums else 0):
+        put(builder.or_(mins[2 * i], builder.shl(mins[2 * i + 1], c32(16))), _MINPAIRS4 + 32 * i)
 
     def group(j, _):  # 64-element group j: its 32 packed bytes, bytes 4k..4k+3 of each row in vector k
         rows = [_load(builder, _V8I, p, builder.add(builder.mul(j, _c64(32)), _c64(16))) for p in blks]
         dj = builder.add(builder.mul(j, _c64(512)), _c64(_QUANTS))
+        totals = [ir.Constant(_V8I, [0] * 8)] * 2  # (the low and the high nibbles' sub-blocks)
         for k, v in enumerate(_transpose8(builder, rows)):
             v = builder.bitcast(v, _V32B)
-            put(builder.and_(v, _splat(_I8, 32, 15)), builder.add(dj, _c64(32 * k)))
-            put(builder.lshr(v, _splat(_I8, 32, 4)), builder.add(dj, _c64(256 + 32 * k)))
+            for h, q in enumerate((builder.and_(v, _splat(_I8, 32, 15)), builder.lshr(v, _splat(_I8, 32, 4)))):
+                put(q, builder.add(dj, _c64(256 * h + 32 * k)))
+                if sums:
+                    totals[h] = _dot4(builder, _splat(_I8, 32, 1), q, totals[h], vnni=False)
+        for h in range(2 if sums else 0):
+            put(builder.mul(totals[h], c32(-128)), builder.add(builder.mul(j, _c64(64)), _c64(_CORR4 + 32 * h)))
         return []
 
     _loop(builder, _c64(0), _c64(4), group, [])
@@ -295,6 +309,7 @@ def _pack_intrinsic(type_id, pack_half, packed_bytes=None, kind=None):
 
 
 pack_q4_k = _pack_intrinsic(Q4_K, _pack_half_q4_k)
+pack_q4_k_sums = _pack_intrinsic(Q4_K, lambda b, blks, put: _pack_half_q4_k(b, blks, put, sums=True), Q4_K_SUMS_BYTES, "q4_K_sums")
 pack_q6_k = _pack_intrinsic(Q6_K, _pack_half_q6_k)
 pack_q4_0 = _pack_intrinsic(Q4_0, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q4_0"))
 pack_q5_0 = _pack_intrinsic(Q5_0, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q5_0"))
@@ -557,3 +572,171 @@ tile_q6_k = _tile_intrinsic(_q6_k_block, "q6_K", "q8_K")
 tile_q4_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q4_0"), "q4_0", "q8_0")
 tile_q5_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q5_0"), "q5_0", "q8_0")
 tile_q8_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q8_0"), "q8_0", "q8_0")
+
+
+# -- prompts in llama.cpp's prompt arithmetic: one int32 per row, token and super-block --
+#
+# llama.cpp's own prompts (ggml-cpu/tiled: batches of 8+ tokens of the k-quants and the
+# super-block i-quants) do not round as its vec_dot. Per row, token and super-block it sums every
+# product into one int32, s1 = sum over the sub-blocks of scale * (the sub-block's products), and
+# for the types with mins s2 = sum of min * (the sub-block's activation sum), both exact; then
+# r = fl(s1) * d (less fl(s2) * dmin, fused) and out = fma(r, dx, out) over the super-blocks in
+# order, from 0 (its AVX-512 VNNI kernel as GCC builds it: the last multiply and add are fused).
+# With one int32 per super-block a product of 4 costs one `vpdpbusd`; vec_dot's 8 int32 lanes,
+# each scaled per sub-block, cost a `pmaddubsw` and a `pmaddwd` per 64 products. These kernels
+# (`int8.gemm(SUMS | type)`) compute that arithmetic on every ISA: a prompt's rows
+# (`QTensor.matmul(prompt=...)`) equal llama.cpp's prompt rows bit for bit.
+SUMS = 0x100  # gemm key flag: type id | SUMS = that type's prompt kernels (`_x86_gemms.GEMM_KERNELS`)
+# tokens per pass over a super-block's packed rows (each weight vector loaded once for them) and
+# the dependency chains of a token's products per sub-block (on Zen 5, 512 tokens of an 8192 x 2048
+# iq4_xs matrix, one thread: 1 token 212, 2: 285, 4: 339, 8: 368 G products/s; vec_dot's rounding
+# 155). AVX2 has 16 vector registers, not 32.
+TOKENS_PER_PASS = 8 if ZMM else 2
+CHAINS = 2
+
+
+def _sums_codegen(context, builder, signature, args, block_sum):
+    """`_tile_codegen` for the super-block sums (llama.cpp's prompt arithmetic, below): one
+    accumulator per row and token, tokens in groups of TOKENS_PER_PASS (a weight vector loaded
+    once for them), then one by one; `block_sum(tiles, b, accs)` adds super-block b for each."""
+    vf = _vec(ir.FloatType(), TILE_ROWS)
+    pack = context.make_array(signature.args[0])(context, builder, args[0])
+    nb, b0, b1, t0, t1, r0 = args[1], args[2], args[3], args[7], args[8], args[10]
+    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    sa = signature.args
+    first = builder.icmp_signed("==", b0, _c64(0))
+    last = builder.icmp_signed("==", b1, nb)
+    zero = ir.Constant(vf, [0.0] * TILE_ROWS)
+
+    def run(ts):
+        tiles = [_Tile(builder, pbase, _token_ptr(context, builder, sa[4], args[4], t, _I8),
+                       _token_ptr(context, builder, sa[5], args[5], t, ir.FloatType()),
+                       _token_ptr(context, builder, sa[6], args[6], t, _I32)) for t in ts]
+        saved = [builder.bitcast(_token_ptr(context, builder, sa[11], args[11], t, ir.FloatType()), ir.PointerType(_I8))
+                 for t in ts]
+        start = [builder.select(first, zero, _load(builder, vf, p, 0)) for p in saved]
+        acc = _loop(builder, b0, b1, lambda b, accs: block_sum(tiles, b, accs), start)
+        with builder.if_else(last) as (then, otherwise):
+            with then:
+                for t, y in zip(ts, acc):
+                    orow = _token_ptr(context, builder, sa[9], args[9], t, ir.FloatType())
+                    _store(builder, y, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
+            with otherwise:
+                for p, y in zip(saved, acc):
+                    _store(builder, y, p, 0)
+
+    g = TOKENS_PER_PASS
+    n_groups = builder.sdiv(builder.sub(t1, t0), _c64(g))
+
+    def group(i, _):
+        t = builder.add(t0, builder.mul(i, _c64(g)))
+        run([builder.add(t, _c64(j)) for j in range(g)])
+        return []
+
+    _loop(builder, _c64(0), n_groups, group, [])
+    _loop(builder, builder.add(t0, builder.mul(n_groups, _c64(g))), t1, lambda t, _: run([t]) or [], [])
+    return context.get_dummy_value()
+
+
+def _sums_tile_intrinsic(block_sum, kind):
+    def tile(typingctx, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
+        sig = _tile_sig(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
+        return (sig, lambda c, b, sg, a: _sums_codegen(c, b, sg, a, block_sum)) if sig else None
+
+    tile.__name__ = tile.__qualname__ = f"tile_{kind.lower()}"
+    tile.__doc__ = ("Blocks b0..b1-1 of the packed rows times tokens t0..t1-1 of q8_K activations in llama.cpp's "
+                    "prompt arithmetic, arguments as `_tile_intrinsic`'s tiles (acc (n_tok, TILE_ROWS)).")
+    return intrinsic(tile)
+
+
+def _sums_block_q4_k(tiles, b, accs):
+    """q4_K's super-block (the gemm's pack with corrections): s1 = sum over sub-blocks of scale *
+    (its 32 products), s2 = sum of min * (its 32 activations' sum) (exact in
+    int32: `vpdpwssd` of the mins and the sums in int16 pairs); acc = fma(fma(-fl(s2), dmin, fl(s1) * d), dx, acc)."""
+    builder = tiles[0].b
+    vi, vf = _vec(_I32, TILE_ROWS), _vec(ir.FloatType(), TILE_ROWS)
+    zero = ir.Constant(vi, [0] * TILE_ROWS)
+    tile = tiles[0]
+    src = tile.src(b, Q4_K_SUMS_BYTES)
+    xq_off = builder.mul(b, _c64(256))
+    low16 = ir.Constant(vi, [0xFFFF] * TILE_ROWS)
+
+    def sub_block(sb, isums):  # sub-block sb = 2j + h: group j's low (h = 0) or high nibbles
+        corr = tile.load(_V8I, src, builder.add(builder.mul(sb, _c64(32)), _c64(_CORR4))) if VNNI else zero
+        a = [[corr] + [zero] * (CHAINS - 1) for _ in tiles]
+        x_off = builder.add(xq_off, builder.mul(sb, _c64(32)))
+        for k in range(8):
+            w = tile.load(_V32B, src, builder.add(builder.mul(sb, _c64(256)), _c64(_QUANTS + 32 * k)))
+            for i, t in enumerate(tiles):
+                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
+                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
+                # (on VNNI x + 128 by the quants (0..15) as signed bytes, from the pack's correction: the
+                # broadcast x is then a register operand; as `vpdpbusd`'s memory broadcast it ran ~25% slower)
+                a[i][k % CHAINS] = _dot4(builder, xv, w, a[i][k % CHAINS]) if VNNI else _dot4(builder, w, xv, a[i][k % CHAINS])
+        scale = builder.and_(tile.load(_V8I, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES))), low16)
+        out = []
+        for i, ai in enumerate(a):
+            while len(ai) > 1:
+                ai = [builder.add(ai[j], ai[j + 1]) for j in range(0, len(ai), 2)]
+            out.append(builder.add(isums[i], builder.mul(ai[0], scale)))
+        return out
+
+    isums = _loop(builder, _c64(0), _c64(8), sub_block, [zero] * len(tiles))
+    d, dmin = tile.load(_V8F, src, _D), tile.load(_V8F, src, _DMIN)
+    pairs = [tile.load(_V16H, src, _MINPAIRS4 + 32 * i) for i in range(4)]
+    out = []
+    for isum, t, acc in zip(isums, tiles, accs):
+        msum = zero
+        for i in range(4):  # (the caller's xs holds the sums of 32 in int16 pairs in slots 0-3, `int8.gemm`)
+            bpair = builder.load(builder.gep(t.xs, [builder.add(builder.mul(b, _c64(16)), _c64(i))]), align=4)
+            msum = _madd_add(builder, msum, pairs[i], builder.bitcast(_splat_scalar(builder, bpair), pairs[i].type))
+        r = _fma(builder, builder.fneg(builder.sitofp(msum, vf)), dmin, _exact("fmul", builder, builder.sitofp(isum, vf), d))
+        out.append(_fma(builder, r, t.dx(b), acc))
+    return out
+
+
+def _sums_block_q6_k(tiles, b, accs):
+    """q6_K's super-block (the gemm's pack): s1 = sum over the 16 sub-blocks of 16 of scale * (its
+    products of the unsigned quants (0..63) and x, `vpdpbusd`) less 32 * sum of scale * (its
+    activations' sum) (`vpdpwssd` of the scales and the sums of 16 in the pairs (l, l + 8) of the
+    q8_K sum slots 8-15), exact; acc = fma(fl(s1) * d, dx, acc)."""
+    builder = tiles[0].b
+    vi, vf = _vec(_I32, TILE_ROWS), _vec(ir.FloatType(), TILE_ROWS)
+    zero = ir.Constant(vi, [0] * TILE_ROWS)
+    tile = tiles[0]
+    src = tile.src(b, PACKED_BYTES[Q6_K])
+    xq_off = builder.mul(b, _c64(256))
+    sixteen = ir.Constant(vi, [16] * TILE_ROWS)
+
+    def group(g, isums):  # 32-element group g: quads 0-3 are sub-block 2g, 4-7 sub-block 2g + 1
+        a = [[zero, zero] for _ in tiles]
+        x_off = builder.add(xq_off, builder.mul(g, _c64(32)))
+        for k in range(8):
+            w = tile.load(_V32B, src, builder.add(builder.mul(g, _c64(256)), _c64(_QUANTS6 + 32 * k)))
+            for i, t in enumerate(tiles):
+                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
+                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
+                a[i][k // 4] = _dot4(builder, w, xv, a[i][k // 4])
+        sc = [builder.ashr(tile.load(_V8I, src, builder.add(builder.mul(builder.add(builder.mul(g, _c64(2)), _c64(h)), _c64(32)),
+                                                              _c64(_SCALES6))), sixteen) for h in range(2)]
+        return [builder.add(isum, builder.add(builder.mul(ai[0], sc[0]), builder.mul(ai[1], sc[1]))) for isum, ai in zip(isums, a)]
+
+    isums = _loop(builder, _c64(0), _c64(8), group, [zero] * len(tiles))
+    n16 = 2 * TILE_ROWS
+    pairs = []
+    for k in range(8):  # each row's (s_k, s_k+8) in the int16 halves of its lane (the pack holds each in both)
+        lo, hi = (tile.load(_V16H, src, _SCALES6 + 32 * j) for j in (k, k + 8))
+        pairs.append(builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n16), [i if i % 2 == 0 else n16 + i for i in range(n16)])))
+    d = tile.load(_V8F, src, _D6)
+    out = []
+    for isum, t, acc in zip(isums, tiles, accs):
+        off = zero
+        for k in range(8):
+            off = _madd_add(builder, off, pairs[k], builder.bitcast(_splat_scalar(builder, t.sum_pair(b, k)), _vec(_I16, n16)))
+        isum = builder.sub(isum, builder.shl(off, ir.Constant(vi, [5] * TILE_ROWS)))
+        out.append(_fma(builder, _exact("fmul", builder, builder.sitofp(isum, vf), d), t.dx(b), acc))
+    return out
+
+
+tile_q4_k_sums = _sums_tile_intrinsic(_sums_block_q4_k, "q4_K_sums")
+tile_q6_k_sums = _sums_tile_intrinsic(_sums_block_q6_k, "q6_K_sums")

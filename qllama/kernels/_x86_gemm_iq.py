@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba.core import cgutils
-from numba.extending import intrinsic
 
-from ..gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, type_name
+from ..gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_K, type_name
 from ._x86 import (
     _I8,
     _I32,
     _I64,
     VNNI,
-    ZMM,
     _dot4,
     _exact,
     _fma,
@@ -41,7 +39,9 @@ from ._x86_gemm import (
     _V8I,
     _V16H,
     _V32B,
+    CHAINS,
     HALVES,
+    SUMS,
     TILE_ROWS,
     _abs,
     _c64,
@@ -52,11 +52,9 @@ from ._x86_gemm import (
     _rows_f16,
     _signed_quads,
     _splat_scalar,
-    _store,
+    _sums_tile_intrinsic,
     _Tile,
     _tile_intrinsic,
-    _tile_sig,
-    _token_ptr,
     _transpose8,
 )
 from ._x86_iq import GRID_ROWS, _iq4_values, _xs_scales, odd_scale
@@ -213,14 +211,7 @@ tile_iq2_xxs = _tile_intrinsic(lambda t, blk, accs: _iq4_xs_block(t, blk, accs, 
 # s: lane r = row r's scale as an i32), 8 correction vectors (lane r = -128 * the sum of row r's 32
 # values of sub-block s: the products run against x + 128 on a VNNI ISA), then 64 vectors of the
 # signed values (sub-block s, byte quads k).
-SUMS = 0x100  # GEMM_KERNELS key flag: type id | SUMS = that type's super-block sums kernels
 _DS, _SCS, _CORRS, _QUANTSS = 0, 32, 288, 544
-# tokens per pass over a super-block's packed rows (each weight vector loaded once for them) and
-# the dependency chains of a token's products per sub-block (on Zen 5, 512 tokens of an 8192 x 2048
-# iq4_xs matrix, one thread: 1 token 212, 2: 285, 4: 339, 8: 368 G products/s; the vec_dot-exact
-# gemm 155). AVX2 has 16 vector registers, not 32.
-TOKENS_PER_PASS = 8 if ZMM else 2
-CHAINS = 2
 SUMS_PACKED_BYTES = {SUMS | t: 2592 * HALVES for t in (IQ4_XS, IQ3_S, IQ2_XXS)}
 
 
@@ -276,7 +267,7 @@ def _sums_block(tiles, b, accs):
     zero = ir.Constant(vi, [0] * TILE_ROWS)
     tile = tiles[0]
     src = tile.src(b, 2592 * HALVES)
-    xq_off = builder.mul(b, _c64(256))  # (on a VNNI ISA the caller passes x + 128, `int8.gemm`: broadcasts from memory)
+    xq_off = builder.mul(b, _c64(256))  # (on a VNNI ISA the caller passes x + 128, FLIPPED_X: broadcasts from memory)
 
     def sub_block(s, isums):
         corr = tile.load(_V8I, src, builder.add(builder.mul(s, _c64(32)), _c64(_CORRS))) if VNNI else zero
@@ -312,61 +303,17 @@ def _sums_block(tiles, b, accs):
             for isum, t, acc in zip(isums, tiles, accs)]
 
 
-def _sums_codegen(context, builder, signature, args):
-    """`_tile_codegen` for the super-block sums: one accumulator per row and token, tokens in
-    groups of TOKENS_PER_PASS (a weight vector loaded once for them), then one by one."""
-    vf = _vec(ir.FloatType(), TILE_ROWS)
-    pack = context.make_array(signature.args[0])(context, builder, args[0])
-    nb, b0, b1, t0, t1, r0 = args[1], args[2], args[3], args[7], args[8], args[10]
-    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
-    sa = signature.args
-    first = builder.icmp_signed("==", b0, _c64(0))
-    last = builder.icmp_signed("==", b1, nb)
-    zero = ir.Constant(vf, [0.0] * TILE_ROWS)
-
-    def run(ts):
-        tiles = [_Tile(builder, pbase, _token_ptr(context, builder, sa[4], args[4], t, _I8),
-                       _token_ptr(context, builder, sa[5], args[5], t, ir.FloatType()), None) for t in ts]
-        saved = [builder.bitcast(_token_ptr(context, builder, sa[11], args[11], t, ir.FloatType()), ir.PointerType(_I8))
-                 for t in ts]
-        start = [builder.select(first, zero, _load(builder, vf, p, 0)) for p in saved]
-        acc = _loop(builder, b0, b1, lambda b, accs: _sums_block(tiles, b, accs), start)
-        with builder.if_else(last) as (then, otherwise):
-            with then:
-                for t, y in zip(ts, acc):
-                    orow = _token_ptr(context, builder, sa[9], args[9], t, ir.FloatType())
-                    _store(builder, y, builder.bitcast(orow, ir.PointerType(_I8)), builder.mul(r0, _c64(4)))
-            with otherwise:
-                for p, y in zip(saved, acc):
-                    _store(builder, y, p, 0)
-
-    g = TOKENS_PER_PASS
-    n_groups = builder.sdiv(builder.sub(t1, t0), _c64(g))
-
-    def group(i, _):
-        t = builder.add(t0, builder.mul(i, _c64(g)))
-        run([builder.add(t, _c64(j)) for j in range(g)])
-        return []
-
-    _loop(builder, _c64(0), n_groups, group, [])
-    _loop(builder, builder.add(t0, builder.mul(n_groups, _c64(g))), t1, lambda t, _: run([t]) or [], [])
-    return context.get_dummy_value()
-
-
 _SUMS_PACK = {IQ4_XS: _pack_sums_iq4_xs, IQ3_S: lambda b, blks, put: _pack_sums_grid(b, blks, put, IQ3_S),
               IQ2_XXS: lambda b, blks, put: _pack_sums_grid(b, blks, put, IQ2_XXS)}
 
 
 def sums_kernels(type_id):
-    """(pack, tile) intrinsics of the super-block sums of type_id (iq4_xs, iq3_s, iq2_xxs)."""
-    pack = _pack_intrinsic(type_id, _SUMS_PACK[type_id], SUMS_PACKED_BYTES[SUMS | type_id], type_name(type_id) + "_sums")
+    """(pack, tile) intrinsics of the super-block sums of type_id (iq4_xs, iq3_s, iq2_xxs; the tile
+    reads x + 128 on a VNNI ISA, `FLIPPED_X`)."""
+    name = type_name(type_id) + "_sums"
+    return (_pack_intrinsic(type_id, _SUMS_PACK[type_id], SUMS_PACKED_BYTES[SUMS | type_id], name),
+            _sums_tile_intrinsic(_sums_block, name))
 
-    def tile(typingctx, pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc):
-        sig = _tile_sig(pack, nb, b0, b1, xq, xd, xs, t0, t1, out, r0, acc)
-        return (sig, _sums_codegen) if sig else None
 
-    tile.__name__ = tile.__qualname__ = f"tile_{type_name(type_id).lower()}_sums"
-    tile.__doc__ = ("Blocks b0..b1-1 of the rows packed by the pack of `sums_kernels` times tokens t0..t1-1 of q8_K "
-                    "activations (xq: x + 128 on a VNNI ISA), arguments as `_x86_gemm._tile_intrinsic`'s tiles (acc "
-                    "(n_tok, TILE_ROWS)).")
-    return pack, intrinsic(tile)
+# the sums kernels whose activations the caller passes as x + 128 on a VNNI ISA (`int8.gemm`)
+FLIPPED_X = frozenset({*SUMS_PACKED_BYTES, SUMS | Q4_K}) if VNNI else frozenset()

@@ -10,20 +10,24 @@ from numba.extending import intrinsic
 from ..gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0
 from ._x86_gemm import (
     PACKED_BYTES,
+    Q4_K_SUMS_BYTES,
+    SUMS,
     pack_q4_0,
     pack_q4_k,
+    pack_q4_k_sums,
     pack_q5_0,
     pack_q6_k,
     pack_q8_0,
     tile_q4_0,
     tile_q4_k,
+    tile_q4_k_sums,
     tile_q5_0,
     tile_q6_k,
+    tile_q6_k_sums,
     tile_q8_0,
 )
 from ._x86_gemm_iq import (
     IQ_PACKED_BYTES,
-    SUMS,
     SUMS_PACKED_BYTES,
     pack_iq2_xxs,
     pack_iq3_s,
@@ -37,13 +41,17 @@ from ._x86_gemm_iq import (
 )
 
 # type id -> scratch bytes per block (per pair of iq4_nl blocks) of TILE_ROWS rows
-ALL_PACKED_BYTES = {**PACKED_BYTES, **IQ_PACKED_BYTES, **SUMS_PACKED_BYTES}
+ALL_PACKED_BYTES = {**PACKED_BYTES, **IQ_PACKED_BYTES, **SUMS_PACKED_BYTES, SUMS | Q4_K: Q4_K_SUMS_BYTES,
+                    SUMS | Q6_K: PACKED_BYTES[Q6_K]}
 
 # type id -> (pack, tile) of the batch kernels, chosen by `pack_rows` / `tile_rows` at compile time
 GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0: (pack_q4_0, tile_q4_0),
                 Q5_0: (pack_q5_0, tile_q5_0), Q8_0: (pack_q8_0, tile_q8_0), IQ4_NL: (pack_iq4_nl, tile_iq4_nl),
                 IQ4_XS: (pack_iq4_xs, tile_iq4_xs), IQ3_S: (pack_iq3_s, tile_iq3_s), IQ2_XXS: (pack_iq2_xxs, tile_iq2_xxs)}
-GEMM_KERNELS.update({SUMS | t: sums_kernels(t) for t in (IQ4_XS, IQ3_S, IQ2_XXS)})  # (a prompt's rows, llama.cpp's prompt arithmetic)
+# a prompt's rows in llama.cpp's prompt arithmetic
+GEMM_KERNELS.update({SUMS | t: sums_kernels(t) for t in (IQ4_XS, IQ3_S, IQ2_XXS)})
+GEMM_KERNELS[SUMS | Q4_K] = (pack_q4_k_sums, tile_q4_k_sums)
+GEMM_KERNELS[SUMS | Q6_K] = (pack_q6_k, tile_q6_k_sums)  # (the gemm's pack)
 
 
 def _of_type(which, typingctx, type_id, args):

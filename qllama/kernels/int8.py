@@ -43,7 +43,6 @@ from ..gguf.types import (
 )
 from ._fp16 import f16_at
 from ._x86 import (
-    VNNI,
     dot_q2_k,
     dot_q3_k,
     row_dot4_q4_k,
@@ -60,11 +59,11 @@ from ._x86 import (
     row_dot_q8_0,
     row_dotn,
 )
-from ._x86_gemm import L1_BLOCK_BYTES, PACKED_BYTES, TILE_ROWS
-from ._x86_gemm_iq import SUMS
+from ._x86_gemm import L1_BLOCK_BYTES, PACKED_BYTES, SUMS, TILE_ROWS
+from ._x86_gemm_iq import FLIPPED_X
 from ._x86_gemms import ALL_PACKED_BYTES, pack_rows, tile_rows
 from ._x86_iq import tail_iq4_nl
-from .act_quant import bsum16
+from .act_quant import Q8K_SUMS, bsum16
 from .jit import Variants, address_of, call_address, kernel
 from .kquants import scale_q3_k
 
@@ -117,6 +116,9 @@ def _over_threads(rows, n_units, raw, xq, xd, xs, tab, out, n_threads) -> None:
 # Batch kernels (q4_K, q6_K, q4_0, q5_0, q8_0; `_x86_gemm.py`): TILE_ROWS rows per pass, rows in the vector
 # lanes; the same values as the row kernels, bit for bit.
 GEMM_TYPES = tuple(PACKED_BYTES)  # q4_K, q6_K, q4_0, q5_0, q8_0
+# the types whose prompts have kernels in llama.cpp's prompt arithmetic (`gemm(SUMS | type)`, `_x86_gemm.SUMS`):
+# q4_K, q6_K and the i-quants iq4_xs, iq3_s, iq2_xxs
+PROMPT_TYPES = frozenset(k & ~SUMS for k in ALL_PACKED_BYTES if k & SUMS)
 
 
 @kernel(**_NOPY)
@@ -167,8 +169,12 @@ def gemm(type_id, raw, xq, xd, xs, tab, out, n_threads):
     prompt arithmetic, `_x86_gemm_iq.py`)."""
     if raw.shape[0] % TILE_ROWS:
         raise ValueError(f"gemm needs a multiple of {TILE_ROWS} rows, not {raw.shape[0]}")
-    if type_id & SUMS and VNNI:  # (the super-block sums' products run against x + 128, read from memory)
+    if type_id in FLIPPED_X:  # (the prompt kernels multiply x + 128, read from memory, on a VNNI ISA)
         xq = (xq.view(np.uint8) ^ np.uint8(0x80)).view(np.int8)
+    if type_id == SUMS | Q4_K:  # q4_K's prompt kernel reads the sums of 32 (slots 0-7) in int16 pairs, slots 0-3
+        sums = xs.reshape(xs.shape[0], -1, Q8K_SUMS)[:, :, :8]
+        xs = xs.copy()
+        xs.reshape(xs.shape[0], -1, Q8K_SUMS)[:, :, :4] = (sums[:, :, 0::2] & 0xFFFF) | (sums[:, :, 1::2] << 16)
     _over_threads(GEMM_ROWS[type_id], raw.shape[0] // TILE_ROWS, raw, xq, xd, xs, tab, out, n_threads)
 
 

@@ -170,7 +170,7 @@ def _int8_rows_of(type_id: int):
 ROWS_INT8 = Variants(_int8_rows_of, "ROWS_INT8", fastmath=FASTMATH, **_NOPY)
 
 
-# the types with a prompt gemm in llama.cpp's prompt arithmetic (`_x86_gemm.SUMS`)
+# the i-quants with a prompt gemm in llama.cpp's prompt arithmetic (`_x86_gemm.SUMS`)
 PROMPT_TYPES = frozenset(k & ~SUMS for k in SUMS_PACKED_BYTES)
 
 

@@ -12,6 +12,7 @@ the one-segment case.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -347,7 +348,9 @@ class Transformer:
     def _forward_round(self, runs, want: list[bool], all_logits: bool, n_threads: int | None,
                        prompt: "bool | list[bool]" = False) -> list[np.ndarray | None]:
         n_rows = sum(t.shape[0] for t, _ in runs)
-        if not isinstance(prompt, bool):  # one flag per run -> one per row
+        if not self.prompt_kernels:  # (no matrix rounds a prompt differently: the round as any other)
+            prompt = False
+        elif not isinstance(prompt, bool):  # one flag per run -> one per row
             prompt = np.repeat(np.array(prompt, bool), [t.shape[0] for t, _ in runs])
         n_threads = n_threads or self.n_threads
         set_threads(n_threads)  # Numba's count for this calling thread; kernels also receive it explicitly
@@ -368,6 +371,16 @@ class Transformer:
             yield self
         finally:
             self.execution = before
+
+    @functools.cached_property
+    def prompt_kernels(self) -> bool:
+        """Whether a matrix of the model takes llama.cpp's prompt arithmetic for a prompt's rows
+        (`QTensor.matmul(prompt=...)`): q4_K, q6_K, iq4_xs, iq3_s or iq2_xxs."""
+        from ..kernels.int8 import PROMPT_TYPES
+
+        w = self.weights
+        mats = [w.output] + [v for layer in w.layers for v in vars(layer).values() if isinstance(v, QTensor)]
+        return any(m.type_id in PROMPT_TYPES for m in mats)
 
     def fused_state(self, n_rows: int = 1, max_rows: int | None = None):
         """A decode.DecodeState for a round of n_rows tokens on the fused kernels, or None (more
@@ -405,17 +418,18 @@ class Transformer:
 
         # rows whose logits are wanted: every row, or the last of each segment
         if len(batch) == 1:
-            rows = x if all_logits else x[-1:]
+            picked = slice(None) if all_logits else slice(-1, None)
         else:
             pick = [np.arange(s.lo, s.hi) if all_logits else np.array([s.hi - 1]) for s, w in zip(batch, want) if w]
-            rows = x[np.concatenate(pick)] if pick else x[:0]
+            picked = np.concatenate(pick) if pick else slice(0, 0)
+        rows = x[picked]
         result: list[np.ndarray | None] = [None] * len(batch)
         if rows.shape[0] == 0:
             return result
         hn = step.point("result_norm", self.norm(np.ascontiguousarray(rows), self.weights.output_norm))
         logits = step.fused.logits(hn, step.n_threads, step.clock) if step.fused is not None else None
         if logits is None:
-            logits = step.project("output (logits)", self.weights.output, quantize_activation(hn))
+            logits = step.project("output (logits)", self.weights.output, quantize_activation(hn), picked)
         logits = step.point("logits", self.final_logits(logits))
         if step.checks and not np.isfinite(logits).all():  # one pass over the returned rows
             seg = next((s for s in batch if not np.isfinite(x[s.lo : s.hi]).all()), batch[0])

@@ -120,10 +120,10 @@ class GptOssMoe(MoeFFN):
     def _expert(self, step, e: int, xa, act: int, glu) -> np.ndarray:
         from ..qtensor import quantize_activation
 
-        up = step.project("ffn_moe_up", self.up[e], xa) + self.up_b[e]  # (n, n_ff_exp)
-        g = step.project("ffn_moe_gate", self.gate[e], xa) + self.gate_b[e]
+        up = step.project("ffn_moe_up", self.up[e], xa, as_decode=True) + self.up_b[e]  # (n, n_ff_exp)
+        g = step.project("ffn_moe_gate", self.gate[e], xa, as_decode=True) + self.gate_b[e]
         a = step.op("swiglu_oai", swiglu_oai, g, up)
-        return step.project("ffn_moe_down", self.down[e], quantize_activation(a)) + self.down_b[e]
+        return step.project("ffn_moe_down", self.down[e], quantize_activation(a), as_decode=True) + self.down_b[e]
 
 
 def attend_one(q: np.ndarray, k_cache: np.ndarray, vt_cache: np.ndarray, pos: int, n_rep: int, scale, window: int,

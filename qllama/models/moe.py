@@ -441,14 +441,15 @@ class MoeFFN:
         return run
 
     def _expert(self, step, e: int, xa, act: int, glu) -> np.ndarray:
-        """Expert e on the activation xa (n, n_embd): down(act(gate x) * up x) -> (n, n_embd)."""
-        up = step.project("ffn_moe_up", self.up[e], xa)  # (n, n_ff_exp)
+        """Expert e on the activation xa (n, n_embd): down(act(gate x) * up x) -> (n, n_embd), in
+        decode's rounding (as the one-call kernel of a batch's experts, kernels/experts.py)."""
+        up = step.project("ffn_moe_up", self.up[e], xa, as_decode=True)  # (n, n_ff_exp)
         if self.gate is not None:
-            g = step.project("ffn_moe_gate", self.gate[e], xa)  # (n, n_ff_exp)
+            g = step.project("ffn_moe_gate", self.gate[e], xa, as_decode=True)  # (n, n_ff_exp)
         else:  # act(up) alone
             g, up = up, np.ones_like(up)
         step.op("glu", glu, g, up, g, act)
-        return step.project("ffn_moe_down", self.down[e], quantize_activation(g))
+        return step.project("ffn_moe_down", self.down[e], quantize_activation(g), as_decode=True)
 
     def _shared(self, model, h, hq, act, glu) -> np.ndarray:
         """The shared expert (T, n_embd), times sigmoid(h . ffn_gate_inp_shexp) when it has that gate."""

@@ -5,7 +5,7 @@ one call per step and never asks which mode is on, as llama.cpp's graph builders
 `cb(cur, "attn_norm", il)` after each op:
 
     step.op(kind, fn, *args)        a kernel call                      fn(*args)
-    step.project(kind, w, act)      a weight matrix times activations  project(w, act, prompt=step.prompt)
+    step.project(kind, w, act)      a weight matrix times activations  project(w, act, prompt=...)
     step.point(name, x)             a named point (hooks, traces)      x
     step.wants(name)                whether a point is read            False
     step.attention_inputs(q, ...)   attn_q/k/v of one segment          q
@@ -62,8 +62,17 @@ class Step:
     def op(self, kind: str, fn, *args):
         return fn(*args)
 
-    def project(self, kind: str, w: QTensor, act) -> np.ndarray:
-        return project(w, act, self.n_threads, self.prompt)
+    def project(self, kind: str, w: QTensor, act, rows=None, as_decode: bool = False) -> np.ndarray:
+        """w times act, whose rows are the round's rows `rows` (an index; None: all of them);
+        as_decode: decode's rounding for every row (a MoE's experts, whose one-call kernel has no
+        prompt arithmetic: a token's expert rows round alike in any batch)."""
+        return project(w, act, self.n_threads, self.prompt_of(rows, as_decode))
+
+    def prompt_of(self, rows, as_decode: bool = False) -> "bool | np.ndarray":
+        """Which of the round's rows `rows` (an index, or None: all) are a prompt's (`project`)."""
+        if as_decode:
+            return False
+        return self.prompt if rows is None or isinstance(self.prompt, bool) else self.prompt[rows]
 
     def point(self, name: str, x: np.ndarray) -> np.ndarray:
         return x
@@ -92,11 +101,11 @@ class TimedStep(Step):
     def op(self, kind: str, fn, *args):
         return self.clock.run(kind, self.il, fn, *args)
 
-    def project(self, kind: str, w: QTensor, act) -> np.ndarray:
+    def project(self, kind: str, w: QTensor, act, rows=None, as_decode: bool = False) -> np.ndarray:
         form = TYPES[w.type_id].int8_form
         if int8_enabled() and w.type_id in INT8_TYPES and form not in act._forms:  # once per shared activation
             self.clock.run("quantize x", self.il, act.quantized, form)
-        return self.clock.run(kind, self.il, project, w, act, self.n_threads, self.prompt)
+        return self.clock.run(kind, self.il, project, w, act, self.n_threads, self.prompt_of(rows, as_decode))
 
 
 # steps of 1 to decode.MAX_ROWS tokens on the int8 path use the fused kernels (models/decode.py);
