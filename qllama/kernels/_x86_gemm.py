@@ -336,6 +336,17 @@ def _splat_scalar(builder, x, n=None):
     return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(_I32, n), [0] * n))
 
 
+def _tile_prologue(context, builder, signature, args):
+    """What a tile codegen reads of its arguments: (pack base i8*, nb, b0, b1, t0, t1, r0, b0 == 0,
+    b1 == nb, a zero accumulator)."""
+    pack = context.make_array(signature.args[0])(context, builder, args[0])
+    nb, b0, b1, t0, t1, r0 = args[1], args[2], args[3], args[7], args[8], args[10]
+    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    first = builder.icmp_signed("==", b0, _c64(0))
+    last = builder.icmp_signed("==", b1, nb)
+    return pbase, nb, b0, b1, t0, t1, r0, first, last, ir.Constant(_vec(ir.FloatType(), TILE_ROWS), [0.0] * TILE_ROWS)
+
+
 def _tile_codegen(context, builder, signature, args, block_sum, n_acc=8, factor=1.0):
     """Blocks b0..b1-1 of the packed rows times tokens t0..t1-1, one token per iteration, so that
     each weight vector is loaded for one `pmaddubsw` (with the weights reused for several tokens
@@ -350,13 +361,8 @@ def _tile_codegen(context, builder, signature, args, block_sum, n_acc=8, factor=
     kernel's accumulators of even and odd blocks) vector l + vector 8 + l is summed first, as there;
     a factor other than 1 (iq2_xxs: 0.125) multiplies the sum, as the row kernel's last step."""
     vf = _vec(ir.FloatType(), TILE_ROWS)
-    pack = context.make_array(signature.args[0])(context, builder, args[0])
-    nb, b0, b1, t0, t1, r0 = args[1], args[2], args[3], args[7], args[8], args[10]
-    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    pbase, nb, b0, b1, t0, t1, r0, first, last, zero = _tile_prologue(context, builder, signature, args)
     sa = signature.args
-    first = builder.icmp_signed("==", b0, _c64(0))
-    last = builder.icmp_signed("==", b1, nb)
-    zero = ir.Constant(vf, [0.0] * TILE_ROWS)
 
     def token(t, _):
         tile = _Tile(builder, pbase, _token_ptr(context, builder, sa[4], args[4], t, _I8),
@@ -600,13 +606,8 @@ def _sums_codegen(context, builder, signature, args, block_sum):
     accumulator per row and token, tokens in groups of TOKENS_PER_PASS (a weight vector loaded
     once for them), then one by one; `block_sum(tiles, b, accs)` adds super-block b for each."""
     vf = _vec(ir.FloatType(), TILE_ROWS)
-    pack = context.make_array(signature.args[0])(context, builder, args[0])
-    nb, b0, b1, t0, t1, r0 = args[1], args[2], args[3], args[7], args[8], args[10]
-    pbase = builder.bitcast(pack.data, ir.PointerType(_I8))
+    pbase, nb, b0, b1, t0, t1, r0, first, last, zero = _tile_prologue(context, builder, signature, args)
     sa = signature.args
-    first = builder.icmp_signed("==", b0, _c64(0))
-    last = builder.icmp_signed("==", b1, nb)
-    zero = ir.Constant(vf, [0.0] * TILE_ROWS)
 
     def run(ts):
         tiles = [_Tile(builder, pbase, _token_ptr(context, builder, sa[4], args[4], t, _I8),
@@ -636,6 +637,16 @@ def _sums_codegen(context, builder, signature, args, block_sum):
     _loop(builder, _c64(0), n_groups, group, [])
     _loop(builder, builder.add(t0, builder.mul(n_groups, _c64(g))), t1, lambda t, _: run([t]) or [], [])
     return context.get_dummy_value()
+
+
+def scaled_sums(builder, isums, chains, scale):
+    """isums[i] + scale * (the sum of token i's product chains): a sub-block's step of the sums."""
+    out = []
+    for isum, ai in zip(isums, chains):
+        while len(ai) > 1:
+            ai = [builder.add(ai[j], ai[j + 1]) for j in range(0, len(ai), 2)]
+        out.append(builder.add(isum, builder.mul(ai[0], scale)))
+    return out
 
 
 def _sums_tile_intrinsic(block_sum, kind):
@@ -670,16 +681,11 @@ def _sums_block_q4_k(tiles, b, accs):
             for i, t in enumerate(tiles):
                 x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
                 xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
-                # (on VNNI x + 128 by the quants (0..15) as signed bytes, from the pack's correction: the
-                # broadcast x is then a register operand; as `vpdpbusd`'s memory broadcast it ran ~25% slower)
+                # (on VNNI x + 128 by the quants (0..15) as signed bytes, from the pack's correction, as the
+                # i-quants: the broadcast x a register operand; as `vpdpbusd`'s memory operand 281 vs 288 G/s)
                 a[i][k % CHAINS] = _dot4(builder, xv, w, a[i][k % CHAINS]) if VNNI else _dot4(builder, w, xv, a[i][k % CHAINS])
         scale = builder.and_(tile.load(_V8I, src, builder.add(builder.mul(sb, _c64(32)), _c64(_SCALES))), low16)
-        out = []
-        for i, ai in enumerate(a):
-            while len(ai) > 1:
-                ai = [builder.add(ai[j], ai[j + 1]) for j in range(0, len(ai), 2)]
-            out.append(builder.add(isums[i], builder.mul(ai[0], scale)))
-        return out
+        return scaled_sums(builder, isums, a, scale)
 
     isums = _loop(builder, _c64(0), _c64(8), sub_block, [zero] * len(tiles))
     d, dmin = tile.load(_V8F, src, _D), tile.load(_V8F, src, _DMIN)

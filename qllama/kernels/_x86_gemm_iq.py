@@ -56,6 +56,7 @@ from ._x86_gemm import (
     _Tile,
     _tile_intrinsic,
     _transpose8,
+    scaled_sums,
 )
 from ._x86_iq import GRID_ROWS, _iq4_values, _xs_scales, odd_scale
 
@@ -289,13 +290,7 @@ def _sums_block(tiles, b, accs):
                     continue
                 sx = _psign(builder, xv, w) if HALVES == 1 else builder.select(neg, builder.sub(wz, xv), xv)
                 a[i][k % CHAINS] = _dot4(builder, u, sx, a[i][k % CHAINS])
-        scale = tile.load(_V8I, src, builder.add(builder.mul(s, _c64(32)), _c64(_SCS)))
-        out = []
-        for i, ai in enumerate(a):
-            while len(ai) > 1:
-                ai = [builder.add(ai[j], ai[j + 1]) for j in range(0, len(ai), 2)]
-            out.append(builder.add(isums[i], builder.mul(ai[0], scale)))
-        return out
+        return scaled_sums(builder, isums, a, tile.load(_V8I, src, builder.add(builder.mul(s, _c64(32)), _c64(_SCS))))
 
     isums = _loop(builder, _c64(0), _c64(8), sub_block, [zero] * len(tiles))
     d = tile.load(_V8F, src, _DS)
