@@ -38,6 +38,7 @@ from numba.extending import intrinsic
 from ..gguf.types import (
     GGML_TYPES,
     IQ4_NL,
+    Q2_K,
     Q4_0,
     Q4_K,
     Q5_0,
@@ -744,5 +745,76 @@ def _sums_block_q6_k(tiles, b, accs):
     return out
 
 
+# q2_K's prompt pack per super-block of 8 rows: d, dmin (8 f32 each), 16 scale vectors (sub-block s:
+# lane r = its 4-bit scale as an i32), 8 min-pair vectors (lane r = m_l | m_l+8 << 16), then 64 quad
+# vectors of the 2-bit quants (32-element groups g, byte quads k; 0..3)
+_D2, _DMIN2, _SC2, _MP2, _Q2 = 0, 32, 64, 576, 832
+Q2_K_SUMS_BYTES = 2880 * HALVES
+
+
+def _pack_half_q2_k(builder, blks, put):
+    put(_rows_f16(builder, blks, 80), _D2)
+    put(_rows_f16(builder, blks, 82), _DMIN2)
+    packed = [ir.Constant(_V8I, None)] * 16  # sub-block s: lane r = row r's scale byte (scale | min << 4)
+    for s in range(16):
+        for r, p in enumerate(blks):
+            packed[s] = builder.insert_element(packed[s], builder.zext(_load(builder, _I8, p, s), _I32), ir.Constant(_I32, r))
+    c15 = ir.Constant(_V8I, [15] * 8)
+    for s in range(16):
+        put(builder.and_(packed[s], c15), _SC2 + 32 * s)
+    for k in range(8):  # the mins of sub-blocks k and k + 8: the q8_K sum slot 8 + k's pair (b_k, b_k+8)
+        lo = builder.lshr(packed[k], ir.Constant(_V8I, [4] * 8))
+        hi = builder.lshr(packed[k + 8], ir.Constant(_V8I, [4] * 8))
+        put(builder.or_(lo, builder.shl(hi, ir.Constant(_V8I, [16] * 8))), _MP2 + 32 * k)
+    for g in range(8):  # group g = 4n + j: elements 128n + 32j .. +31, bits 2j of qs[32n ..]
+        n, j = divmod(g, 4)
+        rows = []
+        for p in blks:
+            v = _load(builder, _V32B, p, 16 + 32 * n)
+            rows.append(builder.bitcast(builder.and_(builder.lshr(v, _splat(_I8, 32, 2 * j)) if j else v, _splat(_I8, 32, 3)), _V8I))
+        for k, v in enumerate(_transpose8(builder, rows)):
+            put(v, _Q2 + 256 * g + 32 * k)
+
+
+def _sums_block_q2_k(tiles, b, accs):
+    """q2_K's super-block: s1 = sum over the 16 sub-blocks of 16 of scale * (its products of the
+    quants (0..3) and x, `vpdpbusd`), s2 = sum of min * (its activations' sum) (`vpdpwssd` of the
+    min pairs and the q8_K sum slots 8-15), both exact; acc = fma(fma(-fl(s2), dmin, fl(s1) * d), dx, acc)."""
+    builder = tiles[0].b
+    vi, vf = _vec(_I32, TILE_ROWS), _vec(ir.FloatType(), TILE_ROWS)
+    zero = ir.Constant(vi, [0] * TILE_ROWS)
+    tile = tiles[0]
+    src = tile.src(b, Q2_K_SUMS_BYTES)
+    xq_off = builder.mul(b, _c64(256))
+
+    def group(g, isums):  # 32-element group g: quads 0-3 are sub-block 2g, 4-7 sub-block 2g + 1
+        a = [[zero, zero] for _ in tiles]
+        x_off = builder.add(xq_off, builder.mul(g, _c64(32)))
+        for k in range(8):
+            w = tile.load(_V32B, src, builder.add(builder.mul(g, _c64(256)), _c64(_Q2 + 32 * k)))
+            for i, t in enumerate(tiles):
+                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
+                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
+                a[i][k // 4] = _dot4(builder, w, xv, a[i][k // 4])
+        sc = [tile.load(_V8I, src, builder.add(builder.mul(builder.add(builder.mul(g, _c64(2)), _c64(h)), _c64(32)), _c64(_SC2)))
+              for h in range(2)]
+        return [builder.add(isum, builder.add(builder.mul(ai[0], sc[0]), builder.mul(ai[1], sc[1]))) for isum, ai in zip(isums, a)]
+
+    isums = _loop(builder, _c64(0), _c64(8), group, [zero] * len(tiles))
+    n16 = 2 * TILE_ROWS
+    pairs = [tile.load(_V16H, src, _MP2 + 32 * k) for k in range(8)]
+    d, dmin = tile.load(_V8F, src, _D2), tile.load(_V8F, src, _DMIN2)
+    out = []
+    for isum, t, acc in zip(isums, tiles, accs):
+        msum = zero
+        for k in range(8):
+            msum = _madd_add(builder, msum, pairs[k], builder.bitcast(_splat_scalar(builder, t.sum_pair(b, k)), _vec(_I16, n16)))
+        r = _fma(builder, builder.fneg(builder.sitofp(msum, vf)), dmin, _exact("fmul", builder, builder.sitofp(isum, vf), d))
+        out.append(_fma(builder, r, t.dx(b), acc))
+    return out
+
+
 tile_q4_k_sums = _sums_tile_intrinsic(_sums_block_q4_k, "q4_K_sums")
 tile_q6_k_sums = _sums_tile_intrinsic(_sums_block_q6_k, "q6_K_sums")
+tile_q2_k_sums = _sums_tile_intrinsic(_sums_block_q2_k, "q2_K_sums")
+pack_q2_k_sums = _pack_intrinsic(Q2_K, _pack_half_q2_k, Q2_K_SUMS_BYTES, "q2_K_sums")

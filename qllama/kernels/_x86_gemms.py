@@ -7,17 +7,31 @@ from __future__ import annotations
 from numba import types
 from numba.extending import intrinsic
 
-from ..gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0
+from ..gguf.types import (
+    IQ2_XXS,
+    IQ3_S,
+    IQ4_NL,
+    IQ4_XS,
+    Q2_K,
+    Q4_0,
+    Q4_K,
+    Q5_0,
+    Q6_K,
+    Q8_0,
+)
 from ._x86_gemm import (
     PACKED_BYTES,
+    Q2_K_SUMS_BYTES,
     Q4_K_SUMS_BYTES,
     SUMS,
+    pack_q2_k_sums,
     pack_q4_0,
     pack_q4_k,
     pack_q4_k_sums,
     pack_q5_0,
     pack_q6_k,
     pack_q8_0,
+    tile_q2_k_sums,
     tile_q4_0,
     tile_q4_k,
     tile_q4_k_sums,
@@ -42,7 +56,7 @@ from ._x86_gemm_iq import (
 
 # type id -> scratch bytes per block (per pair of iq4_nl blocks) of TILE_ROWS rows
 ALL_PACKED_BYTES = {**PACKED_BYTES, **IQ_PACKED_BYTES, **SUMS_PACKED_BYTES, SUMS | Q4_K: Q4_K_SUMS_BYTES,
-                    SUMS | Q6_K: PACKED_BYTES[Q6_K]}
+                    SUMS | Q6_K: PACKED_BYTES[Q6_K], SUMS | Q2_K: Q2_K_SUMS_BYTES}
 
 # type id -> (pack, tile) of the batch kernels, chosen by `pack_rows` / `tile_rows` at compile time
 GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0: (pack_q4_0, tile_q4_0),
@@ -52,6 +66,7 @@ GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0
 GEMM_KERNELS.update({SUMS | t: sums_kernels(t) for t in (IQ4_XS, IQ3_S, IQ2_XXS)})
 GEMM_KERNELS[SUMS | Q4_K] = (pack_q4_k_sums, tile_q4_k_sums)
 GEMM_KERNELS[SUMS | Q6_K] = (pack_q6_k, tile_q6_k_sums)  # (the gemm's pack)
+GEMM_KERNELS[SUMS | Q2_K] = (pack_q2_k_sums, tile_q2_k_sums)
 
 
 def _of_type(which, typingctx, type_id, args):
