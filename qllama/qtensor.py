@@ -91,7 +91,7 @@ class TypeOps(NamedTuple):
     matmul: Callable  # float path: (q, x (n_tok, ne0), out (n_tok, ne1), n_threads) -> None
     dequantize: Callable  # (q, row ids int64 (n,)) -> (n, ne0)
     int8: Callable | None  # int8 path: (q, Activation, out (n_tok, ne1), n_threads) -> None; None: float only
-    # a prompt's rows as llama.cpp's prompt kernels round them (iquants.PROMPT_TYPES), same arguments; None: int8's
+    # a prompt's rows as llama.cpp's prompt kernels round them (int8.PROMPT_TYPES, `_prompt_op`), same arguments; None: int8's
     int8_prompt: Callable | None = None
 
 
@@ -209,16 +209,27 @@ def _block_ops(type_id: int, int8_kernel: str, takes_type: bool, gemm: str | Non
             k = big if xq.shape[0] >= GEMM_MIN_TOKENS and q.n_rows % int8.TILE_ROWS == 0 else kernel  # (gemm: TILE_ROWS per pass)
             k(q.raw, xq, xd, xs, tab, out, nt)
 
-        ops = ops._replace(int8=int8_matmul)
-        if type_id in int8.PROMPT_TYPES:  # (q4_K, q6_K: llama.cpp's prompt arithmetic, `int8.gemm(SUMS | type)`)
-            def int8_prompt(q, act, out, nt):
-                if q.n_rows % int8.TILE_ROWS:
-                    return int8_matmul(q, act, out, nt)
-                xq, xd, xs = act.quantized(form)
-                int8.gemm(int8.SUMS | type_id, q.raw, xq, xd, xs, tab, out, nt)
-
-            ops = ops._replace(int8_prompt=int8_prompt)
+        ops = ops._replace(int8=int8_matmul, int8_prompt=_prompt_op(type_id, int8_matmul, tab))
     return ops
+
+
+def _prompt_op(type_id: int, int8_matmul, tab):
+    """TypeOps.int8_prompt of a type with prompt kernels (`int8.PROMPT_TYPES`: q2_K, q4_K, q6_K,
+    iq4_xs, iq3_s, iq2_xxs; else None): `int8.gemm(SUMS | type)` on whole groups of TILE_ROWS rows,
+    else the type's int8 mat-mul (decode's rounding)."""
+    from .kernels import int8
+
+    if type_id not in int8.PROMPT_TYPES:
+        return None
+    form = TYPES[type_id].int8_form
+
+    def int8_prompt(q, act, out, nt):
+        if q.n_rows % int8.TILE_ROWS:
+            return int8_matmul(q, act, out, nt)
+        xq, xd, xs = act.quantized(form)
+        int8.gemm(int8.SUMS | type_id, q.raw, xq, xd, xs, tab, out, nt)
+
+    return int8_prompt
 
 
 def _iquant_ops(type_id: int) -> TypeOps:
@@ -227,7 +238,7 @@ def _iquant_ops(type_id: int) -> TypeOps:
     int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid and ternary types an
     int8 kernel (`kernels/iquants_grid.py`, also ggml's bits) and a float path on NumPy-decoded
     tiles. iq4_xs, iq3_s and iq2_xxs prompts take llama.cpp's prompt arithmetic (`int8_prompt`,
-    `iquants.prompt_matmul_int8`)."""
+    `_prompt_op`)."""
     from .dequant import iq_rows as numpy_rows
     from .kernels import floats
     from .kernels._x86 import HAVE_AVX2
@@ -278,11 +289,8 @@ def _iquant_ops(type_id: int) -> TypeOps:
                 kernel(type_id, q.raw, xq, xd, xs, tab, out, nt)
             return int8_matmul
 
-        ops = ops._replace(int8=int8_with(int8_kernel))
-        from .kernels import iquants
-
-        if type_id in iquants.PROMPT_TYPES:
-            ops = ops._replace(int8_prompt=int8_with(iquants.prompt_matmul_int8))
+        int8_matmul = int8_with(int8_kernel)
+        ops = ops._replace(int8=int8_matmul, int8_prompt=_prompt_op(type_id, int8_matmul, tab))
     return ops
 
 

@@ -596,8 +596,9 @@ tile_q8_0 = _tile_intrinsic(lambda t, blk, accs: _legacy_block(t, blk, accs, "q8
 SUMS = 0x100  # gemm key flag: type id | SUMS = that type's prompt kernels (`_x86_gemms.GEMM_KERNELS`)
 # tokens per pass over a super-block's packed rows (each weight vector loaded once for them) and
 # the dependency chains of a token's products per sub-block (on Zen 5, 512 tokens of an 8192 x 2048
-# iq4_xs matrix, one thread: 1 token 212, 2: 285, 4: 339, 8: 368 G products/s; vec_dot's rounding
-# 155). AVX2 has 16 vector registers, not 32.
+# iq4_xs matrix, one thread, with another benchmark on the other core: 1 token 212, 2: 285, 4: 339,
+# 8: 368 G products/s; alone, 8: 344 and vec_dot's rounding 154, `tools/bench_gemm.py`). AVX2 has 16
+# vector registers, not 32.
 TOKENS_PER_PASS = 8 if ZMM else 2
 CHAINS = 2
 
@@ -702,6 +703,40 @@ def _sums_block_q4_k(tiles, b, accs):
     return out
 
 
+def _sums_of_16(tiles, b, src, quants, scale_of):
+    """Per token of `tiles`: the sum over the 16 sub-blocks of 16 of super-block b of scale_of(s) *
+    (its products of the packed quants at `quants` (8 groups of 32, quads 0-3 sub-block 2g, 4-7
+    sub-block 2g + 1; unsigned) and x, `vpdpbusd`), exact in int32 (q6_K's and q2_K's s1)."""
+    builder, tile = tiles[0].b, tiles[0]
+    zero = ir.Constant(_vec(_I32, TILE_ROWS), [0] * TILE_ROWS)
+    xq_off = builder.mul(b, _c64(256))
+
+    def group(g, isums):
+        a = [[zero, zero] for _ in tiles]
+        x_off = builder.add(xq_off, builder.mul(g, _c64(32)))
+        for k in range(8):
+            w = tile.load(_V32B, src, builder.add(builder.mul(g, _c64(256)), _c64(quants + 32 * k)))
+            for i, t in enumerate(tiles):
+                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
+                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
+                a[i][k // 4] = _dot4(builder, w, xv, a[i][k // 4])
+        sc = [scale_of(builder.add(builder.mul(g, _c64(2)), _c64(h))) for h in range(2)]
+        return [builder.add(isum, builder.add(builder.mul(ai[0], sc[0]), builder.mul(ai[1], sc[1]))) for isum, ai in zip(isums, a)]
+
+    return _loop(builder, _c64(0), _c64(8), group, [zero] * len(tiles))
+
+
+def _pair_sums(tile, b, pairs):
+    """The token's sum over k < 8 of pairs[k] (each row's int16 pair for sub-blocks (k, k + 8)) times
+    its q8_K sum slot 8 + k (the sums of 16 of those sub-blocks), `vpdpwssd`: <TILE_ROWS x i32>."""
+    builder = tile.b
+    n16 = 2 * TILE_ROWS
+    acc = ir.Constant(_vec(_I32, TILE_ROWS), [0] * TILE_ROWS)
+    for k in range(8):
+        acc = _madd_add(builder, acc, pairs[k], builder.bitcast(_splat_scalar(builder, tile.sum_pair(b, k)), _vec(_I16, n16)))
+    return acc
+
+
 def _sums_block_q6_k(tiles, b, accs):
     """q6_K's super-block (the gemm's pack): s1 = sum over the 16 sub-blocks of 16 of scale * (its
     products of the unsigned quants (0..63) and x, `vpdpbusd`) less 32 * sum of scale * (its
@@ -709,26 +744,11 @@ def _sums_block_q6_k(tiles, b, accs):
     q8_K sum slots 8-15), exact; acc = fma(fl(s1) * d, dx, acc)."""
     builder = tiles[0].b
     vi, vf = _vec(_I32, TILE_ROWS), _vec(ir.FloatType(), TILE_ROWS)
-    zero = ir.Constant(vi, [0] * TILE_ROWS)
     tile = tiles[0]
     src = tile.src(b, PACKED_BYTES[Q6_K])
-    xq_off = builder.mul(b, _c64(256))
     sixteen = ir.Constant(vi, [16] * TILE_ROWS)
-
-    def group(g, isums):  # 32-element group g: quads 0-3 are sub-block 2g, 4-7 sub-block 2g + 1
-        a = [[zero, zero] for _ in tiles]
-        x_off = builder.add(xq_off, builder.mul(g, _c64(32)))
-        for k in range(8):
-            w = tile.load(_V32B, src, builder.add(builder.mul(g, _c64(256)), _c64(_QUANTS6 + 32 * k)))
-            for i, t in enumerate(tiles):
-                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
-                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
-                a[i][k // 4] = _dot4(builder, w, xv, a[i][k // 4])
-        sc = [builder.ashr(tile.load(_V8I, src, builder.add(builder.mul(builder.add(builder.mul(g, _c64(2)), _c64(h)), _c64(32)),
-                                                              _c64(_SCALES6))), sixteen) for h in range(2)]
-        return [builder.add(isum, builder.add(builder.mul(ai[0], sc[0]), builder.mul(ai[1], sc[1]))) for isum, ai in zip(isums, a)]
-
-    isums = _loop(builder, _c64(0), _c64(8), group, [zero] * len(tiles))
+    isums = _sums_of_16(tiles, b, src, _QUANTS6,
+                        lambda s: builder.ashr(tile.load(_V8I, src, builder.add(builder.mul(s, _c64(32)), _c64(_SCALES6))), sixteen))
     n16 = 2 * TILE_ROWS
     pairs = []
     for k in range(8):  # each row's (s_k, s_k+8) in the int16 halves of its lane (the pack holds each in both)
@@ -737,10 +757,7 @@ def _sums_block_q6_k(tiles, b, accs):
     d = tile.load(_V8F, src, _D6)
     out = []
     for isum, t, acc in zip(isums, tiles, accs):
-        off = zero
-        for k in range(8):
-            off = _madd_add(builder, off, pairs[k], builder.bitcast(_splat_scalar(builder, t.sum_pair(b, k)), _vec(_I16, n16)))
-        isum = builder.sub(isum, builder.shl(off, ir.Constant(vi, [5] * TILE_ROWS)))
+        isum = builder.sub(isum, builder.shl(_pair_sums(t, b, pairs), ir.Constant(vi, [5] * TILE_ROWS)))
         out.append(_fma(builder, _exact("fmul", builder, builder.sitofp(isum, vf), d), t.dx(b), acc))
     return out
 
@@ -781,34 +798,15 @@ def _sums_block_q2_k(tiles, b, accs):
     quants (0..3) and x, `vpdpbusd`), s2 = sum of min * (its activations' sum) (`vpdpwssd` of the
     min pairs and the q8_K sum slots 8-15), both exact; acc = fma(fma(-fl(s2), dmin, fl(s1) * d), dx, acc)."""
     builder = tiles[0].b
-    vi, vf = _vec(_I32, TILE_ROWS), _vec(ir.FloatType(), TILE_ROWS)
-    zero = ir.Constant(vi, [0] * TILE_ROWS)
+    vf = _vec(ir.FloatType(), TILE_ROWS)
     tile = tiles[0]
     src = tile.src(b, Q2_K_SUMS_BYTES)
-    xq_off = builder.mul(b, _c64(256))
-
-    def group(g, isums):  # 32-element group g: quads 0-3 are sub-block 2g, 4-7 sub-block 2g + 1
-        a = [[zero, zero] for _ in tiles]
-        x_off = builder.add(xq_off, builder.mul(g, _c64(32)))
-        for k in range(8):
-            w = tile.load(_V32B, src, builder.add(builder.mul(g, _c64(256)), _c64(_Q2 + 32 * k)))
-            for i, t in enumerate(tiles):
-                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
-                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
-                a[i][k // 4] = _dot4(builder, w, xv, a[i][k // 4])
-        sc = [tile.load(_V8I, src, builder.add(builder.mul(builder.add(builder.mul(g, _c64(2)), _c64(h)), _c64(32)), _c64(_SC2)))
-              for h in range(2)]
-        return [builder.add(isum, builder.add(builder.mul(ai[0], sc[0]), builder.mul(ai[1], sc[1]))) for isum, ai in zip(isums, a)]
-
-    isums = _loop(builder, _c64(0), _c64(8), group, [zero] * len(tiles))
-    n16 = 2 * TILE_ROWS
+    isums = _sums_of_16(tiles, b, src, _Q2, lambda s: tile.load(_V8I, src, builder.add(builder.mul(s, _c64(32)), _c64(_SC2))))
     pairs = [tile.load(_V16H, src, _MP2 + 32 * k) for k in range(8)]
     d, dmin = tile.load(_V8F, src, _D2), tile.load(_V8F, src, _DMIN2)
     out = []
     for isum, t, acc in zip(isums, tiles, accs):
-        msum = zero
-        for k in range(8):
-            msum = _madd_add(builder, msum, pairs[k], builder.bitcast(_splat_scalar(builder, t.sum_pair(b, k)), _vec(_I16, n16)))
+        msum = _pair_sums(t, b, pairs)
         r = _fma(builder, builder.fneg(builder.sitofp(msum, vf)), dmin, _exact("fmul", builder, builder.sitofp(isum, vf), d))
         out.append(_fma(builder, r, t.dx(b), acc))
     return out

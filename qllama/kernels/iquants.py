@@ -10,9 +10,9 @@ Families of kernels, one per type (`jit.Variants`; type ids: iq4_nl 20, iq4_xs 2
 - `ROWS_INT8[t]`: rows r0..r1 times int8 activations (q8_0 for iq4_nl, q8_K for iq4_xs), over
   tokens in tiles of TOKEN_TILE, 4 tokens per intrinsic call (weights unpacked once), each token
   exactly the one-token value (so a batch's rows equal decode's bit for bit).
-- `prompt_matmul_int8`: a prompt's rows of iq4_xs, iq3_s and iq2_xxs (PROMPT_TYPES) as llama.cpp
-  rounds a prompt's (its ggml-cpu/tiled kernels: one int32 per row, token and super-block), ~2x
-  the products per second of vec_dot's rounding (`_x86_gemm_iq.py`).
+- a prompt's rows of iq4_xs, iq3_s and iq2_xxs take `int8.gemm(SUMS | type)` instead (llama.cpp's
+  prompt arithmetic, ~2x the products per second of vec_dot's rounding: `_x86_gemm_iq.py`,
+  chosen by `qtensor._prompt_op`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from numba import prange
 from ..dequant.iq_grids import KVALUES_IQ4NL
 from ._fp16 import f16_at
 from ._x86_gemm import TILE_ROWS
-from ._x86_gemm_iq import IQ_PACKED_BYTES, SUMS, SUMS_PACKED_BYTES
+from ._x86_gemm_iq import IQ_PACKED_BYTES
 from ._x86_iq import (
     row_dot4_iq2_xxs,
     row_dot4_iq3_s,
@@ -168,20 +168,6 @@ def _int8_rows_of(type_id: int):
 
 
 ROWS_INT8 = Variants(_int8_rows_of, "ROWS_INT8", fastmath=FASTMATH, **_NOPY)
-
-
-# the i-quants with a prompt gemm in llama.cpp's prompt arithmetic (`_x86_gemm.SUMS`)
-PROMPT_TYPES = frozenset(k & ~SUMS for k in SUMS_PACKED_BYTES)
-
-
-def prompt_matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
-    """The rows of a prompt as llama.cpp's prompt kernels round them (ggml-cpu/tiled: one int32 per
-    row, token and super-block; `_x86_gemm.SUMS`), not as its vec_dot: iq4_xs, iq3_s, iq2_xxs
-    (PROMPT_TYPES) with whole groups of TILE_ROWS rows; else `matmul_int8`."""
-    if int(type_id) in PROMPT_TYPES and raw.shape[0] % TILE_ROWS == 0:
-        gemm(SUMS | int(type_id), raw, xq, xd, xs, tab, out, n_threads)
-    else:
-        matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads)
 
 
 def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
