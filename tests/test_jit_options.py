@@ -275,6 +275,28 @@ def test_variants_compile_in_workers_and_load_from_the_cache(pool_kernels):
         assert sum(fresh.ADD[k].stats.cache_misses.values()) == 0 and fresh.ADD[k].stats.cache_hits
 
 
+def test_variants_compiled_by_different_processes_keep_their_own_code(pool_kernels):
+    """Two variants of one family with the same argument types, one compiled in another process
+    (as by a compile worker, or an earlier run) and loaded from the disk cache, one compiled in
+    this process: each keeps its own code, also at the address that `jit.address_of` hands to the
+    kernels that call it (`call_address`). Numba names compiled code after the function's
+    qualified name, its argument types and a per-process counter; two fresh processes count
+    alike, so without a name of its own per variant both got one symbol, and the address looked
+    up by that name was the other variant's (an IQ3_XXS model gave NaN)."""
+    import subprocess
+
+    run = ("import sys, numpy as np, {m} as k\nfrom qllama.kernels.jit import compiled_address\n"
+           "keys = {keys}\nx = np.ones(2)\nfor key in keys:\n    y = np.ones(2); k.ADD[key](y); print(y[0])\n"
+           "print(len({{compiled_address(k.ADD[key], (x,)) for key in keys}}))")
+    first = subprocess.run([sys.executable, "-c", run.format(m=pool_kernels.__name__, keys=(3,))],
+                           capture_output=True, text=True, check=True)
+    assert first.stdout.split() == ["4.0", "1"]
+    # a second fresh process: ADD[5] compiled here (its counter as the first process's), ADD[3] loaded
+    second = subprocess.run([sys.executable, "-c", run.format(m=pool_kernels.__name__, keys=(5, 3))],
+                            capture_output=True, text=True, check=True)
+    assert second.stdout.split() == ["6.0", "4.0", "2"]  # two variants, two addresses
+
+
 def _spawned(monkeypatch) -> list:
     """Record the worker processes compile_pool starts."""
     import subprocess

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import tempfile
 import time
@@ -257,7 +258,16 @@ class Variants(dict):
         self._make, self._name, self._options = make, name, options
 
     def __missing__(self, key):
-        d = kernel(self._make(key), **self._options)
+        func = self._make(key)
+        # Each variant its own qualified name: Numba names compiled code after it, its argument
+        # types and a counter of the compiling process. Two variants compiled in different
+        # processes (compile_pool's workers, or two runs filling the disk cache) could otherwise
+        # get one symbol name, and `compiled_address`, which looks the code up by that name, gave
+        # one variant's address for both: an IQ3_XXS model gave NaN when its iq3_xxs and iq2_s
+        # row kernels were compiled one in a worker and one in the main process. (The disk
+        # cache's files are named after it too.)
+        func.__qualname__ = f"{func.__qualname__}_{re.sub(r'[^0-9A-Za-z]+', '_', str(key))}"
+        d = kernel(func, **self._options)
         d._qllama_variant = (self._make.__module__, self._name, key)
         self[key] = d
         return d
