@@ -507,36 +507,12 @@ ORACLE_PPL_TOL = 5e-3
 
 
 def llama_cpp_quantize(src, dst, ftype: int, imatrix: dict | None = None, kv: dict | None = None) -> None:
-    """llama.cpp's `llama_model_quantize` (the library behind llama-quantize) writes `dst` from
-    `src` as llama file type `ftype`; imatrix: {tensor name: float32 (ne0,) importance} passed
-    as its `llama_model_imatrix_data` array, as llama-quantize passes the matrix it read; kv:
-    {key: int | str} metadata overrides (llama-quantize's `quantize.imatrix.*` keys)."""
-    import ctypes
+    """llama.cpp's `llama_model_quantize` writes `dst` from `src` as llama file type `ftype`
+    (tools/llama_quantize.py; skips without llama-cpp-python)."""
+    from tools.llama_quantize import quantize
 
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = 2
-    keep = []  # ctypes buffers alive until the call returns
-    if imatrix:
-        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()  # a null name ends it
-        for e, (name, values) in zip(entries, sorted(imatrix.items())):
-            v = np.ascontiguousarray(values, np.float32)
-            keep.append(v)
-            e.name, e.data, e.size = name.encode(), v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), v.size
-        params.imatrix = entries
-        keep.append(entries)
-    if kv:
-        over = (llama_cpp.llama_model_kv_override * (len(kv) + 1))()  # an empty key ends it
-        for o, (key, value) in zip(over, kv.items()):
-            o.key = key.encode()
-            if isinstance(value, str):
-                o.tag, o.value.val_str = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()[:127]
-            else:
-                o.tag, o.value.val_i64 = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, int(value)
-        params.kv_overrides = over
-        keep.append(over)
-    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [oracle] extra) is not installed")
+    quantize(src, dst, ftype, imatrix=imatrix, kv=kv)
 
 
 @pytest.fixture(scope="module")
