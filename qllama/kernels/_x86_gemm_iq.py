@@ -113,16 +113,16 @@ def _pack_half_grid(builder, blks, put, type_id):
     """iq3_s / iq2_xxs as iq4_xs's layout, the quads always signed, and in the masks' place the
     correction `_iq4_xs_block(grid=True)` subtracts: quad k, lane r = 128 * sum over chunks c of
     (2s + 1)_rc * (the sum of row r's 4 values of quad k in chunk c)."""
-    chunk = GRID_ROWS[type_id][1]
+    _, chunk, _, block_scales = GRID_ROWS[type_id]
     put(_rows_f16(builder, blks, 0), _DX4)
     corr = [ir.Constant(_V8I, [0] * 8)] * 8
+    by_chunk = _transpose8(builder, [odd_scale(builder, block_scales(builder, p)) for p in blks])  # chunk c: lane r
     for c in range(8):  # 32-element chunk c of each row: grid values signed, its scale
-        rows, scales = [], ir.Constant(_V8I, None)
-        for r, p in enumerate(blks):
-            q, m, s = chunk(builder, p, c)  # (m: -1 where negative)
+        rows = []
+        for p in blks:
+            q, m, _ = chunk(builder, p, c)  # (m: -1 where negative)
             rows.append(builder.bitcast(builder.sub(builder.xor(q, m), m), _V8I))
-            scales = builder.insert_element(scales, odd_scale(builder, s), ir.Constant(_I32, r))
-        pair = builder.or_(scales, builder.shl(scales, ir.Constant(_V8I, [16] * 8)))
+        pair = builder.or_(by_chunk[c], builder.shl(by_chunk[c], ir.Constant(_V8I, [16] * 8)))
         put(pair, _SCALESX4 + 32 * c)
         for k, v in enumerate(_transpose8(builder, rows)):
             put(v, _QUANTSX4 + 256 * c + 32 * k)  # lane r += (2s+1) * row r's 4 values' sum (pmaddubsw by ones, pmaddwd)
@@ -220,10 +220,11 @@ def _put_sum_values(builder, rows, put, s):
     """Sub-block s of 8 rows (rows: 8 x <8 x i32>, 32 signed values each) as its 8 quad vectors and
     the correction vector (-128 * each row's sum of the 32)."""
     ones = _splat(_I8, 32, 1)
-    total = ir.Constant(_V8I, [0] * 8)
+    totals = [ir.Constant(_V8I, [0] * 8)] * 2  # (two chains: vpdpbusd's latency)
     for k, v in enumerate(_transpose8(builder, rows)):
         put(v, builder.add(builder.mul(s, _c64(256)), _c64(_QUANTSS + 32 * k)))
-        total = _dot4(builder, ones, builder.bitcast(v, _V32B), total, vnni=False)  # (pair sums: at most 2 * 128)
+        totals[k % 2] = _dot4(builder, ones, builder.bitcast(v, _V32B), totals[k % 2])
+    total = builder.add(totals[0], totals[1])
     put(builder.mul(total, ir.Constant(_V8I, [-128] * 8)), builder.add(builder.mul(s, _c64(32)), _c64(_CORRS)))
 
 
@@ -243,18 +244,18 @@ def _pack_sums_iq4_xs(builder, blks, put):
 
 
 def _pack_sums_grid(builder, blks, put, type_id):
-    chunk, factor = GRID_ROWS[type_id][1], GRID_ROWS[type_id][2]
+    _, chunk, factor, block_scales = GRID_ROWS[type_id]
     d = _rows_f16(builder, blks, 0)
     if factor != 1.0:  # (a power of two: exact)
         d = _exact("fmul", builder, d, ir.Constant(_V8F, [factor] * 8))
     put(d, _DS)
+    by_chunk = _transpose8(builder, [odd_scale(builder, block_scales(builder, p)) for p in blks])  # chunk c: lane r
     for c in range(8):
-        rows, scales = [], ir.Constant(_V8I, None)
-        for r, p in enumerate(blks):
-            q, m, sc = chunk(builder, p, c)  # (m: -1 where negative)
+        rows = []
+        for p in blks:
+            q, m, _ = chunk(builder, p, c)  # (m: -1 where negative)
             rows.append(builder.bitcast(builder.sub(builder.xor(q, m), m), _V8I))
-            scales = builder.insert_element(scales, odd_scale(builder, sc), ir.Constant(_I32, r))
-        put(scales, _SCS + 32 * c)
+        put(by_chunk[c], _SCS + 32 * c)
         _put_sum_values(builder, rows, put, _c64(c))
 
 

@@ -432,9 +432,27 @@ def _chunk_iq3_s(builder, blk, c):
             idx = builder.or_(_u8(builder, blk, 2 + 8 * c + k), builder.shl(builder.and_(builder.lshr(qh, ir.Constant(_I32, k)),
                                                                                     ir.Constant(_I32, 1)), ir.Constant(_I32, 8)))
             v = builder.insert_element(v, _at(builder, g, idx), ir.Constant(_I32, k))
-    signs = builder.load(builder.bitcast(_gep8(builder, blk, 74 + 4 * c), ir.PointerType(_vec(_I8, 4))), align=1)
+    signs = builder.load(builder.bitcast(_gep8(builder, blk, 74 + 4 * c), ir.PointerType(_I32)), align=1)
     s = builder.and_(builder.lshr(_u8(builder, blk, 106 + c // 2), ir.Constant(_I32, 4 * (c & 1))), ir.Constant(_I32, 15))
     return builder.bitcast(v, _vec(_I8, 32)), sign_mask(builder, signs), s
+
+
+def _scales_iq3_s(builder, blk):
+    """<8 x i32> the 8 chunks' scale bits of an iq3_s block (chunk c: nibble c of bytes 106-109)."""
+    v8 = _vec(_I32, 8)
+    word = builder.load(builder.bitcast(_gep8(builder, blk, 106), ir.PointerType(_I32)), align=1)
+    word = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, None), word, ir.Constant(_I32, 0)),
+                                  ir.Constant(v8, None), ir.Constant(v8, [0] * 8))
+    return builder.and_(builder.lshr(word, ir.Constant(v8, [4 * c for c in range(8)])), ir.Constant(v8, [15] * 8))
+
+
+def _scales_iq2_xxs(builder, blk):
+    """<8 x i32> the 8 chunks' scale bits of an iq2_xxs block (chunk c: the top 4 bits of the
+    uint32 at 6 + 8c)."""
+    v8, v16 = _vec(_I32, 8), _vec(_I32, 16)
+    words = builder.load(builder.bitcast(_gep8(builder, blk, 2), ir.PointerType(v16)), align=1)
+    odd = builder.shuffle_vector(words, ir.Constant(v16, None), ir.Constant(v8, [2 * c + 1 for c in range(8)]))
+    return builder.lshr(odd, ir.Constant(v8, [28] * 8))
 
 
 def _chunk_iq2_xxs(builder, blk, c):
@@ -452,16 +470,15 @@ def _chunk_iq2_xxs(builder, blk, c):
     return builder.bitcast(v, _vec(_I8, 32)), builder.bitcast(masks, _vec(_I8, 32)), builder.lshr(a1, ir.Constant(_I32, 28))
 
 
-# type -> (block bytes, chunk decoder, the row's final factor): ggml's AVX2 vec_dot_iq3_s_q8_K /
-# vec_dot_iq2_xxs_q8_K
-GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0), 16: (66, _chunk_iq2_xxs, 0.125)}
+# type -> (block bytes, chunk decoder, the row's final factor, the 8 chunks' scale bits of a block):
+# ggml's AVX2 vec_dot_iq3_s_q8_K / vec_dot_iq2_xxs_q8_K
+GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0, _scales_iq3_s), 16: (66, _chunk_iq2_xxs, 0.125, _scales_iq2_xxs)}
 
 
 def sign_mask(builder, signs):
-    """<4 x i8> sign bytes -> <32 x i8> -1 where bit e % 8 of byte e // 8 is set, else 0."""
-    bit = ir.Constant(_vec(_I8, 32), [1 << (e % 8) for e in range(32)])
-    spread = builder.and_(_lanes(builder, signs, [e // 8 for e in range(32)]), bit)
-    return builder.sext(builder.icmp_unsigned("!=", spread, ir.Constant(_vec(_I8, 32), [0] * 32)), _vec(_I8, 32))
+    """i32 sign bits (4 little-endian bytes) -> <32 x i8> -1 where bit e is set, else 0. (As a
+    mask register where the ISA has them: one kmovd and one vpmovm2b on AVX-512BW.)"""
+    return builder.sext(builder.bitcast(signs, _vec(ir.IntType(1), 32)), _vec(_I8, 32))
 
 
 def odd_scale(builder, s):
@@ -473,7 +490,7 @@ def _row_grid(context, builder, signature, args, type_id):
     """Grid-type row(s) of nb super-blocks times q8_K activation(s), as ggml: per 32-element chunk,
     x signed by the weights' sign bits ((x ^ m) - m), `pmaddubsw(grid, x)`, `pmaddwd` by 2s+1 into
     8 int32 lanes; per super-block one fma of fp16(d) * dx; the row: factor * hsum_float_8."""
-    bb, chunk, factor = GRID_ROWS[type_id]
+    bb, chunk, factor, _ = GRID_ROWS[type_id]
     rowp, toks = _row_ptrs(context, builder, signature, args)
     v32 = ir.PointerType(_vec(_I8, 32))
 
