@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qllama.gguf.types import GGML_TYPES, IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q2_K, Q4_K, Q6_K
+from qllama.gguf.types import GGML_TYPES, IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q2_K, Q4_K, Q5_K, Q6_K
 from qllama.qtensor import QTensor, get_threads, quantize_activation, set_threads
 
 pytest.importorskip("gguf.quants")
@@ -77,8 +77,8 @@ def test_gemm_equals_live_ggml_vec_dot(tid, ne0):
     np.testing.assert_array_equal(bits(q.matmul(x)), bits(want))
 
 
-PROMPT_TYPES = (IQ4_XS, IQ3_S, IQ2_XXS, Q4_K, Q6_K, Q2_K)
-_GQ = {IQ4_XS: "IQ4_XS", IQ3_S: "IQ3_S", IQ2_XXS: "IQ2_XXS", Q4_K: "Q4_K", Q6_K: "Q6_K", Q2_K: "Q2_K"}
+PROMPT_TYPES = (IQ4_XS, IQ3_S, IQ2_XXS, Q4_K, Q5_K, Q6_K, Q2_K)
+_GQ = {IQ4_XS: "IQ4_XS", IQ3_S: "IQ3_S", IQ2_XXS: "IQ2_XXS", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q2_K: "Q2_K"}
 
 
 def _round_f32(v) -> np.float32:
@@ -123,8 +123,8 @@ def _integer_rows(tid: int, blocks: np.ndarray, fields: tuple[float, ...]) -> np
 def llama_prompt_reference(tid: int, raw: np.ndarray, xq: np.ndarray, xd: np.ndarray) -> np.ndarray:
     """llama.cpp's prompt arithmetic (ggml-cpu/tiled, its AVX-512 VNNI kernel as GCC builds it),
     from gguf-py's decoder: per row, token and super-block the exact integer s1 = sum of (scale *
-    value) * x (the values decoded with d = 1: exact integers, times 8 for iq2_xxs) and for q4_K
-    and q2_K s2 = sum of min * x; then r = fl(fl(s1) * d) (those: r = -fl(s2) * dmin + r, fused) and out =
+    value) * x (the values decoded with d = 1: exact integers, times 8 for iq2_xxs) and for q4_K,
+    q5_K and q2_K s2 = sum of min * x; then r = fl(fl(s1) * d) (those: r = -fl(s2) * dmin + r, fused) and out =
     fma(r, dx, out) over the super-blocks in order, from 0 (d: the fp16 d, / 8 for iq2_xxs).
     float32 (n_tok, n_rows)."""
     t = GGML_TYPES[tid]
@@ -134,7 +134,7 @@ def llama_prompt_reference(tid: int, raw: np.ndarray, xq: np.ndarray, xd: np.nda
     d = scales[0] * np.float32(0.125) if tid == IQ2_XXS else scales[0]  # (n_rows, nb)
     x = xq.astype(np.int64).reshape(xq.shape[0], nb, 256)
     s1 = np.einsum("rbe,tbe->trb", _integer_rows(tid, blocks, (1.0, 0.0)), x)  # (n_tok, n_rows, nb)
-    s2 = -np.einsum("rbe,tbe->trb", _integer_rows(tid, blocks, (0.0, 1.0)), x) if tid in (Q4_K, Q2_K) else None
+    s2 = -np.einsum("rbe,tbe->trb", _integer_rows(tid, blocks, (0.0, 1.0)), x) if tid in (Q4_K, Q5_K, Q2_K) else None
     out = np.zeros((xq.shape[0], n_rows), np.float32)
     for t_ in range(xq.shape[0]):
         for r in range(n_rows):
@@ -250,5 +250,5 @@ def test_prompt_rows_equal_live_ggml_mul_mat(tid):
         want = ggml_mul_mat(tid, raw, x)
         if n_tok >= 8:
             np.testing.assert_array_equal(bits(q.matmul(x, prompt=True)), bits(want))
-        if tid not in (Q4_K, Q6_K, Q2_K):  # (qllama's k-quant decode rows are not this build's vec_dot bits)
+        if tid not in (Q4_K, Q5_K, Q6_K, Q2_K):  # (qllama's k-quant decode rows are not this build's vec_dot bits)
             assert (n_tok < 8) == np.array_equal(bits(q.matmul(x)), bits(want))

@@ -3,7 +3,8 @@
     python tools/bench_gemm.py MODEL [--tensor blk.0.ffn_gate.weight] [-n 512] [-t 1] [-r 5]
 
 One weight matrix of MODEL times n random tokens (q8_K activations made once), through
-`int8.gemm(type)` (every row bit for bit the one-token kernel's) and `int8.gemm(SUMS | type)`
+`int8.gemm(type)` (every row bit for bit the one-token kernel's; q2_K and q5_K, which have no such
+gemm: their int8 row kernels) and `int8.gemm(SUMS | type)`
 (llama.cpp's ggml-cpu/tiled arithmetic, what a prompt's rows take), alternated r times; prints
 the medians in ms and in G products/s (ne0 * ne1 * n / time), and their ratio. A developer tool:
 run it with nothing else on the machine.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,7 @@ if str(REPO) not in sys.path:
 
 def main(argv: list[str] | None = None) -> None:
     from qllama.gguf.reader import GGUFFile
-    from qllama.gguf.types import type_name
+    from qllama.gguf.types import Q2_K, type_name
     from qllama.kernels import int8
     from qllama.qtensor import TYPES, _fp16_table, quantize_activation
 
@@ -48,15 +50,18 @@ def main(argv: list[str] | None = None) -> None:
     x = np.random.default_rng(0).standard_normal((a.tokens, ne0)).astype(np.float32)
     xq, xd, xs = quantize_activation(x).quantized(TYPES[tid].int8_form)
     tab = _fp16_table()
-    keys = {"decode's rounding": tid, "llama.cpp's prompt arithmetic": int8.SUMS | tid}
-    times: dict[str, list[float]] = {k: [] for k in keys}
+    # decode's rounding: the type's gemm, or (q2_K, q5_K: none) its int8 row kernel
+    decode = (partial(int8.gemm, tid) if tid in int8.GEMM_TYPES or tid in int8.ALL_PACKED_BYTES
+              else partial(int8.matmul_q2_q3_k if tid == Q2_K else int8.matmul_rows, tid))
+    runs = {"decode's rounding": decode, "llama.cpp's prompt arithmetic": partial(int8.gemm, int8.SUMS | tid)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
     out = np.empty((a.tokens, ne1), np.float32)
-    for key in keys.values():  # compile or load, untimed
-        int8.gemm(key, raw, xq, xd, xs, tab, out, a.threads)
+    for run in runs.values():  # compile or load, untimed
+        run(raw, xq, xd, xs, tab, out, a.threads)
     for _ in range(a.reps):
-        for name, key in keys.items():
+        for name, run in runs.items():
             t0 = time.perf_counter()
-            int8.gemm(key, raw, xq, xd, xs, tab, out, a.threads)
+            run(raw, xq, xd, xs, tab, out, a.threads)
             times[name].append(time.perf_counter() - t0)
     print(f"{Path(a.model).name} {a.tensor} ({type_name(tid)}, {ne1} x {ne0}), {a.tokens} tokens, {a.threads} thread(s):")
     med = {k: float(np.median(v)) for k, v in times.items()}

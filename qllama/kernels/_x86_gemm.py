@@ -42,6 +42,7 @@ from ..gguf.types import (
     Q4_0,
     Q4_K,
     Q5_0,
+    Q5_K,
     Q6_K,
     Q8_0,
     type_name,
@@ -186,9 +187,12 @@ def _rows_f16(builder, blks, off):
     return builder.fpext(d, _V8F)
 
 
-def _pack_half_q4_k(builder, blks, put, sums=False):
+def _pack_half_q4_k(builder, blks, put, sums=False, q5=False):
     """q4_K's layout above; with sums (its prompt kernels on a VNNI ISA, `_sums_block_q4_k`) also
-    the 8 correction vectors at _CORR4: sub-block s, lane r = -128 * row r's sum of its 32 quants."""
+    the 8 correction vectors at _CORR4: sub-block s, lane r = -128 * row r's sum of its 32 quants.
+    q5: a q5_K block (with sums: its prompt kernel is q4_K's), the same head, the 5th bits (qh, 32
+    bytes at 16: group j's low nibbles take bit 2j, its high nibbles bit 2j + 1) added to the quants
+    (0..31), which start at 48."""
     def c32(v):
         return ir.Constant(_V8I, [v] * 8)
 
@@ -215,21 +219,28 @@ def _pack_half_q4_k(builder, blks, put, sums=False):
     for i in range(4 if sums else 0):
         put(builder.or_(mins[2 * i], builder.shl(mins[2 * i + 1], c32(16))), _MINPAIRS4 + 32 * i)
 
-    def group(j, _):  # 64-element group j: its 32 packed bytes, bytes 4k..4k+3 of each row in vector k
-        rows = [_load(builder, _V8I, p, builder.add(builder.mul(j, _c64(32)), _c64(16))) for p in blks]
+    def group(j, qh):  # 64-element group j: its 32 packed bytes, bytes 4k..4k+3 of each row in vector k
+        rows = [_load(builder, _V8I, p, builder.add(builder.mul(j, _c64(32)), _c64(48 if q5 else 16))) for p in blks]
         dj = builder.add(builder.mul(j, _c64(512)), _c64(_QUANTS))
         totals = [ir.Constant(_V8I, [0] * 8)] * 2  # (the low and the high nibbles' sub-blocks)
         for k, v in enumerate(_transpose8(builder, rows)):
             v = builder.bitcast(v, _V32B)
-            for h, q in enumerate((builder.and_(v, _splat(_I8, 32, 15)), builder.lshr(v, _splat(_I8, 32, 4)))):
+            halves = [builder.and_(v, _splat(_I8, 32, 15)), builder.lshr(v, _splat(_I8, 32, 4))]
+            if q5:  # (qh[k]: bits 2j and 2j + 1 of these bytes, now at bits 0 and 1) -> + 16
+                high = builder.bitcast(qh[k], _V32B)
+                halves = [builder.or_(halves[0], builder.shl(builder.and_(high, _splat(_I8, 32, 1)), _splat(_I8, 32, 4))),
+                          builder.or_(halves[1], builder.shl(builder.and_(high, _splat(_I8, 32, 2)), _splat(_I8, 32, 3)))]
+            for h, q in enumerate(halves):
                 put(q, builder.add(dj, _c64(256 * h + 32 * k)))
                 if sums:
                     totals[h] = _dot4(builder, _splat(_I8, 32, 1), q, totals[h], vnni=False)
         for h in range(2 if sums else 0):
             put(builder.mul(totals[h], c32(-128)), builder.add(builder.mul(j, _c64(64)), _c64(_CORR4 + 32 * h)))
-        return []
+        return [builder.lshr(v, c32(2)) for v in qh]  # (bits 0 and 1 of each byte, the ones read, stay in it)
 
-    _loop(builder, _c64(0), _c64(4), group, [])
+    # q5_K: the 32 qh bytes of the 8 rows transposed as the quants are (vector k, lane r: bytes 4k..4k+3)
+    qh = _transpose8(builder, [_load(builder, _V8I, p, _c64(16)) for p in blks]) if q5 else []
+    _loop(builder, _c64(0), _c64(4), group, qh)
 
 
 def _pack_half_q6_k(builder, blks, put):
@@ -311,6 +322,8 @@ def _pack_intrinsic(type_id, pack_half, packed_bytes=None, kind=None):
 
 pack_q4_k = _pack_intrinsic(Q4_K, _pack_half_q4_k)
 pack_q4_k_sums = _pack_intrinsic(Q4_K, lambda b, blks, put: _pack_half_q4_k(b, blks, put, sums=True), Q4_K_SUMS_BYTES, "q4_K_sums")
+pack_q5_k_sums = _pack_intrinsic(Q5_K, lambda b, blks, put: _pack_half_q4_k(b, blks, put, sums=True, q5=True),
+                                 Q4_K_SUMS_BYTES, "q5_K_sums")
 pack_q6_k = _pack_intrinsic(Q6_K, _pack_half_q6_k)
 pack_q4_0 = _pack_intrinsic(Q4_0, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q4_0"))
 pack_q5_0 = _pack_intrinsic(Q5_0, lambda b, blks, put: _pack_half_legacy(b, blks, put, "q5_0"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from llvmlite import ir
 from numba.core import cgutils
 
-from ..gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_K, type_name
+from ..gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_K, Q5_K, type_name
 from ._x86 import (
     _I8,
     _I32,
@@ -312,4 +312,4 @@ def sums_kernels(type_id):
 
 
 # the sums kernels whose activations the caller passes as x + 128 on a VNNI ISA (`int8.gemm`)
-FLIPPED_X = frozenset({*SUMS_PACKED_BYTES, SUMS | Q4_K}) if VNNI else frozenset()
+FLIPPED_X = frozenset({*SUMS_PACKED_BYTES, SUMS | Q4_K, SUMS | Q5_K}) if VNNI else frozenset()

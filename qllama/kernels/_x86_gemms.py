@@ -16,6 +16,7 @@ from ..gguf.types import (
     Q4_0,
     Q4_K,
     Q5_0,
+    Q5_K,
     Q6_K,
     Q8_0,
 )
@@ -29,6 +30,7 @@ from ._x86_gemm import (
     pack_q4_k,
     pack_q4_k_sums,
     pack_q5_0,
+    pack_q5_k_sums,
     pack_q6_k,
     pack_q8_0,
     tile_q2_k_sums,
@@ -56,7 +58,7 @@ from ._x86_gemm_iq import (
 
 # type id -> scratch bytes per block (per pair of iq4_nl blocks) of TILE_ROWS rows
 ALL_PACKED_BYTES = {**PACKED_BYTES, **IQ_PACKED_BYTES, **SUMS_PACKED_BYTES, SUMS | Q4_K: Q4_K_SUMS_BYTES,
-                    SUMS | Q6_K: PACKED_BYTES[Q6_K], SUMS | Q2_K: Q2_K_SUMS_BYTES}
+                    SUMS | Q5_K: Q4_K_SUMS_BYTES, SUMS | Q6_K: PACKED_BYTES[Q6_K], SUMS | Q2_K: Q2_K_SUMS_BYTES}
 
 # type id -> (pack, tile) of the batch kernels, chosen by `pack_rows` / `tile_rows` at compile time
 GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0: (pack_q4_0, tile_q4_0),
@@ -65,6 +67,7 @@ GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0
 # a prompt's rows in llama.cpp's prompt arithmetic
 GEMM_KERNELS.update({SUMS | t: sums_kernels(t) for t in (IQ4_XS, IQ3_S, IQ2_XXS)})
 GEMM_KERNELS[SUMS | Q4_K] = (pack_q4_k_sums, tile_q4_k_sums)
+GEMM_KERNELS[SUMS | Q5_K] = (pack_q5_k_sums, tile_q4_k_sums)  # (llama.cpp's q5_K prompts: q4_K's arithmetic)
 GEMM_KERNELS[SUMS | Q6_K] = (pack_q6_k, tile_q6_k_sums)  # (the gemm's pack)
 GEMM_KERNELS[SUMS | Q2_K] = (pack_q2_k_sums, tile_q2_k_sums)
 

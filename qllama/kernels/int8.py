@@ -171,7 +171,7 @@ def gemm(type_id, raw, xq, xd, xs, tab, out, n_threads):
         raise ValueError(f"gemm needs a multiple of {TILE_ROWS} rows, not {raw.shape[0]}")
     if type_id in FLIPPED_X:  # (the prompt kernels multiply x + 128, read from memory, on a VNNI ISA)
         xq = (xq.view(np.uint8) ^ np.uint8(0x80)).view(np.int8)
-    if type_id == SUMS | Q4_K:  # q4_K's prompt kernel reads the sums of 32 (slots 0-7) in int16 pairs, slots 0-3
+    if type_id in (SUMS | Q4_K, SUMS | Q5_K):  # q4_K's prompt kernel reads the sums of 32 (slots 0-7) in int16 pairs, slots 0-3
         sums = xs.reshape(xs.shape[0], -1, Q8K_SUMS)[:, :, :8]
         xs = xs.copy()
         xs.reshape(xs.shape[0], -1, Q8K_SUMS)[:, :, :4] = (sums[:, :, 0::2] & 0xFFFF) | (sums[:, :, 1::2] << 16)
