@@ -13,9 +13,15 @@ the calls. Times are per batch, in ms.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # (this tree's qllama, not whichever one is installed)
+    sys.path.insert(0, str(REPO))
 
 
 def main() -> None:
@@ -33,6 +39,8 @@ def main() -> None:
     from qllama.models.step import Timed
 
     threads = [int(t) for t in a.threads.split(",")]
+    from qllama.qtensor import PROMPT_MIN_TOKENS
+
     runner = BenchRunner(a.model, n_ctx=a.depth + a.n_tokens + 8, batch_size=a.n_tokens, n_threads=max(threads))
     runner.warmup()
     model = runner.model
@@ -45,7 +53,7 @@ def main() -> None:
             runner.cache.n_past = a.depth
             with model.executing(Timed(clock)):
                 t0 = time.perf_counter()
-                model.forward(tokens, runner.cache)
+                model.forward(tokens, runner.cache, prompt=len(tokens) >= PROMPT_MIN_TOKENS)  # (a prompt's rounding, as a run)
                 wall = time.perf_counter() - t0
             runner.cache.n_past = a.depth
             rounds[t].append((wall, dict(clock.seconds)))

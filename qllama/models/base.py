@@ -429,7 +429,12 @@ class Transformer:
         hn = step.point("result_norm", self.norm(np.ascontiguousarray(rows), self.weights.output_norm))
         logits = step.fused.logits(hn, step.n_threads, step.clock) if step.fused is not None else None
         if logits is None:
-            logits = step.project("output (logits)", self.weights.output, quantize_activation(hn), picked)
+            # Only the last row of each segment: decode's rounding, as llama.cpp's output mat-mul of
+            # one row per sequence takes its vec_dot (and packing the whole output matrix for its
+            # prompt kernel cost 50 ms a prompt, q6_K 128256 x 2048). Every row (perplexity): a
+            # prompt's rows take its prompt arithmetic, as llama.cpp's mat-mul of 8+ rows does.
+            logits = step.project("output (logits)", self.weights.output, quantize_activation(hn), picked,
+                                  as_decode=not all_logits)
         logits = step.point("logits", self.final_logits(logits))
         if step.checks and not np.isfinite(logits).all():  # one pass over the returned rows
             seg = next((s for s in batch if not np.isfinite(x[s.lo : s.hi]).all()), batch[0])
