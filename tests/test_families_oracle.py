@@ -315,13 +315,23 @@ def test_perplexity_within_0_3_percent(files, name, tmp_path, kv):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_run_greedy_text_matches_llamacpp(files, name):
+    """`qllama run`'s greedy text goes on as llama.cpp's up to a near-tie, judged as the
+    teacher-forced test judges one: llama.cpp's margin below MARGIN_KV (both f16 caches), or the
+    float64 reference's below EXACT_MARGIN (qwen3-q4km's first token: llama.cpp 0.136, exact 0.031)."""
     path, n_ctx = files(name)
     lc = LlamaCpp(path, n_ctx)  # f16 cache, as qllama run's default
-    toks, margins = lc.greedy(lc.tokenize(PROMPT), 24)
+    prompt = lc.tokenize(PROMPT)
+    toks, margins = lc.greedy(prompt, 24)
     out = subprocess.run([sys.executable, "-m", "qllama", "run", str(path), PROMPT, "--raw", "--temp", "0", "-n", "24",
                           "-c", str(n_ctx)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     j = first_departure(lc, toks, margins, out.stdout)
+    exact = None
+    if j is not None and j < len(toks) and margins[j] >= MARGIN_KV["f16"]:
+        ref = Reference(path, n_ctx=n_ctx, gelu_fp16=True, kv_f16=True).logits(list(prompt) + list(toks[:j]))
+        exact = float(_margins(ref[-1:])[0])
     print(f"\nGREEDY {name}: " + (f"all {len(toks)} tokens equal" if j is None else
-                                   f"departs at token {j} of {len(toks)}, llama.cpp margin {margins[j]:.3f}"))
-    assert j is None or margins[j] < MARGIN, f"qllama: {out.stdout[:200]!r}\nllama.cpp: {lc.llm.detokenize(toks)[:200]!r}"
+                                   f"departs at token {j} of {len(toks)}, llama.cpp margin {margins[j]:.3f}"
+                                   + ("" if exact is None else f", exact margin {exact:.3f}")))
+    near_tie = j is None or margins[j] < MARGIN_KV["f16"] or (exact is not None and exact < EXACT_MARGIN)
+    assert near_tie, f"qllama: {out.stdout[:200]!r}\nllama.cpp: {lc.llm.detokenize(toks)[:200]!r}"
