@@ -215,7 +215,7 @@ def _block_ops(type_id: int, int8_kernel: str, takes_type: bool, gemm: str | Non
 
 def _prompt_op(type_id: int, int8_matmul, tab):
     """TypeOps.int8_prompt of a type with prompt kernels (`int8.PROMPT_TYPES`: q2_K, q4_K, q6_K,
-    iq4_xs, iq3_s, iq2_xxs; else None): `int8.gemm(SUMS | type)` on whole groups of TILE_ROWS rows,
+    q5_K, iq4_xs, iq3_s, iq2_xxs, iq3_xxs; else None): `int8.gemm(SUMS | type)` on whole groups of TILE_ROWS rows,
     else the type's int8 mat-mul (decode's rounding)."""
     from .kernels import int8
 
@@ -237,7 +237,7 @@ def _iquant_ops(type_id: int) -> TypeOps:
     (`dequant/iq_rows.py`); iq4_nl / iq4_xs have Numba decoders for the float path's tiles and an
     int8 kernel (`kernels/iquants.py`, ggml's vec_dot bit for bit); the grid and ternary types an
     int8 kernel (`kernels/iquants_grid.py`, also ggml's bits) and a float path on NumPy-decoded
-    tiles. iq4_xs, iq3_s and iq2_xxs prompts take llama.cpp's prompt arithmetic (`int8_prompt`,
+    tiles. iq4_xs, iq3_s, iq2_xxs and iq3_xxs prompts take llama.cpp's prompt arithmetic (`int8_prompt`,
     `_prompt_op`)."""
     from .dequant import iq_rows as numpy_rows
     from .kernels import floats

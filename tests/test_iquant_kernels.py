@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qllama.gguf.types import GGML_TYPES, IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q2_K, Q4_K, Q5_K, Q6_K
+from qllama.gguf.types import GGML_TYPES, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, Q2_K, Q4_K, Q5_K, Q6_K
 from qllama.qtensor import QTensor, get_threads, quantize_activation, set_threads
 
 pytest.importorskip("gguf.quants")
@@ -77,8 +77,9 @@ def test_gemm_equals_live_ggml_vec_dot(tid, ne0):
     np.testing.assert_array_equal(bits(q.matmul(x)), bits(want))
 
 
-PROMPT_TYPES = (IQ4_XS, IQ3_S, IQ2_XXS, Q4_K, Q5_K, Q6_K, Q2_K)
-_GQ = {IQ4_XS: "IQ4_XS", IQ3_S: "IQ3_S", IQ2_XXS: "IQ2_XXS", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q2_K: "Q2_K"}
+PROMPT_TYPES = (IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, Q4_K, Q5_K, Q6_K, Q2_K)
+_GQ = {IQ4_XS: "IQ4_XS", IQ3_S: "IQ3_S", IQ2_XXS: "IQ2_XXS", IQ3_XXS: "IQ3_XXS", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+       Q2_K: "Q2_K"}
 
 
 def _round_f32(v) -> np.float32:
@@ -114,7 +115,7 @@ def _integer_rows(tid: int, blocks: np.ndarray, fields: tuple[float, ...]) -> np
     for off, v in zip(GGML_TYPES[tid].scale_fields, fields):
         unit[..., off:off + 2] = np.array([v], np.float16).view(np.uint8)
     w = gq.dequantize(unit.reshape(blocks.shape[0], -1), getattr(gq.GGMLQuantizationType, _GQ[tid])).astype(np.float64)
-    w = w * 8 if tid == IQ2_XXS else w
+    w = w * {IQ2_XXS: 8, IQ3_XXS: 4}.get(tid, 1)  # (their d = 1 rows carry 1/8 and 1/4)
     wi = w.astype(np.int64)
     assert np.array_equal(wi, w)  # exact integers
     return wi.reshape(blocks.shape[0], blocks.shape[1], 256)
@@ -123,15 +124,15 @@ def _integer_rows(tid: int, blocks: np.ndarray, fields: tuple[float, ...]) -> np
 def llama_prompt_reference(tid: int, raw: np.ndarray, xq: np.ndarray, xd: np.ndarray) -> np.ndarray:
     """llama.cpp's prompt arithmetic (ggml-cpu/tiled, its AVX-512 VNNI kernel as GCC builds it),
     from gguf-py's decoder: per row, token and super-block the exact integer s1 = sum of (scale *
-    value) * x (the values decoded with d = 1: exact integers, times 8 for iq2_xxs) and for q4_K,
-    q5_K and q2_K s2 = sum of min * x; then r = fl(fl(s1) * d) (those: r = -fl(s2) * dmin + r, fused) and out =
-    fma(r, dx, out) over the super-blocks in order, from 0 (d: the fp16 d, / 8 for iq2_xxs).
+    value) * x (the values decoded with d = 1: exact integers, times 8 for iq2_xxs, 4 for iq3_xxs)
+    and for q4_K, q5_K and q2_K s2 = sum of min * x; then r = fl(fl(s1) * d) (those: r = -fl(s2) * dmin + r, fused) and out =
+    fma(r, dx, out) over the super-blocks in order, from 0 (d: the fp16 d, / 8 for iq2_xxs, / 4 for iq3_xxs).
     float32 (n_tok, n_rows)."""
     t = GGML_TYPES[tid]
     n_rows, nb = raw.shape[0], raw.shape[1] // t.type_size
     blocks = raw.reshape(n_rows, nb, t.type_size)
     scales = [blocks[..., off:off + 2].copy().view(np.float16)[..., 0].astype(np.float32) for off in t.scale_fields]
-    d = scales[0] * np.float32(0.125) if tid == IQ2_XXS else scales[0]  # (n_rows, nb)
+    d = scales[0] * np.float32({IQ2_XXS: 0.125, IQ3_XXS: 0.25}.get(tid, 1.0))  # (n_rows, nb)
     x = xq.astype(np.int64).reshape(xq.shape[0], nb, 256)
     s1 = np.einsum("rbe,tbe->trb", _integer_rows(tid, blocks, (1.0, 0.0)), x)  # (n_tok, n_rows, nb)
     s2 = -np.einsum("rbe,tbe->trb", _integer_rows(tid, blocks, (0.0, 1.0)), x) if tid in (Q4_K, Q5_K, Q2_K) else None

@@ -3,8 +3,8 @@
     python tools/bench_gemm.py MODEL [--tensor blk.0.ffn_gate.weight] [-n 512] [-t 1] [-r 5]
 
 One weight matrix of MODEL times n random tokens (q8_K activations made once), through
-`int8.gemm(type)` (every row bit for bit the one-token kernel's; q2_K and q5_K, which have no such
-gemm: their int8 row kernels) and `int8.gemm(SUMS | type)`
+`int8.gemm(type)` (every row bit for bit the one-token kernel's; q2_K, q5_K and iq3_xxs, which have no such
+gemm: their int8 mat-muls) and `int8.gemm(SUMS | type)`
 (llama.cpp's ggml-cpu/tiled arithmetic, what a prompt's rows take), alternated r times; prints
 the medians in ms and in G products/s (ne0 * ne1 * n / time), and their ratio. A developer tool:
 run it with nothing else on the machine.
@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
 def main(argv: list[str] | None = None) -> None:
     from qllama.gguf.reader import GGUFFile
     from qllama.gguf.types import Q2_K, type_name
-    from qllama.kernels import int8
+    from qllama.kernels import int8, iquants_grid
     from qllama.qtensor import TYPES, _fp16_table, quantize_activation
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -50,9 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     x = np.random.default_rng(0).standard_normal((a.tokens, ne0)).astype(np.float32)
     xq, xd, xs = quantize_activation(x).quantized(TYPES[tid].int8_form)
     tab = _fp16_table()
-    # decode's rounding: the type's gemm, or (q2_K, q5_K: none) its int8 row kernel
-    decode = (partial(int8.gemm, tid) if tid in int8.GEMM_TYPES or tid in int8.ALL_PACKED_BYTES
-              else partial(int8.matmul_q2_q3_k if tid == Q2_K else int8.matmul_rows, tid))
+    # decode's rounding: the type's gemm, or (q2_K, q5_K, iq3_xxs: none) its int8 mat-mul
+    if tid in int8.ALL_PACKED_BYTES:
+        decode = partial(int8.gemm, tid)
+    elif tid in iquants_grid.GRID_INT8_TYPES:
+        decode = partial(iquants_grid.matmul_int8, tid)
+    else:
+        decode = partial(int8.matmul_q2_q3_k if tid == Q2_K else int8.matmul_rows, tid)
     runs = {"decode's rounding": decode, "llama.cpp's prompt arithmetic": partial(int8.gemm, int8.SUMS | tid)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     out = np.empty((a.tokens, ne1), np.float32)

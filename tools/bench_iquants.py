@@ -6,11 +6,12 @@ Usage:
                                   [--made-by llama.cpp|random] [--dir /tmp/qllama-bench]
 
 --made-by llama.cpp (the default): the shape is written once in f16 with random weights
-(tools/make_model.py, ~2.5 GB) and llama.cpp's own quantizer (`llama_model_quantize`, the
-library behind llama-quantize) makes each file from it with the preset of that name (IQ4_XS,
-IQ4_NL, IQ3_M, IQ2_XXS, IQ3_S), so its per-tensor types are whatever llama.cpp picks. IQ2_XXS
-needs an importance matrix: it gets one of ones (the weights are random; a matrix only steers
-which grid points the quantizer picks, not the types or the speed).
+(tools/make_model.py, ~2.5 GB) and llama.cpp's own quantizer (`llama_model_quantize`, the library
+behind llama-quantize) makes each file from it with the preset of that name (IQ4_XS, IQ4_NL, IQ3_M,
+IQ2_XXS, IQ3_S), so its per-tensor types are whatever llama.cpp picks. IQ2_XXS (and the other
+presets that llama.cpp refuses without an importance matrix: IQ3_XXS, IQ2_XS, IQ1_S, ...) gets one
+of ones (the weights are random; a matrix only steers which grid points the quantizer picks, not the
+types or the speed).
 --made-by random: random blocks with calibrated fp16 scales written directly in llama.cpp's mixes
 for this shape (`llama_tensor_get_type`: n_gqa 4, 16 layers, tied embeddings; see MIXES), no f16
 file and no quantizer. The files are kept in --dir. Prints bench_vs_llamacpp's table (tokens/s,
@@ -73,7 +74,8 @@ def llama_cpp_file(wtype: str, folder: Path) -> Path:
         tmp.rename(src)
     preset = wtype.upper()
     imatrix = None
-    if preset in ("IQ2_XXS", "IQ2_XS", "IQ1_S"):  # (llama.cpp refuses these without a matrix)
+    if preset in ("IQ3_XXS", "IQ3_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "Q2_K_S"):
+        # (llama.cpp refuses these without a matrix)
         spec = PRESETS["llama-3.2-1b"]
         sizes = {"ffn_down": spec["n_ff"]}
         imatrix = {f"blk.{i}.{w}.weight": np.ones(sizes.get(w, spec["n_embd"]), np.float32)

@@ -14,7 +14,7 @@ import numpy as np
 
 # llama.cpp's `llama_ftype` numbers of the presets the tools ask for (include/llama.h)
 FTYPES = {"Q4_K_M": 15, "IQ2_XXS": 19, "IQ2_XS": 20, "Q2_K_S": 21, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25,
-          "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29, "IQ4_XS": 30, "IQ1_M": 31}
+          "IQ3_XS": 22, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29, "IQ4_XS": 30, "IQ1_M": 31}
 
 
 def quantize(src, dst, ftype: int, imatrix: dict | None = None, kv: dict | None = None, nthread: int = 2) -> None:

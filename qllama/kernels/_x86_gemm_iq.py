@@ -6,7 +6,7 @@ Two roundings, both llama.cpp's:
 
 - `pack_<type>` / `tile_<type>`: every row bit for bit the one-token row kernel's (`_x86_iq`),
   which is ggml's vec_dot: decode, steps of several streams, drafts to verify.
-- `SUMS | type` (iq4_xs, iq3_s, iq2_xxs): a prompt's rows as llama.cpp's own prompt kernels
+- `SUMS | type` (iq4_xs, iq3_s, iq2_xxs, iq3_xxs): a prompt's rows as llama.cpp's own prompt kernels
   round them (below), which is not its vec_dot.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from llvmlite import ir
 from numba.core import cgutils
 
-from ..gguf.types import IQ2_XXS, IQ3_S, IQ4_NL, IQ4_XS, Q4_K, Q5_K, type_name
+from ..gguf.types import IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, Q4_K, Q5_K, type_name
 from ._x86 import (
     _I8,
     _I32,
@@ -213,7 +213,7 @@ tile_iq2_xxs = _tile_intrinsic(lambda t, blk, accs: _iq4_xs_block(t, blk, accs, 
 # values of sub-block s: the products run against x + 128 on a VNNI ISA), then 64 vectors of the
 # signed values (sub-block s, byte quads k).
 _DS, _SCS, _CORRS, _QUANTSS = 0, 32, 288, 544
-SUMS_PACKED_BYTES = {SUMS | t: 2592 * HALVES for t in (IQ4_XS, IQ3_S, IQ2_XXS)}
+SUMS_PACKED_BYTES = {SUMS | t: 2592 * HALVES for t in (IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS)}
 
 
 def _put_sum_values(builder, rows, put, s):
@@ -300,11 +300,12 @@ def _sums_block(tiles, b, accs):
 
 
 _SUMS_PACK = {IQ4_XS: _pack_sums_iq4_xs, IQ3_S: lambda b, blks, put: _pack_sums_grid(b, blks, put, IQ3_S),
-              IQ2_XXS: lambda b, blks, put: _pack_sums_grid(b, blks, put, IQ2_XXS)}
+              IQ2_XXS: lambda b, blks, put: _pack_sums_grid(b, blks, put, IQ2_XXS),
+              IQ3_XXS: lambda b, blks, put: _pack_sums_grid(b, blks, put, IQ3_XXS)}
 
 
 def sums_kernels(type_id):
-    """(pack, tile) intrinsics of the super-block sums of type_id (iq4_xs, iq3_s, iq2_xxs; the tile
+    """(pack, tile) intrinsics of the super-block sums of type_id (iq4_xs, iq3_s, iq2_xxs, iq3_xxs; the tile
     reads x + 128 on a VNNI ISA, `FLIPPED_X`)."""
     name = type_name(type_id) + "_sums"
     return (_pack_intrinsic(type_id, _SUMS_PACK[type_id], SUMS_PACKED_BYTES[SUMS | type_id], name),

@@ -10,6 +10,7 @@ from numba.extending import intrinsic
 from ..gguf.types import (
     IQ2_XXS,
     IQ3_S,
+    IQ3_XXS,
     IQ4_NL,
     IQ4_XS,
     Q2_K,
@@ -65,7 +66,7 @@ GEMM_KERNELS = {Q4_K: (pack_q4_k, tile_q4_k), Q6_K: (pack_q6_k, tile_q6_k), Q4_0
                 Q5_0: (pack_q5_0, tile_q5_0), Q8_0: (pack_q8_0, tile_q8_0), IQ4_NL: (pack_iq4_nl, tile_iq4_nl),
                 IQ4_XS: (pack_iq4_xs, tile_iq4_xs), IQ3_S: (pack_iq3_s, tile_iq3_s), IQ2_XXS: (pack_iq2_xxs, tile_iq2_xxs)}
 # a prompt's rows in llama.cpp's prompt arithmetic
-GEMM_KERNELS.update({SUMS | t: sums_kernels(t) for t in (IQ4_XS, IQ3_S, IQ2_XXS)})
+GEMM_KERNELS.update({SUMS | t: sums_kernels(t) for t in (IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS)})
 GEMM_KERNELS[SUMS | Q4_K] = (pack_q4_k_sums, tile_q4_k_sums)
 GEMM_KERNELS[SUMS | Q5_K] = (pack_q5_k_sums, tile_q4_k_sums)  # (llama.cpp's q5_K prompts: q4_K's arithmetic)
 GEMM_KERNELS[SUMS | Q6_K] = (pack_q6_k, tile_q6_k_sums)  # (the gemm's pack)

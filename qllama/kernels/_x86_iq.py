@@ -61,6 +61,7 @@ from ._x86 import (
 _V8F = ir.VectorType(ir.FloatType(), 8)
 _G3S32 = np.ascontiguousarray(grid(21)).view(np.uint32).reshape(-1)  # iq3_s: (512,) 4 values an entry
 _G2XXS64 = np.ascontiguousarray(grid(16)).view(np.uint64).reshape(-1)  # iq2_xxs: (256,) 8 values an entry
+_G3XXS32 = np.ascontiguousarray(grid(18)).view(np.uint32).reshape(-1)  # iq3_xxs: (256,) 4 values an entry
 # ksigns_iq2xs as sign masks: (128,) int64, byte e = -1 where bit e of ksigns[i] is set (one load a group of 8,
 # as ggml's keven_signs_q2xs, instead of a byte looked up, spread and tested)
 _KSIGN_MASKS64 = (np.unpackbits(np.asarray(KSIGNS_IQ2XS, np.uint8)[:, None], axis=1, bitorder="little") * 255).astype(
@@ -470,9 +471,33 @@ def _chunk_iq2_xxs(builder, blk, c):
     return builder.bitcast(v, _vec(_I8, 32)), builder.bitcast(masks, _vec(_I8, 32)), builder.lshr(a1, ir.Constant(_I32, 28))
 
 
+def _chunk_iq3_xxs(builder, blk, c):
+    """Chunk c of an iq3_xxs block: 8 grid entries of 4 (indices: bytes 2 + 8c ..), their sign masks
+    (ksigns[7 bits each of the uint32 at 66 + 4c]), its scale from that uint32's top 4 bits."""
+    g, ks = _table(builder, "qllama_iq3xxs_grid", _G3XXS32, _I32), _table(builder, "qllama_ksign_masks", _KSIGN_MASKS64, _I64)
+    aux = builder.load(builder.bitcast(_gep8(builder, blk, 66 + 4 * c), ir.PointerType(_I32)), align=1)
+    v, masks = ir.Constant(_vec(_I32, 8), None), ir.Constant(_vec(_I64, 4), None)
+    for k in range(8):
+        v = builder.insert_element(v, _at(builder, g, _u8(builder, blk, 2 + 8 * c + k)), ir.Constant(_I32, k))
+    for k in range(4):
+        sidx = builder.and_(builder.lshr(aux, ir.Constant(_I32, 7 * k)), ir.Constant(_I32, 127))
+        masks = builder.insert_element(masks, _at(builder, ks, sidx), ir.Constant(_I32, k))
+    return builder.bitcast(v, _vec(_I8, 32)), builder.bitcast(masks, _vec(_I8, 32)), builder.lshr(aux, ir.Constant(_I32, 28))
+
+
+def _scales_iq3_xxs(builder, blk):
+    """<8 x i32> the 8 chunks' scale bits of an iq3_xxs block (chunk c: the top 4 bits of the uint32
+    at 66 + 4c)."""
+    v8 = _vec(_I32, 8)
+    words = builder.load(builder.bitcast(_gep8(builder, blk, 66), ir.PointerType(v8)), align=1)
+    return builder.lshr(words, ir.Constant(v8, [28] * 8))
+
+
 # type -> (block bytes, chunk decoder, the row's final factor, the 8 chunks' scale bits of a block):
-# ggml's AVX2 vec_dot_iq3_s_q8_K / vec_dot_iq2_xxs_q8_K
-GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0, _scales_iq3_s), 16: (66, _chunk_iq2_xxs, 0.125, _scales_iq2_xxs)}
+# ggml's AVX2 vec_dot_iq3_s_q8_K / vec_dot_iq2_xxs_q8_K (row kernels: those two); iq3_xxs: its
+# prompt kernel only (llama.cpp's d * 0.25)
+GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0, _scales_iq3_s), 16: (66, _chunk_iq2_xxs, 0.125, _scales_iq2_xxs),
+             18: (98, _chunk_iq3_xxs, 0.25, _scales_iq3_xxs)}
 
 
 def sign_mask(builder, signs):

@@ -117,7 +117,7 @@ def _over_threads(rows, n_units, raw, xq, xd, xs, tab, out, n_threads) -> None:
 # lanes; the same values as the row kernels, bit for bit.
 GEMM_TYPES = tuple(PACKED_BYTES)  # q4_K, q6_K, q4_0, q5_0, q8_0
 # the types whose prompts have kernels in llama.cpp's prompt arithmetic (`gemm(SUMS | type)`, `_x86_gemm.SUMS`):
-# q4_K, q6_K and the i-quants iq4_xs, iq3_s, iq2_xxs
+# q2_K, q4_K, q5_K, q6_K and the i-quants iq4_xs, iq3_s, iq2_xxs, iq3_xxs
 PROMPT_TYPES = frozenset(k & ~SUMS for k in ALL_PACKED_BYTES if k & SUMS)
 
 
