@@ -494,8 +494,9 @@ def _scales_iq3_xxs(builder, blk):
 
 
 # type -> (block bytes, chunk decoder, the row's final factor, the 8 chunks' scale bits of a block):
-# ggml's AVX2 vec_dot_iq3_s_q8_K / vec_dot_iq2_xxs_q8_K (row kernels: those two); iq3_xxs: its
-# prompt kernel only (llama.cpp's d * 0.25)
+# ggml's AVX2 vec_dot_iq3_s_q8_K / vec_dot_iq2_xxs_q8_K / vec_dot_iq3_xxs_q8_K (8 int32 lanes of
+# 2s + 1 times the chunk's pmaddubsw pairs, fma(d, lanes) per block, the factor times hsum_float_8;
+# llama.cpp's prompt kernels take d times the factor)
 GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0, _scales_iq3_s), 16: (66, _chunk_iq2_xxs, 0.125, _scales_iq2_xxs),
              18: (98, _chunk_iq3_xxs, 0.25, _scales_iq3_xxs)}
 
@@ -550,3 +551,5 @@ row_dot_iq3_s, row_dot4_iq3_s = row_intrinsics(lambda c, b, sg, a: _row_grid(c, 
                                                 "An iq3_s row (nb super-blocks) times q8_K activations (ggml vec_dot)")
 row_dot_iq2_xxs, row_dot4_iq2_xxs = row_intrinsics(lambda c, b, sg, a: _row_grid(c, b, sg, a, 16), "iq2_xxs",
                                                     "An iq2_xxs row (nb super-blocks) times q8_K activations (ggml vec_dot)")
+row_dot_iq3_xxs, row_dot4_iq3_xxs = row_intrinsics(lambda c, b, sg, a: _row_grid(c, b, sg, a, 18), "iq3_xxs",
+                                                    "An iq3_xxs row (nb super-blocks) times q8_K activations (ggml vec_dot)")
