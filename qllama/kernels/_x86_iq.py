@@ -62,6 +62,7 @@ _V8F = ir.VectorType(ir.FloatType(), 8)
 _G3S32 = np.ascontiguousarray(grid(21)).view(np.uint32).reshape(-1)  # iq3_s: (512,) 4 values an entry
 _G2XXS64 = np.ascontiguousarray(grid(16)).view(np.uint64).reshape(-1)  # iq2_xxs: (256,) 8 values an entry
 _G3XXS32 = np.ascontiguousarray(grid(18)).view(np.uint32).reshape(-1)  # iq3_xxs: (256,) 4 values an entry
+_G2S64 = np.ascontiguousarray(grid(22)).view(np.uint64).reshape(-1)  # iq2_s: (1024,) 8 values an entry
 # ksigns_iq2xs as sign masks: (128,) int64, byte e = -1 where bit e of ksigns[i] is set (one load a group of 8,
 # as ggml's keven_signs_q2xs, instead of a byte looked up, spread and tested)
 _KSIGN_MASKS64 = (np.unpackbits(np.asarray(KSIGNS_IQ2XS, np.uint8)[:, None], axis=1, bitorder="little") * 255).astype(
@@ -485,6 +486,27 @@ def _chunk_iq3_xxs(builder, blk, c):
     return builder.bitcast(v, _vec(_I8, 32)), builder.bitcast(masks, _vec(_I8, 32)), builder.lshr(aux, ir.Constant(_I32, 28))
 
 
+def _chunk_iq2_s(builder, blk, c):
+    """Chunk c of an iq2_s block: 4 grid entries of 8 (10-bit indices: byte 2 + 4c + k, bits 2k, 2k + 1
+    of qh byte 66 + c), the sign bits at 34 + 4c as masks, and the madd operand of its two scales
+    (byte 74 + c: the low nibble for elements 0-15, the high one for 16-31, each 2s + 1 in 8 i16 lanes)."""
+    g = _table(builder, "qllama_iq2s_grid", _G2S64, _I64)
+    qh = _u8(builder, blk, 66 + c)
+    v = ir.Constant(_vec(_I64, 4), None)
+    for k in range(4):
+        idx = builder.or_(_u8(builder, blk, 2 + 4 * c + k),
+                          builder.shl(builder.and_(builder.lshr(qh, ir.Constant(_I32, 2 * k)), ir.Constant(_I32, 3)),
+                                      ir.Constant(_I32, 8)))
+        v = builder.insert_element(v, _at(builder, g, idx), ir.Constant(_I32, k))
+    signs = builder.load(builder.bitcast(_gep8(builder, blk, 34 + 4 * c), ir.PointerType(_I32)), align=1)
+    sc = _u8(builder, blk, 74 + c)
+    lo = builder.trunc(odd_scale(builder, builder.and_(sc, ir.Constant(_I32, 15))), _I16)
+    hi = builder.trunc(odd_scale(builder, builder.lshr(sc, ir.Constant(_I32, 4))), _I16)
+    pair = builder.insert_element(builder.insert_element(ir.Constant(_vec(_I16, 2), None), lo, ir.Constant(_I32, 0)),
+                                  hi, ir.Constant(_I32, 1))
+    return builder.bitcast(v, _vec(_I8, 32)), sign_mask(builder, signs), _lanes(builder, pair, [0] * 8 + [1] * 8)
+
+
 def _scales_iq3_xxs(builder, blk):
     """<8 x i32> the 8 chunks' scale bits of an iq3_xxs block (chunk c: the top 4 bits of the uint32
     at 66 + 4c)."""
@@ -494,11 +516,11 @@ def _scales_iq3_xxs(builder, blk):
 
 
 # type -> (block bytes, chunk decoder, the row's final factor, the 8 chunks' scale bits of a block):
-# ggml's AVX2 vec_dot_iq3_s_q8_K / vec_dot_iq2_xxs_q8_K / vec_dot_iq3_xxs_q8_K (8 int32 lanes of
-# 2s + 1 times the chunk's pmaddubsw pairs, fma(d, lanes) per block, the factor times hsum_float_8;
+# ggml's AVX2 vec_dot_iq3_s_q8_K / vec_dot_iq2_xxs_q8_K / vec_dot_iq3_xxs_q8_K / vec_dot_iq2_s_q8_K
+# (8 int32 lanes of 2s + 1 times the chunk's pmaddubsw pairs (iq2_s: a scale per 16 elements), fma(d, lanes) per block, the factor times hsum_float_8;
 # llama.cpp's prompt kernels take d times the factor)
 GRID_ROWS = {21: (110, _chunk_iq3_s, 1.0, _scales_iq3_s), 16: (66, _chunk_iq2_xxs, 0.125, _scales_iq2_xxs),
-             18: (98, _chunk_iq3_xxs, 0.25, _scales_iq3_xxs)}
+             18: (98, _chunk_iq3_xxs, 0.25, _scales_iq3_xxs), 22: (82, _chunk_iq2_s, 0.125, None)}
 
 
 def sign_mask(builder, signs):
@@ -527,8 +549,12 @@ def _row_grid(context, builder, signature, args, type_id):
         isums = [ir.Constant(_vec(_I32, 8), [0] * 8)] * len(toks)
         for c in range(8):
             q, m, s = chunk(builder, blk, c)
-            s16 = builder.trunc(odd_scale(builder, s), _I16)
-            scale = _lanes(builder, builder.insert_element(ir.Constant(_vec(_I16, 1), None), s16, ir.Constant(_I32, 0)), [0] * 16)
+            if isinstance(s.type, ir.VectorType):  # (iq2_s: a scale per 16 elements, the madd operand already)
+                scale = s
+            else:
+                s16 = builder.trunc(odd_scale(builder, s), _I16)
+                scale = _lanes(builder, builder.insert_element(ir.Constant(_vec(_I16, 1), None), s16, ir.Constant(_I32, 0)),
+                               [0] * 16)
             for t, xp in enumerate(xps):
                 x = builder.load(builder.gep(xp, [ir.Constant(_I32, c)]), align=1)
                 isums[t] = _madd_add(builder, isums[t], _maddubs(builder, q, builder.sub(builder.xor(x, m), m)), scale)
@@ -551,5 +577,7 @@ row_dot_iq3_s, row_dot4_iq3_s = row_intrinsics(lambda c, b, sg, a: _row_grid(c, 
                                                 "An iq3_s row (nb super-blocks) times q8_K activations (ggml vec_dot)")
 row_dot_iq2_xxs, row_dot4_iq2_xxs = row_intrinsics(lambda c, b, sg, a: _row_grid(c, b, sg, a, 16), "iq2_xxs",
                                                     "An iq2_xxs row (nb super-blocks) times q8_K activations (ggml vec_dot)")
+row_dot_iq2_s, row_dot4_iq2_s = row_intrinsics(lambda c, b, sg, a: _row_grid(c, b, sg, a, 22), "iq2_s",
+                                                "An iq2_s row (nb super-blocks) times q8_K activations (ggml vec_dot)")
 row_dot_iq3_xxs, row_dot4_iq3_xxs = row_intrinsics(lambda c, b, sg, a: _row_grid(c, b, sg, a, 18), "iq3_xxs",
                                                     "An iq3_xxs row (nb super-blocks) times q8_K activations (ggml vec_dot)")

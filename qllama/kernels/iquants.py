@@ -1,6 +1,6 @@
 """The i-quants' kernels: iq4_nl and iq4_xs block decoders (bit-exact, equal to gguf-py and ggml's
 dequantize_row_*) and their int8 mat-muls (the row intrinsics of `_x86_iq.py`, equal to ggml's
-vec_dot bit for bit), and the int8 row kernels of iq3_s, iq2_xxs and iq3_xxs. The other grid types
+vec_dot bit for bit), and the int8 row kernels of iq3_s, iq2_xxs, iq3_xxs and iq2_s. The other grid types
 (iq2/iq3/iq1, tq1_0/tq2_0) have `iquants_grid.py`'s.
 
 Families of kernels, one per type (`jit.Variants`; type ids: iq4_nl 20, iq4_xs 23):
@@ -25,11 +25,13 @@ from ._fp16 import f16_at
 from ._x86_gemm import TILE_ROWS
 from ._x86_gemm_iq import IQ_PACKED_BYTES
 from ._x86_iq import (
+    row_dot4_iq2_s,
     row_dot4_iq2_xxs,
     row_dot4_iq3_s,
     row_dot4_iq3_xxs,
     row_dot4_iq4_nl,
     row_dot4_iq4_xs,
+    row_dot_iq2_s,
     row_dot_iq2_xxs,
     row_dot_iq3_s,
     row_dot_iq3_xxs,
@@ -41,9 +43,9 @@ from ._x86_mxfp4 import row_dot4_mxfp4, row_dot_mxfp4, tail_mxfp4
 from .int8 import _over_threads, gemm
 from .jit import Variants, kernel
 
-IQ4_NL, IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, MXFP4 = 20, 23, 21, 16, 18, 39
+IQ4_NL, IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, IQ2_S, MXFP4 = 20, 23, 21, 16, 18, 22, 39
 BLOCK = {IQ4_NL: (32, 18), IQ4_XS: (256, 136)}  # type -> (elements, bytes) per block
-ROW_BYTES = {IQ4_NL: 18, IQ4_XS: 136, IQ3_S: 110, IQ2_XXS: 66, IQ3_XXS: 98, MXFP4: 17}  # the types of ROWS_INT8: bytes per block
+ROW_BYTES = {IQ4_NL: 18, IQ4_XS: 136, IQ3_S: 110, IQ2_XXS: 66, IQ3_XXS: 98, IQ2_S: 82, MXFP4: 17}  # the types of ROWS_INT8: bytes per block
 TOKEN_TILE = 64
 _NOPY = dict(boundscheck=False)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -120,9 +122,9 @@ def _int8_rows_of(type_id: int):
     """The int8 row kernel of one type: out[t, r] = row r . x[t] for rows r0..r1-1, every token.
 
     iq4_nl: x in q8_0 form (xq (n_tok, ne0) int8, xd (n_tok, ne0/32) float32, xs unused);
-    iq4_xs, iq3_s, iq2_xxs, iq3_xxs: q8_K (xd (n_tok, ne0/256); xs unused); mxfp4 as iq4_nl."""
+    iq4_xs, iq3_s, iq2_xxs, iq3_xxs, iq2_s: q8_K (xd (n_tok, ne0/256); xs unused); mxfp4 as iq4_nl."""
     nl, xs4, iq3s, mx = type_id == IQ4_NL, type_id == IQ4_XS, type_id == IQ3_S, type_id == MXFP4
-    iq3xxs = type_id == IQ3_XXS  # (else iq2_xxs)
+    iq3xxs, iq2s = type_id == IQ3_XXS, type_id == IQ2_S  # (else iq2_xxs)
     pairs = nl or mx  # blocks in pairs, ggml's scalar tail after
     bb = ROW_BYTES[type_id]
 
@@ -146,6 +148,8 @@ def _int8_rows_of(type_id: int):
                         y = row_dot4_iq3_s(row, nbe, xq, xd, xs, t)
                     elif iq3xxs:
                         y = row_dot4_iq3_xxs(row, nbe, xq, xd, xs, t)
+                    elif iq2s:
+                        y = row_dot4_iq2_s(row, nbe, xq, xd, xs, t)
                     else:
                         y = row_dot4_iq2_xxs(row, nbe, xq, xd, xs, t)
                     out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y
@@ -164,6 +168,8 @@ def _int8_rows_of(type_id: int):
                         v = row_dot_iq3_s(row, nbe, xq[t], xd[t], xs[t])
                     elif iq3xxs:
                         v = row_dot_iq3_xxs(row, nbe, xq[t], xd[t], xs[t])
+                    elif iq2s:
+                        v = row_dot_iq2_s(row, nbe, xq[t], xd[t], xs[t])
                     else:
                         v = row_dot_iq2_xxs(row, nbe, xq[t], xd[t], xs[t])
                     if odd:
@@ -178,7 +184,7 @@ ROWS_INT8 = Variants(_int8_rows_of, "ROWS_INT8", fastmath=FASTMATH, **_NOPY)
 
 
 def matmul_int8(type_id, raw, xq, xd, xs, tab, out, n_threads):
-    """The int8 mat-mul of iq4_nl / iq4_xs / iq3_s / iq2_xxs / iq3_xxs / mxfp4 rows (decode and prompts): rows
+    """The int8 mat-mul of iq4_nl / iq4_xs / iq3_s / iq2_xxs / iq3_xxs / iq2_s / mxfp4 rows (decode and prompts): rows
     over the threads, each chunk by ROWS_INT8[type_id] (`int8._over_threads`); batches of 2+
     tokens take `int8.gemm` when the rows are whole groups of TILE_ROWS (the same values)."""
     unit = ROW_BYTES[int(type_id)] * (2 if int(type_id) == IQ4_NL else 1)  # (the gemm's: a pair of iq4_nl blocks)

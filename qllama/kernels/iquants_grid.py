@@ -10,8 +10,8 @@ hsum_float_8 of the 8 lanes, times the type's constant (iq2: 0.125, iq3_xxs: 0.2
 iq1_s adds 0.125 * (a scalar fma chain of d * the delta term from the activations' 16-element
 sums); iq1_m keeps its delta term in a second 8-lane accumulator (0.125 * its hsum).
 
-iq3_s, iq2_xxs and iq3_xxs run whole-row vector intrinsics instead (`_x86_iq.row_dot_iq3_s`,
-`row_dot_iq2_xxs`, `row_dot_iq3_xxs`, through `iquants.ROWS_INT8`). For the others the block's decoding is scalar Numba; its signs (`_x86_iq.apply_signs`) and the per-token
+iq3_s, iq2_xxs, iq3_xxs and iq2_s run whole-row vector intrinsics instead (`_x86_iq.row_dot_iq3_s`,
+`row_dot_iq2_xxs`, `row_dot_iq3_xxs`, `row_dot_iq2_s`, through `iquants.ROWS_INT8`). For the others the block's decoding is scalar Numba; its signs (`_x86_iq.apply_signs`) and the per-token
 products (`_x86_iq.block_isums`: `pmaddubsw(|w|, sign(x, w))` + `pmaddwd` by the scales, ggml's
 lanes) are vector intrinsics. Grids: `qllama.dequant.iq_grids.grid` (frozen into the compiled
 code as constants).
