@@ -3,9 +3,9 @@
     python tools/bench_gemm.py MODEL [--tensor blk.0.ffn_gate.weight] [-n 512] [-t 1] [-r 5]
 
 One weight matrix of MODEL times n random tokens (q8_K activations made once), through
-`int8.gemm(type)` (every row bit for bit the one-token kernel's; q2_K, q5_K and iq3_xxs, which have no such
-gemm: their int8 mat-muls) and `int8.gemm(SUMS | type)`
-(llama.cpp's ggml-cpu/tiled arithmetic, what a prompt's rows take), alternated r times; prints
+`QTensor.matmul(prompt=False)` (decode's rounding: the type's gemm or row kernel, every row bit for
+bit the one-token kernel's) and `prompt=True` (`int8.gemm(SUMS | type)`, llama.cpp's
+ggml-cpu/tiled arithmetic, what a prompt's rows take), alternated r times; prints
 the medians in ms and in G products/s (ne0 * ne1 * n / time), and their ratio. A developer tool:
 run it with nothing else on the machine.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +26,9 @@ if str(REPO) not in sys.path:
 
 def main(argv: list[str] | None = None) -> None:
     from qllama.gguf.reader import GGUFFile
-    from qllama.gguf.types import Q2_K, type_name
-    from qllama.kernels import int8, iquants_grid
-    from qllama.qtensor import TYPES, _fp16_table, quantize_activation
+    from qllama.gguf.types import type_name
+    from qllama.kernels import int8
+    from qllama.qtensor import TYPES, QTensor, quantize_activation
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -47,25 +46,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {a.tensor} is {type_name(tid)}, which has no prompt kernel of its own "
                  f"(those: {', '.join(sorted(type_name(t) for t in int8.PROMPT_TYPES))})")
     raw = np.ascontiguousarray(g.tensor_bytes(a.tensor).reshape(ne1, -1))
-    x = np.random.default_rng(0).standard_normal((a.tokens, ne0)).astype(np.float32)
-    xq, xd, xs = quantize_activation(x).quantized(TYPES[tid].int8_form)
-    tab = _fp16_table()
-    # decode's rounding: the type's gemm, or (q2_K, q5_K, iq3_xxs: none) its int8 mat-mul
-    if tid in int8.ALL_PACKED_BYTES:
-        decode = partial(int8.gemm, tid)
-    elif tid in iquants_grid.GRID_INT8_TYPES:
-        decode = partial(iquants_grid.matmul_int8, tid)
-    else:
-        decode = partial(int8.matmul_q2_q3_k if tid == Q2_K else int8.matmul_rows, tid)
-    runs = {"decode's rounding": decode, "llama.cpp's prompt arithmetic": partial(int8.gemm, int8.SUMS | tid)}
-    times: dict[str, list[float]] = {k: [] for k in runs}
+    w = QTensor.from_bytes(tid, raw, (ne0, ne1), name=a.tensor)
+    act = quantize_activation(np.random.default_rng(0).standard_normal((a.tokens, ne0)).astype(np.float32))
+    act.quantized(TYPES[tid].int8_form)  # (made once, as a forward pass shares it between matrices)
+    roundings = {"decode's rounding": False, "llama.cpp's prompt arithmetic": True}
+    times: dict[str, list[float]] = {k: [] for k in roundings}
     out = np.empty((a.tokens, ne1), np.float32)
-    for run in runs.values():  # compile or load, untimed
-        run(raw, xq, xd, xs, tab, out, a.threads)
+    for prompt in roundings.values():  # compile or load, untimed
+        w.matmul(act, out, a.threads, prompt=prompt)
     for _ in range(a.reps):
-        for name, run in runs.items():
+        for name, prompt in roundings.items():
             t0 = time.perf_counter()
-            run(raw, xq, xd, xs, tab, out, a.threads)
+            w.matmul(act, out, a.threads, prompt=prompt)
             times[name].append(time.perf_counter() - t0)
     print(f"{Path(a.model).name} {a.tensor} ({type_name(tid)}, {ne1} x {ne0}), {a.tokens} tokens, {a.threads} thread(s):")
     med = {k: float(np.median(v)) for k, v in times.items()}

@@ -418,6 +418,16 @@ class _Tile:
         """The item of the 8-row layout at offset off (a 32-byte vector type ty), for all TILE_ROWS rows."""
         return _load(self.b, _vec(ty.element, ty.count * HALVES), src, _in_half(self.b, off))
 
+    def x_quad(self, x_off, k, flip=False):
+        """The token's 4 activation bytes at x_off + 4k in every row lane: <4 TILE_ROWS x i8> (flip: x +
+        128 as unsigned bytes, made on the scalar: an xor of the broadcast vector instead made LLVM's
+        code generation of the q8_0 gemm run for over 15 minutes)."""
+        b = self.b
+        x4 = _load(b, _I32, self.xq, b.add(x_off, _c64(4 * k)))
+        if flip:
+            x4 = b.xor(x4, ir.Constant(_I32, -0x7F7F7F80))
+        return b.bitcast(_splat_scalar(b, x4), _vec(_I8, 4 * TILE_ROWS))
+
     def dot_quads(self, isums, w_at, x_off, scale_of=None, signed=False, neg_at=None, x_unsigned=False, flip_x=False):
         """isums[k] += scale_of(k) * (4 quants of each row . the token's 4 activations at x_off + 4k),
         k = 0..7, with w_at(k) the rows' quad k (unsigned bytes; signed ones, with signed=True, as
@@ -427,11 +437,7 @@ class _Tile:
         b = self.b
         out = []
         for k in range(8):
-            x4 = _load(b, _I32, self.xq, b.add(x_off, _c64(4 * k)))
-            if flip_x:  # x + 128 as 4 unsigned bytes, on the scalar: an xor of the broadcast vector instead
-                # made LLVM's code generation of the q8_0 gemm run for over 15 minutes
-                x4 = b.xor(x4, ir.Constant(_I32, -0x7F7F7F80))
-            xv = b.bitcast(_splat_scalar(b, x4), _vec(_I8, 4 * TILE_ROWS))
+            xv = self.x_quad(x_off, k, flip_x)
             w = w_at(k)
             if flip_x:
                 out.append(_dot4(b, xv, w, isums[k]))
@@ -694,8 +700,7 @@ def _sums_block_q4_k(tiles, b, accs):
         for k in range(8):
             w = tile.load(_V32B, src, builder.add(builder.mul(sb, _c64(256)), _c64(_QUANTS + 32 * k)))
             for i, t in enumerate(tiles):
-                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
-                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
+                xv = t.x_quad(x_off, k)
                 # (on VNNI x + 128 by the quants (0..15) as signed bytes, from the pack's correction, as the
                 # i-quants: the broadcast x a register operand; as `vpdpbusd`'s memory operand 281 vs 288 G/s)
                 a[i][k % CHAINS] = _dot4(builder, xv, w, a[i][k % CHAINS]) if VNNI else _dot4(builder, w, xv, a[i][k % CHAINS])
@@ -730,8 +735,7 @@ def _sums_of_16(tiles, b, src, quants, scale_of):
         for k in range(8):
             w = tile.load(_V32B, src, builder.add(builder.mul(g, _c64(256)), _c64(quants + 32 * k)))
             for i, t in enumerate(tiles):
-                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
-                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
+                xv = t.x_quad(x_off, k)
                 a[i][k // 4] = _dot4(builder, w, xv, a[i][k // 4])
         sc = [scale_of(builder.add(builder.mul(g, _c64(2)), _c64(h))) for h in range(2)]
         return [builder.add(isum, builder.add(builder.mul(ai[0], sc[0]), builder.mul(ai[1], sc[1]))) for isum, ai in zip(isums, a)]

@@ -51,7 +51,6 @@ from ._x86_gemm import (
     _pack_intrinsic,
     _rows_f16,
     _signed_quads,
-    _splat_scalar,
     _sums_tile_intrinsic,
     _Tile,
     _tile_intrinsic,
@@ -284,8 +283,7 @@ def _sums_block(tiles, b, accs):
                     wz = ir.Constant(w.type, [0] * w.type.count)
                     neg, u = builder.icmp_signed("<", w, wz), _abs(builder, w)
             for i, t in enumerate(tiles):
-                x4 = _load(builder, _I32, t.xq, builder.add(x_off, _c64(4 * k)))
-                xv = builder.bitcast(_splat_scalar(builder, x4), _vec(_I8, 4 * TILE_ROWS))
+                xv = t.x_quad(x_off, k)
                 if VNNI:
                     a[i][k % CHAINS] = _dot4(builder, xv, w, a[i][k % CHAINS])
                     continue
